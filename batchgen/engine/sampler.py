@@ -1,0 +1,72 @@
+"""Token sampling on the device, with per-row parameters and per-row seeds.
+
+Randomness comes from a counter-based hash of (seed, step, vocab index) instead of a
+generator's state, so a row draws the same noise whatever else is in its batch, and the
+whole thing traces into one graph with no host round trip. Sampling uses the
+exponential-race form of the Gumbel trick: argmax(p / E) with E ~ Exp(1) is a draw
+from p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M31 = (1 << 31) - 1
+_MIX = 0x045D9F3B  # < 2**27, so (x < 2**31) * _MIX stays inside int64
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 31-bit integer hash (two xorshift-multiply rounds); x in [0, 2**31)."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX) & _M31
+    x = x ^ (x >> 16)
+    x = (x * _MIX) & _M31
+    return x ^ (x >> 16)
+
+
+def row_uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, V) uniforms in (0, 1), a pure function of (seed, step, index)."""
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    row = _mix((_mix(seeds) + (steps & 0xFFFFF) * 0x2545F491) & _M31)  # (B,)
+    h = _mix(row[:, None] ^ _mix(idx)[None, :])  # (B, V)
+    return (h.float() + 0.5) * (1.0 / (1 << 31))
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row sampling parameters on the device, each (B,)."""
+
+    temperature: torch.Tensor  # float32; 0 = greedy
+    top_k: torch.Tensor  # int64; 0 = off
+    top_p: torch.Tensor  # float32; 1 = off
+    seed: torch.Tensor  # int64
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    kth = sorted_logits.gather(-1, (k - 1)[:, None])  # (B, 1)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    # Drop a token once the mass before it already reaches top_p (the first one always stays).
+    drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingTensors, steps: torch.Tensor, greedy_only: bool
+) -> torch.Tensor:
+    """logits (B, V) float32 -> next tokens (B,) int64. steps (B,): tokens the row has
+    generated so far, which (with its seed) picks its noise."""
+    greedy = logits.argmax(-1)
+    if greedy_only:
+        return greedy
+    temp = torch.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    probs = _filter(logits / temp, params.top_k, params.top_p).softmax(-1)
+    noise = -torch.log(row_uniforms(params.seed, steps, logits.shape[-1]))  # Exp(1)
+    drawn = (probs / noise).argmax(-1)
+    return torch.where(params.temperature > 0, drawn, greedy)

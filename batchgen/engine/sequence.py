@@ -1,0 +1,69 @@
+"""Plain-data types that flow through the engine: no torch here."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS token or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    ERROR = "error"  # the row could not be run (see Completion.error)
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Per-row decoding parameters. temperature == 0 means greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed must be in [0, 2**31), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class Request:
+    """One prompt to run: already tokenized."""
+
+    index: int  # position in the caller's list; results come back keyed by it
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass(slots=True)
+class Completion:
+    index: int
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    text: str = ""
+    error: str | None = None
+    logprobs: list[float] | None = None  # of each generated token
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)

@@ -1,0 +1,107 @@
+"""The Python API: `LLM(model_dir).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from batchgen.engine.engine import Engine
+from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.sequence import Completion, Request, SamplingParams
+from batchgen.model.loader import load_model
+from batchgen.planner import BucketConfig
+
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "default-model"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device} asked for, but torch sees no CUDA GPU; use --device cpu"
+        )
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    for name in ("generation_config.json", "config.json"):
+        f = model_dir / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        compile: bool = True,
+        buckets: BucketConfig | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.model = load_model(self.model_dir, self.dtype, self.device, allow_pickle=allow_pickle)
+        cfg = self.model.cfg
+        self.buckets = buckets or BucketConfig(
+            max_prompt_len=min(1024, cfg.max_position_embeddings // 2)
+        )
+        eos = eos_token_ids(self.model_dir, self.tokenizer)
+        pad = self.tokenizer.pad_token_id
+        self.runner = ModelRunner(
+            self.model,
+            kv_capacity_tokens=self.buckets.kv_capacity_tokens,
+            max_seq=cfg.max_position_embeddings,
+            eos_ids=eos,
+            pad_id=pad if pad is not None else (eos[0] if eos else 0),
+            compile=compile,
+        )
+        self.engine = Engine(self.runner, self.decode, self.buckets)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Generate for each prompt (text, or token ids); results in prompt order."""
+        params = params or SamplingParams()
+        per_row = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        requests = []
+        for i, (p, sp) in enumerate(zip(prompts, per_row, strict=True)):
+            ids = p if isinstance(p, list) else self.tokenizer(p)["input_ids"]
+            requests.append(Request(i, list(ids), sp))
+        results: list[Completion | None] = [None] * len(requests)
+        for _, completions in self.engine.generate(requests):
+            for c in completions:
+                results[c.index] = c
+        return results  # type: ignore[return-value]

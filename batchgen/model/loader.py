@@ -1,0 +1,299 @@
+"""Hugging Face checkpoint directories -> our Transformer.
+
+This is the one module that knows file formats: `config.json` keys per family, the
+safetensors names of each family's weights, GPT-2's transposed Conv1D weights and the
+fusing of q/k/v and gate/up into single matrices. The model is built on the meta device
+and each tensor is cast and moved straight to its target, so a 16 GB checkpoint never
+has a float32 copy in host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from batchgen.model.config import Family, ModelConfig, NormKind, PositionKind, RopeScaling
+from batchgen.model.transformer import Transformer
+
+SUPPORTED_FAMILIES = tuple(f.value for f in Family)
+
+
+class ModelLoadError(Exception):
+    pass
+
+
+class UnsupportedModelError(ModelLoadError):
+    pass
+
+
+def read_hf_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(
+            f"{path} is not a model directory: no config.json. Pass --model a local directory "
+            "saved with save_pretrained (config.json + *.safetensors); hub names are not fetched."
+        )
+    return json.loads(cfg_file.read_text())
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling]:
+    # transformers 5 writes `rope_parameters`; 4.x wrote `rope_theta` + `rope_scaling`.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, RopeScaling()
+    if kind not in RopeScaling.SUPPORTED:
+        raise UnsupportedModelError(
+            f"rope scaling {kind!r} is not supported; supported: {', '.join(RopeScaling.SUPPORTED)}"
+        )
+    return theta, RopeScaling(
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
+        ),
+    )
+
+
+def _activation(name: str) -> str:
+    table = {
+        "silu": "silu",
+        "swish": "silu",
+        "gelu_new": "gelu_tanh",
+        "gelu_pytorch_tanh": "gelu_tanh",
+        "gelu": "gelu",
+    }
+    if name not in table:
+        raise UnsupportedModelError(
+            f"activation {name!r} is not supported; supported: {', '.join(table)}"
+        )
+    return table[name]
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_FAMILIES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported. Supported families: "
+            f"{', '.join(SUPPORTED_FAMILIES)}."
+        )
+    family = Family(model_type)
+    if family == Family.GPT2:
+        dim, n_heads = hf["n_embd"], hf["n_head"]
+        return ModelConfig(
+            family=family,
+            vocab_size=hf["vocab_size"],
+            dim=dim,
+            n_layers=hf["n_layer"],
+            n_heads=n_heads,
+            n_kv_heads=n_heads,
+            head_dim=dim // n_heads,
+            intermediate_size=hf.get("n_inner") or 4 * dim,
+            max_position_embeddings=hf["n_positions"],
+            norm=NormKind.LAYER,
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            position=PositionKind.LEARNED,
+            activation=_activation(hf.get("activation_function", "gelu_new")),
+            gated_mlp=False,
+            qkv_bias=True,
+            o_bias=True,
+            mlp_bias=True,
+            tie_embeddings=True,
+        )
+    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
+        raise UnsupportedModelError("GPT-2 attention variants are not supported")
+    n_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    theta, scaling = _rope(hf)
+    attn_bias = bool(hf.get("attention_bias", False))
+    sliding = hf.get("sliding_window")
+    if family in (Family.QWEN2, Family.QWEN3) and not hf.get("use_sliding_window", False):
+        sliding = None
+    return ModelConfig(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        activation=_activation(hf.get("hidden_act", "silu")),
+        qkv_bias=True if family == Family.QWEN2 else attn_bias,
+        o_bias=attn_bias if family in (Family.LLAMA, Family.QWEN3) else False,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=family == Family.QWEN3,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=sliding,
+    )
+
+
+# --- checkpoint names -------------------------------------------------------------------
+
+_LLAMA_NAMES = {
+    "self_attn.o_proj": "attn.wo",
+    "self_attn.q_norm": "attn.q_norm",
+    "self_attn.k_norm": "attn.k_norm",
+    "mlp.down_proj": "mlp.w_out",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "mlp_norm",
+}
+# Pieces concatenated (dim 0) into one of our fused matrices, in this order.
+_LLAMA_FUSED = {
+    "attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.w_in": ("mlp.gate_proj", "mlp.up_proj"),
+}
+_GPT2_NAMES = {
+    "ln_1": "attn_norm",
+    "attn.c_attn": "attn.wqkv",
+    "attn.c_proj": "attn.wo",
+    "ln_2": "mlp_norm",
+    "mlp.c_fc": "mlp.w_in",
+    "mlp.c_proj": "mlp.w_out",
+}
+_GPT2_TOP = {
+    "wte.weight": "embed.weight",
+    "wpe.weight": "pos_embed.weight",
+    "ln_f.weight": "norm.weight",
+    "ln_f.bias": "norm.bias",
+}
+_LLAMA_TOP = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
+
+def _checkpoint_files(path: Path, allow_pickle: bool) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = sorted(path.glob("*.safetensors"))
+    if single:
+        return single
+    pickles = sorted(path.glob("pytorch_model*.bin"))
+    if pickles and allow_pickle:
+        return pickles
+    if pickles:
+        raise ModelLoadError(
+            f"{path} holds only pickle checkpoints ({pickles[0].name}); pickle files can run code "
+            "when loaded. Convert to safetensors, or pass --allow-pickle if you trust the file."
+        )
+    raise ModelLoadError(f"no *.safetensors weights in {path}")
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        if f.suffix == ".bin":
+            yield from torch.load(f, map_location="cpu", weights_only=True, mmap=True).items()
+            continue
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, sf.get_tensor(name)
+
+
+def _map_gpt2(name: str) -> tuple[str | None, bool]:
+    """Our name for a GPT-2 tensor, and whether it is a Conv1D weight to transpose."""
+    name = name.removeprefix("transformer.")
+    if name in _GPT2_TOP:
+        return _GPT2_TOP[name], False
+    m = re.fullmatch(r"h\.(\d+)\.(.+)\.(weight|bias)", name)
+    if not m or m.group(2) not in _GPT2_NAMES:
+        return None, False  # attn.bias / masked_bias buffers of old checkpoints, lm_head (tied)
+    i, mod, kind = m.groups()
+    conv = kind == "weight" and mod.startswith(("attn.", "mlp."))
+    return f"layers.{i}.{_GPT2_NAMES[mod]}.{kind}", conv
+
+
+def _map_llama(name: str) -> tuple[str | None, tuple[str, int, int] | None]:
+    """Our name for a Llama-style tensor, or (fused name, piece index, number of pieces)."""
+    if name in _LLAMA_TOP:
+        return _LLAMA_TOP[name], None
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    if not m:
+        return None, None
+    i, mod, kind = m.groups()
+    if mod in _LLAMA_NAMES:
+        return f"layers.{i}.{_LLAMA_NAMES[mod]}.{kind}", None
+    for fused, parts in _LLAMA_FUSED.items():
+        if mod in parts:
+            return None, (f"layers.{i}.{fused}.{kind}", parts.index(mod), len(parts))
+    return None, None
+
+
+def load_state_dict(
+    cfg: ModelConfig, files: list[Path], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+
+    def put(name: str, t: torch.Tensor) -> None:
+        out[name] = t.to(device=device, dtype=dtype)
+
+    for name, t in _iter_tensors(files):
+        if cfg.family == Family.GPT2:
+            ours, conv = _map_gpt2(name)
+            if ours is not None:
+                put(ours, t.t().contiguous() if conv else t)
+            continue
+        ours, piece = _map_llama(name)
+        if ours is not None:
+            put(ours, t)
+        elif piece is not None:
+            fused, idx, n_parts = piece
+            parts = pending.setdefault(fused, {})
+            parts[idx] = t.to(device=device, dtype=dtype)
+            if len(parts) == n_parts:
+                out[fused] = torch.cat([parts[j] for j in sorted(parts)], dim=0)
+                del pending[fused]
+    if pending:
+        raise ModelLoadError(f"checkpoint is missing pieces of {sorted(pending)}")
+    return out
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    allow_pickle: bool = False,
+) -> Transformer:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model directory {path} does not exist. Pass --model a local directory saved with "
+            "save_pretrained; batchgen never downloads from a hub."
+        )
+    cfg = config_from_hf(read_hf_config(path))
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    sd = load_state_dict(cfg, _checkpoint_files(path, allow_pickle), dtype, device)
+    if cfg.tie_embeddings or "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["embed.weight"]
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(sd), set(sd) - expected
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"checkpoint in {path} does not match a {cfg.family.value} model: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    model.load_state_dict(sd, assign=True, strict=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,101 @@
+"""Tiny random checkpoints of every supported family, saved with transformers.
+
+Used by the tests and benchmarks: `save_tiny_model("llama", dir)` writes a real
+checkpoint directory (config.json, model.safetensors, generation_config.json and a
+small byte-level BPE tokenizer) that batchgen loads through its normal loader.
+
+    python scripts/tiny_models.py llama /tmp/tiny-llama
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+VOCAB = 512
+EOS = "<|endoftext|>"
+
+_CORPUS = (
+    "the quick brown fox jumps over the lazy dog. batch inference sorts prompts by length "
+    "and packs them into buckets. a static cache keeps every shape fixed so the compiler "
+    "sees one graph. label the sentiment of this review: great product, would buy again. "
+    "summarise the text in one sentence. 0123456789 !?,;:'\"()[]{}<>+-*/=_ "
+)
+
+
+def _config(family: str, **overrides) -> transformers.PretrainedConfig:
+    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    if family == "gpt2":
+        kw = dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, **common)
+        return transformers.GPT2Config(**{**kw, **overrides})
+    kw = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        **common,
+    )
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[family]
+    if family == "qwen3":
+        kw["head_dim"] = 16  # Qwen3 sets head_dim independently of hidden/heads
+    if family == "mistral":
+        kw["sliding_window"] = 64
+    return cls(**{**kw, **overrides})
+
+
+def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|bos|>", EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token=EOS, pad_token=EOS
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    )
+    return fast
+
+
+def save_tiny_model(
+    family: str, path: str | Path, seed: int = 0, with_tokenizer: bool = True, **overrides
+) -> Path:
+    """Write a random tiny `family` checkpoint to path and return it."""
+    path = Path(path)
+    torch.manual_seed(seed)
+    cfg = _config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(path, safe_serialization=True)
+    if with_tokenizer:
+        tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("family", choices=FAMILIES)
+    p.add_argument("out")
+    args = p.parse_args()
+    print(save_tiny_model(args.family, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from tiny_models import FAMILIES, save_tiny_model  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    """One tiny random checkpoint per supported family, saved with transformers."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: save_tiny_model(f, root / f) for f in FAMILIES}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run scripts/gpu_check.sh on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
