@@ -1,0 +1,348 @@
+"""Streaming input: open and check a Parquet, JSONL or `datasets` input, then read it in batches.
+
+`open_input` does every check that can fail on the input as a whole (path, format, a readable
+footer or first block) so that a bad input is reported before a model is loaded. `iter_batches`
+then streams record batches in a stable order without materialising the input. Each batch comes
+with the global index of its first row, so a row's default id (its index in the whole input) is
+the same on every run.
+"""
+
+from __future__ import annotations
+
+import enum
+import glob
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import pyarrow as pa
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from batchgen.data.errors import InputError
+
+PARQUET_SUFFIXES = (".parquet",)
+JSONL_SUFFIXES = (".jsonl", ".json")
+# One JSON block is parsed at a time; its size bounds memory and the longest line pyarrow can read.
+# Column types are inferred from each file's first block.
+JSON_BLOCK_BYTES = 4 << 20
+_SUPPORTED = (
+    "a .parquet file, a .jsonl/.json (JSON Lines) file, a directory or glob of those, "
+    "or a directory written by datasets' save_to_disk"
+)
+
+
+class InputFormat(str, enum.Enum):
+    PARQUET = "parquet"
+    JSONL = "jsonl"
+    DATASETS = "datasets"
+
+
+class InputBatch(NamedTuple):
+    offset: int  # global row index of data's first row; the default id of row i is offset + i
+    data: pa.RecordBatch
+
+
+def default_ids(offset: int, num_rows: int) -> pa.Array:
+    """The default ids of a batch: global row indices, stable across runs."""
+    return pa.array(range(offset, offset + num_rows), type=pa.int64())
+
+
+class InputSource:
+    """An opened, checked input. Subclasses differ only in how they produce raw batches."""
+
+    format: InputFormat
+
+    def __init__(self, path: str, schema: pa.Schema, num_rows: int | None) -> None:
+        self.path = path
+        self.schema = schema.remove_metadata()
+        self.num_rows = num_rows  # None where counting would mean reading everything (JSONL)
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.schema.names)
+
+    def require_columns(self, names: Iterable[str]) -> None:
+        missing = [n for n in names if n not in self.schema.names]
+        if missing:
+            raise InputError(
+                f"input {self.path} has no column(s) {', '.join(map(repr, missing))}; "
+                f"available columns: {', '.join(map(repr, self.columns))}"
+            )
+
+    def iter_batches(
+        self, batch_rows: int, skip_rows: int = 0, columns: Sequence[str] | None = None
+    ) -> Iterator[InputBatch]:
+        """Yield (offset, batch) in input order, starting at global row `skip_rows`.
+
+        Every batch has exactly `batch_rows` rows except the last, and the schema
+        `self.schema` (or its `columns` subset, in that order).
+        """
+        if batch_rows < 1:
+            raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
+        if skip_rows < 0:
+            raise ValueError(f"skip_rows must be >= 0, got {skip_rows}")
+        schema = self.schema
+        if columns is not None:
+            self.require_columns(columns)
+            schema = pa.schema([self.schema.field(c) for c in columns])
+        offset = skip_rows
+        raw = self._read(batch_rows, skip_rows, columns)
+        for batch in _rebatch((_conform(b, schema) for b in raw), batch_rows):
+            yield InputBatch(offset, batch)
+            offset += batch.num_rows
+
+    def _read(
+        self, batch_rows: int, skip_rows: int, columns: Sequence[str] | None
+    ) -> Iterator[pa.RecordBatch]:
+        """Raw batches of any size starting exactly at global row `skip_rows`."""
+        raise NotImplementedError
+
+
+@dataclass(slots=True, frozen=True)
+class _ParquetFileInfo:
+    path: str
+    num_rows: int
+    row_group_rows: tuple[int, ...]
+
+
+class ParquetSource(InputSource):
+    format = InputFormat.PARQUET
+
+    def __init__(self, path: str, files: list[str]) -> None:
+        infos: list[_ParquetFileInfo] = []
+        schema: pa.Schema | None = None
+        for f in files:
+            try:
+                with pq.ParquetFile(f) as pf:
+                    meta = pf.metadata
+                    file_schema = pf.schema_arrow.remove_metadata()
+            except (pa.ArrowException, OSError) as e:
+                raise InputError(f"cannot read Parquet file {f}: {e}") from e
+            if schema is None:
+                schema = file_schema
+            elif not file_schema.equals(schema):
+                raise InputError(
+                    f"Parquet file {f} has a different schema from {files[0]}; "
+                    f"all input files must share one schema.\n{f}:\n{file_schema}\n"
+                    f"{files[0]}:\n{schema}"
+                )
+            rg_rows = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+            infos.append(_ParquetFileInfo(f, meta.num_rows, rg_rows))
+        assert schema is not None  # _resolve never returns an empty file list
+        super().__init__(path, schema, sum(i.num_rows for i in infos))
+        self.files = files
+        self._infos = infos
+
+    def _read(
+        self, batch_rows: int, skip_rows: int, columns: Sequence[str] | None
+    ) -> Iterator[pa.RecordBatch]:
+        skip = skip_rows
+        for info in self._infos:
+            if skip >= info.num_rows:
+                skip -= info.num_rows
+                continue
+            # Whole row groups before the start are never read; the rest is sliced off below.
+            first_rg = 0
+            while skip >= info.row_group_rows[first_rg]:
+                skip -= info.row_group_rows[first_rg]
+                first_rg += 1
+            row_groups = list(range(first_rg, len(info.row_group_rows)))
+            try:
+                with pq.ParquetFile(info.path) as pf:
+                    batches = pf.iter_batches(batch_rows, row_groups=row_groups, columns=columns)
+                    yield from _drop_rows(batches, skip)
+            except (pa.ArrowException, OSError) as e:
+                raise InputError(f"cannot read Parquet file {info.path}: {e}") from e
+            skip = 0
+
+
+class JsonlSource(InputSource):
+    format = InputFormat.JSONL
+
+    def __init__(self, path: str, files: list[str]) -> None:
+        schemas = [s for s in (_jsonl_schema(f) for f in files) if s is not None]
+        try:
+            schema = pa.unify_schemas(schemas, promote_options="permissive") if schemas else None
+        except pa.ArrowException as e:
+            raise InputError(
+                f"JSON Lines files under {path} disagree on column types ({e}); "
+                "make each column's type consistent, or convert the input to Parquet"
+            ) from e
+        # A column that is null in every sampled line is read as a string, the likeliest type.
+        fields = [pa.field(f.name, pa.string()) if f.type == pa.null() else f for f in schema or []]
+        super().__init__(path, pa.schema(fields), None)
+        self.files = files
+
+    def _read(
+        self, batch_rows: int, skip_rows: int, columns: Sequence[str] | None
+    ) -> Iterator[pa.RecordBatch]:
+        batches = (b for f in self.files for b in self._read_file(f))
+        for batch in _drop_rows(batches, skip_rows):
+            yield batch if columns is None else batch.select(list(columns))
+
+    def _read_file(self, file: str) -> Iterator[pa.RecordBatch]:
+        if _is_blank(file):
+            return
+        # Every file is parsed with the unified schema, so all batches agree; fields absent from
+        # the sampled first blocks (hence from .columns) are ignored.
+        parse = pajson.ParseOptions(explicit_schema=self.schema, unexpected_field_behavior="ignore")
+        read = pajson.ReadOptions(block_size=JSON_BLOCK_BYTES)
+        try:
+            with pajson.open_json(file, read_options=read, parse_options=parse) as reader:
+                yield from reader
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(
+                f"cannot read JSON Lines file {file}: {e}; each line must be one JSON object "
+                "and a column's type must not change between lines (or convert to Parquet)"
+            ) from e
+
+
+class DatasetsSource(InputSource):
+    format = InputFormat.DATASETS
+
+    def __init__(self, path: str) -> None:
+        import datasets  # slow to import; only needed for this format
+
+        try:
+            ds = datasets.load_from_disk(path)
+        except Exception as e:  # datasets raises a variety of types for a broken directory
+            raise InputError(f"cannot load datasets directory {path}: {e}") from e
+        if not isinstance(ds, datasets.Dataset):
+            raise InputError(f"{path} is not a single datasets.Dataset; pass one split directory")
+        # save_to_disk flattens any indices mapping, so the memory-mapped table is in row order.
+        self._table: pa.Table = ds.data.table
+        super().__init__(path, self._table.schema, self._table.num_rows)
+
+    def _read(
+        self, batch_rows: int, skip_rows: int, columns: Sequence[str] | None
+    ) -> Iterator[pa.RecordBatch]:
+        table = self._table if columns is None else self._table.select(list(columns))
+        yield from table.slice(skip_rows).to_batches(max_chunksize=batch_rows)
+
+
+def open_input(path: str | os.PathLike[str]) -> InputSource:
+    """Open and check an input; raises InputError naming the problem and the fix."""
+    path = os.path.expanduser(os.fspath(path))
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "dataset_dict.json")):
+            splits = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+            raise InputError(
+                f"{path} is a datasets DatasetDict with splits {splits}; pass one split, "
+                f"e.g. {os.path.join(path, splits[0] if splits else 'train')}"
+            )
+        if any(os.path.exists(os.path.join(path, n)) for n in ("state.json", "dataset_info.json")):
+            return DatasetsSource(path)
+    fmt, files = _resolve(path)
+    if fmt is InputFormat.PARQUET:
+        return ParquetSource(path, files)
+    return JsonlSource(path, files)
+
+
+def _resolve(path: str) -> tuple[InputFormat, list[str]]:
+    """The format and the sorted file list of a file, directory or glob input."""
+    if glob.has_magic(path):
+        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise InputError(f"no files match {path!r}; check the pattern (quote it in the shell)")
+    elif os.path.isdir(path):
+        # Hidden and _-prefixed names are bookkeeping (e.g. _SUCCESS, .crc), not data.
+        files = sorted(
+            os.path.join(path, n)
+            for n in os.listdir(path)
+            if not n.startswith((".", "_"))
+            and n.endswith(PARQUET_SUFFIXES + JSONL_SUFFIXES)
+            and os.path.isfile(os.path.join(path, n))
+        )
+        if not files:
+            raise InputError(
+                f"directory {path} has no .parquet or .jsonl files directly inside; "
+                f"pass a glob such as '{os.path.join(path, '**', '*.parquet')}' or one of {_SUPPORTED}"
+            )
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise InputError(f"input {path} does not exist; pass {_SUPPORTED}")
+
+    formats = {_format_of(f) for f in files}
+    if len(formats) > 1:
+        raise InputError(f"{path} mixes Parquet and JSON Lines files; pass one format at a time")
+    return formats.pop(), files
+
+
+def _format_of(file: str) -> InputFormat:
+    if file.endswith(PARQUET_SUFFIXES):
+        return InputFormat.PARQUET
+    if file.endswith(JSONL_SUFFIXES):
+        return InputFormat.JSONL
+    raise InputError(f"unsupported input format: {file}; pass {_SUPPORTED}")
+
+
+def _jsonl_schema(file: str) -> pa.Schema | None:
+    """The schema pyarrow infers from the file's first block; None for an empty file."""
+    if _is_blank(file):
+        return None
+    with open(file, "rb") as fh:
+        head = fh.read(4096).lstrip()
+    if head.startswith(b"["):
+        raise InputError(
+            f"{file} holds a JSON array; batchgen reads JSON Lines (one object per line). "
+            "Convert it, e.g. with: jq -c '.[]' in.json > in.jsonl"
+        )
+    read = pajson.ReadOptions(block_size=JSON_BLOCK_BYTES)
+    try:
+        with pajson.open_json(file, read_options=read) as reader:
+            return reader.schema
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(
+            f"cannot read JSON Lines file {file}: {e}; each line must be one JSON object"
+        ) from e
+
+
+def _is_blank(file: str) -> bool:
+    """True for a file with nothing but whitespace (pyarrow refuses an empty JSON stream)."""
+    with open(file, "rb") as fh:
+        while chunk := fh.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _drop_rows(batches: Iterable[pa.RecordBatch], n: int) -> Iterator[pa.RecordBatch]:
+    """The stream without its first n rows."""
+    for batch in batches:
+        if n >= batch.num_rows:
+            n -= batch.num_rows
+            continue
+        yield batch.slice(n) if n else batch
+        n = 0
+
+
+def _rebatch(batches: Iterable[pa.RecordBatch], batch_rows: int) -> Iterator[pa.RecordBatch]:
+    """Re-cut a stream into batches of exactly batch_rows rows (the last may be shorter)."""
+    pending: list[pa.RecordBatch] = []
+    n = 0
+    for batch in batches:
+        start = 0
+        while start < batch.num_rows:
+            take = min(batch_rows - n, batch.num_rows - start)
+            pending.append(batch.slice(start, take))
+            n += take
+            start += take
+            if n == batch_rows:
+                yield _concat(pending)
+                pending, n = [], 0
+    if n:
+        yield _concat(pending)
+
+
+def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    if len(batches) == 1:
+        return batches[0]
+    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
+
+
+def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """The batch under the source's metadata-free schema (zero-copy), so batches always concat."""
+    return pa.RecordBatch.from_arrays(batch.columns, schema=schema)
