@@ -4,7 +4,8 @@ Layout of an output directory:
     _job.json            the job's fingerprint (input, model, options); written first
     part-00000.parquet   results, each part written to a temp name, fsynced, then renamed
     part-00001.parquet   ...
-    _stats.json          run statistics (optional)
+    _stats.json          run statistics (throughput, timings, memory); the leading
+                         underscore makes Parquet readers skip it, like _SUCCESS
     _SUCCESS             written last, once every row has a result
 
 Exactly-once: a part either exists complete under its final name or not at all, so the ids in
@@ -41,10 +42,13 @@ _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens"
 
 
 def output_schema(
-    id_type: pa.DataType, passthrough: pa.Schema, with_token_ids: bool = False
+    id_type: pa.DataType,
+    passthrough: pa.Schema,
+    with_token_ids: bool = False,
+    with_logprobs: bool = False,
 ) -> pa.Schema:
     """The one definition of a result row: id, passthrough input columns, generation fields."""
-    reserved = {"id", *_OUTPUT_COLUMNS, "token_ids"}
+    reserved = {"id", *_OUTPUT_COLUMNS, "token_ids", "logprobs"}
     clash = [n for n in passthrough.names if n in reserved]
     if clash:
         raise InputError(
@@ -62,6 +66,8 @@ def output_schema(
     ]
     if with_token_ids:
         fields.append(pa.field("token_ids", pa.list_(pa.int32())))
+    if with_logprobs:
+        fields.append(pa.field("logprobs", pa.list_(pa.float32())))
     return pa.schema(fields)
 
 

@@ -98,7 +98,7 @@ class ModelRunner:
     def _call(self, fn, key: tuple, *args) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Call fn; return its outputs and, for the first call of a shape, the time it
         took (compile + first run), else 0."""
-        if key in self.stats.shapes:
+        if key in self.stats.shapes or not self.compiled:
             return (*fn(*args), 0.0)
         t0 = time.perf_counter()
         out = fn(*args)

@@ -1,0 +1,126 @@
+"""RunConfig: everything one `batchgen run` needs, from flags or a job spec file."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Truncate(str, enum.Enum):
+    SKIP = "skip"  # the row gets an error record; the job goes on
+    ERROR = "error"  # the job stops at the first too-long prompt
+    LEFT = "left"  # keep the prompt's end
+    RIGHT = "right"  # keep the prompt's start
+
+
+_CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "quantize": ("none", "int8", "int4", "fp8"),
+    "quant_backend": ("auto", "torchao", "quanto"),
+    "truncate": tuple(t.value for t in Truncate),
+}
+
+
+@dataclass(slots=True)
+class RunConfig:
+    input: str
+    output: str
+    model: str | None = None  # None: the embedded default model
+    # what to read
+    prompt_column: str = "prompt"
+    messages_column: str | None = None
+    template: str | None = None  # Jinja over the row's columns, e.g. "Label: {{ text }}"
+    id_column: str | None = None  # None: the global row index
+    passthrough: list[str] | None = None  # input columns copied to the output; None: all
+    limit: int | None = None  # only the first N rows (for trying a job out)
+    # generation defaults; per-row columns max_new_tokens/temperature/top_p/seed override
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    # engine
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = True
+    quantize: str = "none"
+    quant_backend: str = "auto"
+    max_prompt_len: int = 1024
+    truncate: Truncate = Truncate.SKIP
+    max_batch: int | None = None  # None: 64 on CPU, 256 on GPU
+    prefill_token_budget: int = 16384
+    kv_cache_tokens: int | None = None  # None: sized from free memory
+    window_rows: int = 8192  # rows tokenized, sorted and bucketed together
+    # output
+    rows_per_part: int = 4096
+    flush_seconds: float = 60.0  # write a part at least this often, bounding work lost to a kill
+    with_token_ids: bool = False
+    with_logprobs: bool = False
+    overwrite: bool = False
+    quiet: bool = False
+    allow_pickle: bool = False
+
+    def __post_init__(self) -> None:
+        for key, allowed in _CHOICES.items():
+            value = getattr(self, key)
+            value = value.value if isinstance(value, enum.Enum) else value
+            if value not in allowed:
+                raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+        self.truncate = Truncate(self.truncate)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        positive = (
+            "max_new_tokens",
+            "max_prompt_len",
+            "prefill_token_budget",
+            "window_rows",
+            "rows_per_part",
+        )
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("max_batch", "kv_cache_tokens", "limit"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.messages_column and self.template:
+            raise ConfigError("use either messages_column or template, not both")
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], source: str = "config") -> RunConfig:
+        """Build from a job spec's dict; unknown keys are errors naming the allowed ones."""
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(values) - set(cls.keys()))
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(cls.keys())}"
+            )
+        missing = [k for k in ("input", "output") if values.get(k) is None]
+        if missing:
+            raise ConfigError(f"{source}: missing {', '.join(missing)}")
+        try:
+            return cls(**values)
+        except TypeError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What makes two runs the same job: a rerun with a different one is refused."""
+        skip = {"overwrite", "quiet", "rows_per_part", "flush_seconds", "window_rows", "max_batch",
+                "prefill_token_budget", "kv_cache_tokens", "compile"}  # fmt: skip
+        out = {k: getattr(self, k) for k in self.keys() if k not in skip}
+        out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
+        out["output"] = str(Path(self.output).resolve())
+        out["truncate"] = self.truncate.value
+        return out

@@ -1,0 +1,171 @@
+"""Input rows -> engine requests: render prompts, tokenize, apply per-row overrides.
+
+Works one window of rows at a time, so a 10-million-row input is never held at once.
+Rows that cannot run become error records here, before the engine sees them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.config import RunConfig
+from batchgen.data import InputError, InputSource, PromptBuilder, RowError, default_ids
+from batchgen.engine.sequence import Request, SamplingParams
+from batchgen.tokenize import fit_length, tokenize
+
+# Optional input columns that override the job's sampling defaults for their row.
+OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "seed")
+
+
+@dataclass(slots=True)
+class Row:
+    id: Any
+    passthrough: dict[str, Any]
+    prompt_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Window:
+    """One window of rows: `rows[r.index]` is the row of request r."""
+
+    rows: list[Row]
+    requests: list[Request]
+
+    @property
+    def errors(self) -> list[Row]:
+        return [r for r in self.rows if r.error is not None]
+
+
+def make_prompt_builder(cfg: RunConfig, tokenizer) -> PromptBuilder:
+    chat_fn = None
+    if cfg.messages_column:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InputError(
+                f"--messages-column {cfg.messages_column} needs a chat template, and this "
+                "model's tokenizer has none; render prompts with --template instead"
+            )
+
+        def chat_fn(messages: list[dict]) -> str:
+            return tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+
+    plain = cfg.prompt_column if not (cfg.template or cfg.messages_column) else None
+    return PromptBuilder(plain, cfg.messages_column, cfg.template, chat_fn)
+
+
+class Preparer:
+    def __init__(
+        self, cfg: RunConfig, source: InputSource, tokenizer, max_prompt_len: int, max_seq: int
+    ) -> None:
+        self.cfg, self.source, self.tokenizer = cfg, source, tokenizer
+        self.builder = make_prompt_builder(cfg, tokenizer)
+        self.max_prompt_len = max_prompt_len
+        self.max_seq = max_seq  # prompt + new tokens must fit the model's positions
+        self.passthrough = list(source.columns if cfg.passthrough is None else cfg.passthrough)
+        self.overrides = [c for c in OVERRIDE_COLUMNS if c in source.columns]
+        needed = self.builder.required_columns() | set(self.passthrough) | set(self.overrides)
+        if cfg.id_column:
+            needed.add(cfg.id_column)
+        source.require_columns(sorted(needed))
+        self.columns = [c for c in source.columns if c in needed]
+        self.defaults = SamplingParams(
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            seed=cfg.seed,
+            stop=tuple(cfg.stop),
+            ignore_eos=cfg.ignore_eos,
+        )
+        self._seen_ids: set[Any] = set()
+
+    @property
+    def id_type(self):
+        import pyarrow as pa
+
+        return (
+            self.source.schema.field(self.cfg.id_column).type if self.cfg.id_column else pa.int64()
+        )
+
+    def windows(self, done: set[Any]) -> Iterator[tuple[int, Window]]:
+        """Yield (rows read, window of rows not done yet) until the input (or limit) ends."""
+        limit = self.cfg.limit
+        read = 0
+        for offset, batch in self.source.iter_batches(self.cfg.window_rows, columns=self.columns):
+            if limit is not None and read >= limit:
+                return
+            if limit is not None and read + batch.num_rows > limit:
+                batch = batch.slice(0, limit - read)
+            read += batch.num_rows
+            records = batch.to_pylist()
+            ids = (
+                batch.column(self.cfg.id_column).to_pylist()
+                if self.cfg.id_column
+                else default_ids(offset, batch.num_rows).to_pylist()
+            )
+            yield batch.num_rows, self._window(records, ids, done)
+
+    def _window(self, records: list[dict], ids: list[Any], done: set[Any]) -> Window:
+        rows: list[Row] = []
+        texts: list[str] = []
+        pending: list[tuple[int, dict]] = []  # (position in rows, record) of rendered rows
+        for rec, rid in zip(records, ids, strict=True):
+            self._check_id(rid)
+            if rid in done:
+                continue
+            row = Row(rid, {c: rec[c] for c in self.passthrough})
+            rows.append(row)
+            try:
+                texts.append(self.builder.render(rec))
+                pending.append((len(rows) - 1, rec))
+            except RowError as e:
+                row.error = e.message
+        # Chat templates already hold the model's special tokens; plain text gets them added.
+        token_lists = tokenize(
+            self.tokenizer, texts, add_special_tokens=not self.cfg.messages_column
+        )
+        requests: list[Request] = []
+        for (pos, rec), ids_ in zip(pending, token_lists, strict=True):
+            row = rows[pos]
+            try:
+                ids_ = fit_length(ids_, self.max_prompt_len, self.cfg.truncate)
+                params = self._params(rec)
+                if len(ids_) + params.max_new_tokens > self.max_seq:
+                    raise RowError(
+                        f"prompt ({len(ids_)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                        f"exceeds the model's {self.max_seq} positions"
+                    )
+            except RowError as e:
+                row.error = e.message
+                continue
+            row.prompt_tokens = len(ids_)
+            requests.append(Request(pos, ids_, params))
+        return Window(rows, requests)
+
+    def _check_id(self, rid: Any) -> None:
+        if rid is None:
+            raise InputError(f"id column {self.cfg.id_column!r} has a null value; ids must be set")
+        if rid in self._seen_ids:
+            raise InputError(
+                f"id column {self.cfg.id_column!r} has the value {rid!r} twice; ids must be unique "
+                "for exactly-once output (omit --id-column to use row numbers)"
+            )
+        self._seen_ids.add(rid)
+
+    def _params(self, rec: dict) -> SamplingParams:
+        values = {c: rec[c] for c in self.overrides if rec.get(c) is not None}
+        if not values:
+            return self.defaults
+        try:
+            for c, v in values.items():
+                if isinstance(v, bool) or not isinstance(v, int | float):
+                    raise ValueError(f"{c} is {v!r}, not a number")
+                values[c] = int(v) if c in ("max_new_tokens", "seed") else float(v)
+            return dataclasses.replace(self.defaults, **values)
+        except (ValueError, TypeError) as e:
+            raise RowError(f"bad per-row sampling value: {e}") from e
