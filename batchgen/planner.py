@@ -11,7 +11,9 @@ bounded set, so the compiled model sees a handful of static shapes:
   long ones in small batches;
 - new-token counts round up to a power of two (at least 16) and set the cache row length.
 
-A partial last batch of a bucket is padded up to the next batch size with dummy rows.
+Within a bucket, rows are ordered by their max_new_tokens, so a batch holds rows of
+similar output length. A partial last batch of a bucket is padded up to the next batch
+size with dummy rows.
 """
 
 from __future__ import annotations
@@ -113,7 +115,9 @@ class Plan:
 def plan_batches(prompt_lens: list[int], max_new: list[int], cfg: BucketConfig) -> Plan:
     """Group rows (by position) into length-bucketed batches; longest buckets first so
     the biggest shapes compile, and fail, early."""
-    order = sorted(range(len(prompt_lens)), key=lambda i: (prompt_lens[i], i))
+    # Within a bucket, rows with similar output lengths share a batch: a static batch runs
+    # until its longest row finishes, so mixing 16- and 256-token rows wastes decode steps.
+    order = sorted(range(len(prompt_lens)), key=lambda i: (max_new[i], prompt_lens[i], i))
     by_bucket: dict[int, list[int]] = {}
     for i in order:
         by_bucket.setdefault(cfg.prompt_bucket(prompt_lens[i]), []).append(i)

@@ -1,9 +1,11 @@
-"""Greedy float32 generation equals transformers' generate, token for token."""
+"""Greedy float32 generation equals transformers' generate, token for token, in a batch of
+prompts of different lengths: eager for every family, and compiled (slow) for every family."""
 
 import pytest
 import torch
 import transformers
 from tiny_models import FAMILIES
+from torch._dynamo.utils import counters
 
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
@@ -50,3 +52,21 @@ def test_greedy_matches_transformers_eager(family, tiny_dirs, references):
               buckets=BucketConfig(max_prompt_len=32, min_bucket=4, max_batch=4))  # fmt: skip
     got = llm.generate(_prompts(), SamplingParams(max_new_tokens=MAX_NEW))
     assert [c.token_ids for c in got] == references[family]
+
+
+# One bucket edge (32) and one batch size (8) for all five prompts: each family compiles
+# exactly one prefill and one decode graph.
+COMPILED_BUCKETS = BucketConfig(max_prompt_len=32, min_bucket=32, max_batch=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers_compiled(family, tiny_dirs, references):
+    graphs_before = counters["stats"]["unique_graphs"]
+    llm = LLM(tiny_dirs[family], dtype="float32", device="cpu", compile=True,
+              buckets=COMPILED_BUCKETS)  # fmt: skip
+    got = llm.generate(_prompts(), SamplingParams(max_new_tokens=MAX_NEW))
+    assert [c.token_ids for c in got] == references[family]
+    assert llm.runner.stats.shapes == {("prefill", 8, 32, True), ("decode", 8, 48, True)}
+    # really compiled: two new dynamo graphs, not a silent eager fallback
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2

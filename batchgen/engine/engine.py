@@ -22,6 +22,13 @@ class Engine:
 
     def generate(self, requests: Sequence[Request]) -> Iterator[tuple[BatchPlan, list[Completion]]]:
         """Run every request once; yield each finished batch's completions as it ends."""
+        limit = self.runner.max_positions
+        for r in requests:  # checked before any batch runs
+            if r.prompt_len + r.params.max_new_tokens > limit:
+                raise ValueError(
+                    f"request {r.index}: prompt of {r.prompt_len} tokens + max_new_tokens "
+                    f"{r.params.max_new_tokens} exceeds the model's {limit} positions"
+                )
         scheduler = StaticScheduler(requests, self.buckets)
         while (item := scheduler.next_batch()) is not None:
             batch, reqs = item

@@ -63,6 +63,8 @@ class ModelRunner:
         self.pad_id = pad_id
         self.sync_every = sync_every
         self.stats = RunnerStats()
+        # Positions the model has a table (learned or RoPE) for: a row may use [0, max_positions).
+        self.max_positions = min(max_seq, model.cfg.max_position_embeddings)
         model.setup_caches(kv_capacity_tokens, max_seq)
         self.compiled = compile
         if compile:
@@ -162,9 +164,12 @@ class ModelRunner:
             slot = slot + 1  # (B, 1): the previous token's slot
             if dev.type == "cuda" and self.compiled:
                 torch.compiler.cudagraph_mark_step_begin()
+            # Finished rows keep stepping (their tokens are dropped); a short-prompt row can
+            # finish early while a long-prompt row is still going, so clamp their positions.
+            pos = (slot - kv_start[:, None]).clamp(max=self.max_positions - 1)
             tok, lp, dt = self._call(
                 self._decode, ("decode", b, stride, greedy_only),
-                tok[:, None].clone(), slot - kv_start[:, None], slot, kv_start, sampling,
+                tok[:, None].clone(), pos, slot, kv_start, sampling,
                 steps + s, stride, stride, greedy_only,
             )  # fmt: skip
             compile_s += dt

@@ -31,7 +31,10 @@ def row_uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     row = _mix((_mix(seeds) + (steps & 0xFFFFF) * 0x2545F491) & _M31)  # (B,)
     h = _mix(row[:, None] ^ _mix(idx)[None, :])  # (B, V)
-    return (h.float() + 0.5) * (1.0 / (1 << 31))
+    # Keep 23 bits: (k + 0.5) / 2**23 is exact in float32 and lies in [2**-24, 1 - 2**-24].
+    # With all 31 bits, h.float() rounds the top values to 2**31 and u to exactly 1.0, so the
+    # noise -log(u) is -0.0 and a filtered token (p = 0) gets 0 / -0.0 = NaN, which argmax picks.
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass(slots=True)

@@ -197,15 +197,18 @@ def _checkpoint_files(path: Path, allow_pickle: bool) -> list[Path]:
 
 
 def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for f in files:
-        if f.suffix == ".bin":
-            yield from torch.load(f, map_location="cpu", weights_only=True, mmap=True).items()
-            continue
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, sf.get_tensor(name)
+        try:
+            if f.suffix == ".bin":
+                yield from torch.load(f, map_location="cpu", weights_only=True, mmap=True).items()
+                continue
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, sf.get_tensor(name)
+        except (OSError, RuntimeError, ValueError, SafetensorError) as e:
+            raise ModelLoadError(f"cannot read weights file {f}: {e}") from e
 
 
 def _map_gpt2(name: str) -> tuple[str | None, bool]:

@@ -83,14 +83,19 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_all, v_all = self.kv_cache.update(cache_index, k, v, row_stride, kv_len)  # (B, S, Hkv, D)
+        # Grouped-query attention as plain attention: each kv head's group of g query heads
+        # is folded into the query length, (B, Hkv, g*T, D). SDPA then needs no copies of
+        # K/V per query head, and no GQA path (which, with a mask, takes the math kernel).
+        g, hkv, d = self.n_heads // self.n_kv_heads, self.n_kv_heads, self.head_dim
+        q = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
         y = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # (B, H, T, D)
+            q,
             k_all.transpose(1, 2),  # (B, Hkv, S, D)
             v_all.transpose(1, 2),
-            attn_mask=mask,  # (B, 1, T, S), True = attend
-            enable_gqa=self.n_heads != self.n_kv_heads,
+            attn_mask=mask,  # (B, 1, g*T, S), True = attend
         )
-        return self.wo(y.transpose(1, 2).reshape(b, t, q_size))
+        y = y.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4)  # (B, T, Hkv, g, D)
+        return self.wo(y.reshape(b, t, q_size))
 
 
 class MLP(nn.Module):
@@ -160,7 +165,8 @@ class Transformer(nn.Module):
     def attention_mask(
         self, slots: torch.Tensor, kv_start: torch.Tensor, kv_len: int
     ) -> torch.Tensor:
-        """(B, 1, T, kv_len) boolean: a query at slot q sees slots [kv_start, q] of its row."""
+        """(B, 1, g*T, kv_len) boolean: a query at slot q sees slots [kv_start, q] of its
+        row; repeated for the g query heads that share a kv head (see Attention)."""
         k_slots = torch.arange(kv_len, device=slots.device)  # (S,)
         q = slots[:, :, None]  # (B, T, 1)
         visible = (k_slots >= kv_start[:, None, None]) & (k_slots <= q)
@@ -168,7 +174,9 @@ class Transformer(nn.Module):
             visible &= (q - k_slots) < self.cfg.sliding_window
         # Padding queries (slot < kv_start) see only themselves, so no softmax row is empty.
         visible |= k_slots == q
-        return visible[:, None]
+        b, t, s = visible.shape
+        g = self.cfg.n_heads // self.cfg.n_kv_heads
+        return visible[:, None, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
 
     def forward(
         self,

@@ -1,0 +1,243 @@
+"""Loading Hugging Face checkpoint directories: layouts, refusals, config variants, dtypes."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from test_exactness import hf_greedy
+from tiny_models import save_tiny_model
+
+from batchgen.engine.sequence import SamplingParams
+from batchgen.llm import LLM
+from batchgen.model.config import RopeScaling
+from batchgen.model.loader import (
+    SUPPORTED_FAMILIES,
+    ModelLoadError,
+    UnsupportedModelError,
+    config_from_hf,
+    load_model,
+)
+from batchgen.planner import BucketConfig
+
+BUCKETS = BucketConfig(max_prompt_len=32, min_bucket=32, max_batch=4)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # tiny, so the scaling bends real wavelengths
+    "rope_theta": 10000.0,
+}
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(2, 500, (n,), generator=g).tolist() for n in (7, 19, 2)]
+
+
+def _greedy(path, dtype="float32") -> list[list[int]]:
+    llm = LLM(path, dtype=dtype, device="cpu", compile=False, buckets=BUCKETS)
+    return [c.token_ids for c in llm.generate(_prompts(), SamplingParams(max_new_tokens=10))]
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+def _hf(path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _copy_config_and_tokenizer(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def test_weights_land_where_transformers_has_them(tiny_dirs):
+    llama, hf = load_model(tiny_dirs["llama"]), _hf(tiny_dirs["llama"])
+    a = hf.model.layers[1].self_attn
+    qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+    assert torch.equal(llama.layers[1].attn.wqkv.weight, qkv)
+    m = hf.model.layers[0].mlp
+    assert torch.equal(llama.layers[0].mlp.w_in.weight, torch.cat([m.gate_proj.weight, m.up_proj.weight]))  # fmt: skip
+    assert torch.equal(llama.layers[0].mlp.w_out.weight, m.down_proj.weight)
+
+    gpt2, hf = load_model(tiny_dirs["gpt2"]), _hf(tiny_dirs["gpt2"])
+    h = hf.transformer.h[1]
+    assert torch.equal(gpt2.layers[1].attn.wqkv.weight, h.attn.c_attn.weight.t())  # Conv1D
+    assert torch.equal(gpt2.layers[1].attn.wqkv.bias, h.attn.c_attn.bias)
+    assert torch.equal(gpt2.pos_embed.weight, hf.transformer.wpe.weight)
+    for model in (llama, gpt2):
+        assert all(p.device.type == "cpu" for p in model.parameters())  # nothing left on meta
+        assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_sharded_safetensors_load_identical_weights(tiny_dirs, tmp_path):
+    sharded = tmp_path / "sharded"
+    _hf(tiny_dirs["qwen2"]).save_pretrained(sharded, max_shard_size="20KB")
+    shards = sorted(sharded.glob("*.safetensors"))
+    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    _same_weights(load_model(sharded), load_model(tiny_dirs["qwen2"]))
+
+
+def test_only_indexed_shards_are_read(tiny_dirs, tmp_path):
+    """A stray *.safetensors next to an index (an old consolidated file) is not mixed in."""
+    sharded = tmp_path / "sharded"
+    _hf(tiny_dirs["llama"]).save_pretrained(sharded, max_shard_size="20KB")
+    stray = load_model(tiny_dirs["qwen3"])  # other shapes: would break the load if read
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": stray.embed.weight.contiguous()}, sharded / "zz.safetensors")  # fmt: skip
+    _same_weights(load_model(sharded), load_model(tiny_dirs["llama"]))
+
+
+def test_unsupported_model_type_names_the_supported_families(tiny_dirs, tmp_path):
+    d = _copy_config_and_tokenizer(tiny_dirs["llama"], tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "falcon"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError) as err:
+        load_model(d)
+    msg = str(err.value)
+    assert "falcon" in msg
+    for family in ("gpt2", "llama", "mistral", "qwen2", "qwen3"):
+        assert family in msg
+    assert set(SUPPORTED_FAMILIES) == {"gpt2", "llama", "mistral", "qwen2", "qwen3"}
+
+
+def test_pickle_only_checkpoint_needs_allow_pickle(tiny_dirs, tmp_path):
+    d = _copy_config_and_tokenizer(tiny_dirs["llama"], tmp_path / "m")
+    torch.save(_hf(tiny_dirs["llama"]).state_dict(), d / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="allow-pickle"):
+        load_model(d)
+    with pytest.raises(ModelLoadError, match="allow-pickle"):
+        LLM(d, dtype="float32", device="cpu", compile=False)
+    _same_weights(load_model(d, allow_pickle=True), load_model(tiny_dirs["llama"]))
+
+
+def test_missing_directory_and_missing_weights(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path / "empty")
+
+
+def test_directory_without_weights(tiny_dirs, tmp_path):
+    d = _copy_config_and_tokenizer(tiny_dirs["llama"], tmp_path / "m")
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
+        load_model(d)
+
+
+def test_checkpoint_missing_a_tensor_is_refused(tiny_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = _copy_config_and_tokenizer(tiny_dirs["llama"], tmp_path / "m")
+    sd = load_file(tiny_dirs["llama"] / "model.safetensors")
+    del sd["model.layers.1.self_attn.k_proj.weight"]
+    del sd["model.layers.0.post_attention_layernorm.weight"]
+    save_file(sd, d / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="missing"):
+        load_model(d)
+
+
+@pytest.fixture(scope="module")
+def llama31_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama31") / "m"
+    return save_tiny_model("llama", path, rope_parameters=LLAMA3_ROPE)
+
+
+def test_llama31_rope_scaling_matches_transformers_greedy(llama31_dir, tmp_path):
+    model = load_model(llama31_dir)
+    assert model.cfg.rope_scaling == RopeScaling(
+        kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16,
+    )  # fmt: skip
+    assert _greedy(llama31_dir) == hf_greedy(llama31_dir, _prompts(), 10)
+    # and the scaling is not a no-op here: logits differ from the unscaled model's
+    plain_dir = tmp_path / "plain"
+    shutil.copytree(llama31_dir, plain_dir)
+    cfg = json.loads((plain_dir / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (plain_dir / "config.json").write_text(json.dumps(cfg))
+    plain = load_model(plain_dir)
+    assert plain.cfg.rope_scaling == RopeScaling()
+    ids = torch.tensor([_prompts()[1]])
+    outs = []
+    for m in (model, plain):
+        m.setup_caches(32, 32)
+        slots = torch.arange(ids.shape[1])[None]
+        outs.append(m(ids, slots, slots, torch.zeros(1, dtype=torch.long), ids.shape[1], 32))
+    assert not torch.allclose(outs[0], outs[1], atol=1e-4)
+
+
+def test_llama31_config_json_as_published():
+    """Llama 3.1's config.json (transformers 4.x keys): rope_theta + rope_scaling."""
+    hf = {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": False,
+    }
+    cfg = config_from_hf(hf)
+    assert cfg.rope_theta == 500000.0
+    assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert (cfg.n_kv_heads, cfg.head_dim, cfg.tie_embeddings) == (8, 128, False)
+    hf["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        config_from_hf(hf)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_and_untied_embeddings(tied, tiny_dirs, tmp_path):
+    path = save_tiny_model("llama", tmp_path / "m", tie_word_embeddings=tied) if tied else tiny_dirs["llama"]  # fmt: skip
+    model, hf = load_model(path), _hf(path)
+    assert model.cfg.tie_embeddings is tied
+    shares = model.lm_head.weight.data_ptr() == model.embed.weight.data_ptr()
+    assert shares is tied
+    assert torch.equal(model.lm_head.weight, hf.lm_head.weight)
+    assert torch.equal(model.embed.weight, hf.model.embed_tokens.weight)
+    if not tied:
+        assert not torch.equal(model.lm_head.weight, model.embed.weight)
+    assert _greedy(path) == hf_greedy(path, _prompts(), 10)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
+def test_half_precision_load_dtype_honoured(dtype, family, tiny_dirs):
+    torch_dtype = getattr(torch, dtype)
+    model = load_model(tiny_dirs[family], torch_dtype)
+    assert {p.dtype for p in model.parameters()} == {torch_dtype}
+    ref = load_model(tiny_dirs[family], torch.float32)
+    for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
+        assert torch.equal(p, q.to(torch_dtype)), name  # cast once, straight from the file
+
+    llm = LLM(tiny_dirs[family], dtype=dtype, device="cpu", compile=False, buckets=BUCKETS)
+    assert llm.model.embed.weight.dtype == torch_dtype
+    assert {kv.k.dtype for kv in llm.model.kv_caches} == {torch_dtype}
+    outs = llm.generate(_prompts(), SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert all(len(o.token_ids) == 10 for o in outs)
+    assert all(0 <= t < model.cfg.vocab_size for o in outs for t in o.token_ids)
+    assert all(torch.isfinite(torch.tensor(o.logprobs)).all() for o in outs)
