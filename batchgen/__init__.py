@@ -1,0 +1,33 @@
+"""batchgen: offline batch LLM inference with a compiled, statically cached decoder.
+
+from batchgen import LLM, SamplingParams
+llm = LLM("path/to/model")            # a local save_pretrained directory
+outs = llm.generate(["Hello"], SamplingParams(max_new_tokens=16))
+
+from batchgen import RunConfig, run   # what `batchgen run` does
+run(RunConfig(input="prompts.parquet", output="out/"))
+"""
+
+from typing import Any
+
+from batchgen.config import RunConfig
+from batchgen.engine.sequence import Completion, FinishReason, SamplingParams
+
+__all__ = ["LLM", "Completion", "FinishReason", "RunConfig", "SamplingParams", "run"]
+
+
+def run(config: RunConfig):
+    """Run one job (see `batchgen run --help`); returns its RunStats."""
+    from batchgen.run import run as _run
+
+    return _run(config)
+
+
+def __getattr__(name: str) -> Any:
+    # LLM pulls in torch; importing it lazily keeps `batchgen merge`/`slurm` and the
+    # plain-Python planner quick to start.
+    if name == "LLM":
+        from batchgen.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

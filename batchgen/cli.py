@@ -32,6 +32,7 @@ def _opt(*decls: str, **kw):
 
 def data_options(f):
     for o in reversed([
+        _opt("--input", "-i", help="Input data; overrides a job spec's input (builtin:samples/... for the shipped samples)."),
         _opt("--model", "-m", help="Local model directory (config.json + *.safetensors). Default: the embedded demo model."),
         _opt("--prompt-column", help="Input column holding the prompt text."),
         _opt("--messages-column", help="Input column of chat messages [{role, content}], rendered with the tokenizer's chat template."),
@@ -72,6 +73,8 @@ def run_options(f):
         _opt("--overwrite", is_flag=True, help="Replace another job's results in --output."),
         _opt("--quiet", "-q", is_flag=True, help="No progress bar (for schedulers' logs)."),
         _opt("--allow-pickle", is_flag=True, help="Allow loading pytorch_model.bin pickle checkpoints (can run code)."),
+        _opt("--shard", help="Run only shard I/N of the rows (by id hash), into OUTPUT/shard-IIIII-of-NNNNN/. Default in a Slurm array task: SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT."),
+        _opt("--workers", type=str, help="auto or N: N processes (auto: one per visible GPU) over shards of the input, then merged into OUTPUT/merged.parquet."),
     ]):  # fmt: skip
         f = o(f)
     return f
@@ -84,6 +87,10 @@ def build_config(ctx: click.Context, source: str, **flags) -> RunConfig:
         values = load_job_spec(source)
     else:
         values["input"] = resolve_path(source)
+        if flags.get("input") is not None:
+            raise ConfigError(f"input {source} and --input {flags['input']}: pass one of them")
+    if flags.get("input") is not None:
+        flags["input"] = resolve_path(flags["input"])
     for name, value in flags.items():
         # None: not one of this command's options (passed by the command itself)
         given = ctx.get_parameter_source(name) in (
@@ -93,11 +100,29 @@ def build_config(ctx: click.Context, source: str, **flags) -> RunConfig:
         )
         if given or name not in values:
             values[name] = value
+    if "shard" in flags and values.get("shard") is None:
+        values["shard"] = _shard_from_env(values.get("workers", 1))
     if isinstance(values.get("passthrough"), str):
         values["passthrough"] = [c.strip() for c in values["passthrough"].split(",") if c.strip()]
     if isinstance(values.get("stop"), tuple | list):
         values["stop"] = list(values["stop"])
     return RunConfig.from_mapping(values, source)
+
+
+def _shard_from_env(workers) -> str | None:
+    """The shard of a Slurm array task (SLURM_ARRAY_TASK_ID/COUNT), for runs without --shard."""
+    from batchgen.shard import ShardError, shard_from_env
+
+    try:
+        shard = shard_from_env()
+    except ShardError as e:
+        raise ConfigError(str(e)) from None
+    if shard is not None and str(workers) != "1":
+        raise ConfigError(
+            f"this is Slurm array task {shard} (SLURM_ARRAY_TASK_ID is set), which runs one shard; "
+            "--workers splits a whole job, so use one or the other"
+        )
+    return str(shard) if shard else None
 
 
 def _fail(msg: str, code: int) -> None:
@@ -133,24 +158,29 @@ def run_cmd(ctx: click.Context, source: str, **flags) -> None:
     A killed or preempted job resumes when the same command runs again.
     """
     from batchgen.data import InputError
+    from batchgen.merge import MergeError
     from batchgen.model.loader import ModelLoadError
+    from batchgen.multigpu import WorkersFailed, run_workers
     from batchgen.run import JobInterrupted, run
     from batchgen.tokenize import PromptTooLong
 
     try:
         cfg = build_config(ctx, source, **flags)
+        if cfg.workers != 1:  # one process per GPU (or N on the CPU) over shards, then merged
+            click.echo(run_workers(cfg).table())
+            return
         stats = run(cfg)
     except (ConfigError, InputError, ModelLoadError) as e:
         _fail(str(e), EXIT_USAGE)
-    except PromptTooLong as e:
+    except (PromptTooLong, WorkersFailed, MergeError) as e:
         _fail(str(e), 1)
     except JobInterrupted as e:
         _fail(str(e), 128 + e.signum)
     if not cfg.quiet:
-        click.echo(f"\nwrote {cfg.output}\n{stats.table()}")
+        click.echo(f"\nwrote {cfg.output_dir}\n{stats.table()}")
     else:
         click.echo(
-            f"wrote {cfg.output}: {stats.rows} rows, {stats.to_dict()['output_tokens_per_s']:.1f} output tokens/s"
+            f"wrote {cfg.output_dir}: {stats.rows} rows, {stats.to_dict()['output_tokens_per_s']:.1f} output tokens/s"
         )
 
 
@@ -174,6 +204,102 @@ def plan_cmd(ctx: click.Context, source: str, as_json: bool, **flags) -> None:
     except (ConfigError, InputError, ModelLoadError) as e:
         _fail(str(e), EXIT_USAGE)
     click.echo(json.dumps(report, indent=2) if as_json else format_plan(report))
+
+
+@main.command("slurm", context_settings={"ignore_unknown_options": True})
+@click.argument("source")
+@click.option(
+    "--shards", type=click.IntRange(min=1), required=True, help="Number of shards = array tasks."
+)
+@click.option("--partition", "-p", help="Slurm partition.")
+@click.option("--gpus-per-task", type=int, help="GPUs per task (one shard per task).")
+@click.option("--cpus-per-task", type=int, help="CPUs per task.")
+@click.option("--mem", help="Memory per task, e.g. 32G.")
+@click.option(
+    "--time", help="Time limit per task, e.g. 04:00:00; a task near it saves, requeues and resumes."
+)
+@click.option(
+    "--only", help="Comma-separated shard numbers to (re)submit, e.g. 2,5 (default: all)."
+)
+@click.option("--max-parallel", type=int, help="At most this many tasks at once.")
+@click.option(
+    "--grace",
+    "grace_s",
+    type=int,
+    default=120,
+    show_default=True,
+    help="Seconds before the time limit to stop and requeue.",
+)
+@click.option("--job-name", default="batchgen", show_default=True)
+@click.option(
+    "--sbatch-arg",
+    "extra",
+    multiple=True,
+    help="Another sbatch option, e.g. --sbatch-arg=--account=abc (repeatable).",
+)
+@click.option("--dry-run", is_flag=True, help="Print the script instead of submitting it.")
+@click.argument("run_args", nargs=-1, type=click.UNPROCESSED)
+def slurm_cmd(
+    source: str, run_args: tuple[str, ...], dry_run: bool, only: str | None, **opts
+) -> None:
+    """Submit SOURCE (a job spec .yaml, or data with run flags) as a Slurm job array: task I
+    runs `batchgen run SOURCE --shard I/N` into OUTPUT/shard-IIIII-of-NNNNN/.
+
+    \b
+    Examples:
+      batchgen slurm jobs/label_sentiment.yaml --shards 8 -p gpu --gpus-per-task 1 --time 2:00:00
+      batchgen slurm jobs/summarize.yaml --shards 4 --dry-run -- --limit 1000 --no-compile
+    Flags after -- go to every `batchgen run`. When all tasks are done: batchgen merge OUTPUT.
+    """
+    from batchgen.slurm import SbatchOptions, SlurmError, sbatch_script, submit, write_script
+
+    args = [a for a in run_args if a != "--"]
+    try:
+        if any(a.split("=")[0] in ("--shard", "--workers") for a in args):
+            raise ConfigError("batchgen slurm picks each task's shard; leave out --shard/--workers")
+        # Parse and check the job exactly as each task's `batchgen run` will.
+        run_ctx = run_cmd.make_context("run", [source, *args, "--shard", f"0/{opts['shards']}"])
+        params = {k: v for k, v in run_ctx.params.items() if k != "source"}
+        cfg = build_config(run_ctx, source, **params)
+        shards = tuple(int(i) for i in only.split(",")) if only else ()
+        sb = SbatchOptions(only=shards, **opts)
+        script = sbatch_script(source, cfg, args, sb)
+        if dry_run:
+            click.echo(script)
+            return
+        path = write_script(cfg.output, script)
+        job_id = submit(path)
+    except (ConfigError, SlurmError, ValueError) as e:
+        _fail(str(e), EXIT_USAGE)
+    except click.UsageError as e:
+        _fail(f"in the run flags: {e.format_message()}", EXIT_USAGE)
+    click.echo(job_id)
+    click.echo(
+        f"submitted {sb.array} of {sb.shards} shards as job {job_id} (script {path}); "
+        f"logs in {cfg.output}/logs/; when all are done: batchgen merge {cfg.output}",
+        err=True,
+    )
+
+
+@main.command("merge")
+@click.argument("output")
+@click.option(
+    "--stats-only", is_flag=True, help="Check and write _stats.json, without merged.parquet."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
+def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
+    """Check that every shard in OUTPUT finished and belongs to one job, then write
+    OUTPUT/merged.parquet and OUTPUT/_stats.json (totals and a per-shard table).
+    Missing, unfinished or mismatched shards are listed by number and nothing is merged."""
+    import json
+
+    from batchgen.merge import MergeError, merge
+
+    try:
+        summary = merge(output, write_data=not stats_only)
+    except MergeError as e:
+        _fail(str(e), 1)
+    click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else summary.table())
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchgen.shard import Shard, ShardError
+
 
 class ConfigError(ValueError):
     pass
@@ -40,6 +42,7 @@ class RunConfig:
     id_column: str | None = None  # None: the global row index
     passthrough: list[str] | None = None  # input columns copied to the output; None: all
     limit: int | None = None  # only the first N rows (for trying a job out)
+    shard: Shard | None = None  # "I/N": this 1/N of the rows, written to OUTPUT/shard-I-of-N/
     # generation defaults; per-row columns max_new_tokens/temperature/top_p/seed override
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -68,6 +71,7 @@ class RunConfig:
     overwrite: bool = False
     quiet: bool = False
     allow_pickle: bool = False
+    workers: int | str = 1  # processes over shards of the input; "auto": one per visible GPU
 
     def __post_init__(self) -> None:
         for key, allowed in _CHOICES.items():
@@ -91,8 +95,27 @@ class RunConfig:
         for key in ("max_batch", "kv_cache_tokens", "limit"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        try:
+            self.shard = Shard.parse(self.shard) if self.shard is not None else None
+        except ShardError as e:
+            raise ConfigError(f"shard: {e}") from None
+        if isinstance(self.workers, str) and self.workers.isdigit():
+            self.workers = int(self.workers)
+        if self.workers != "auto" and (
+            isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1
+        ):
+            raise ConfigError(f"workers must be auto or an integer >= 1, got {self.workers!r}")
+        if self.shard is not None and self.workers != 1:
+            raise ConfigError(
+                "use either shard or workers, not both (workers shard the input itself)"
+            )
         if self.messages_column and self.template:
             raise ConfigError("use either messages_column or template, not both")
+
+    @property
+    def output_dir(self) -> str:
+        """Where this run's part files go: the output, or its shard's own subdirectory."""
+        return str(Path(self.output) / self.shard.dirname) if self.shard else self.output
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -118,9 +141,14 @@ class RunConfig:
     def fingerprint(self) -> dict[str, Any]:
         """What makes two runs the same job: a rerun with a different one is refused."""
         skip = {"overwrite", "quiet", "rows_per_part", "flush_seconds", "window_rows", "max_batch",
-                "prefill_token_budget", "kv_cache_tokens", "compile"}  # fmt: skip
+                "prefill_token_budget", "kv_cache_tokens", "compile", "workers"}  # fmt: skip
         out = {k: getattr(self, k) for k in self.keys() if k not in skip}
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())
         out["truncate"] = self.truncate.value
+        # Unsharded runs keep the fingerprint they had before shards existed.
+        if self.shard:
+            out["shard"] = str(self.shard)
+        else:
+            del out["shard"]
         return out

@@ -35,6 +35,8 @@ def load_job_spec(path: str) -> dict[str, Any]:
         raise ConfigError(f"job spec {path} is not valid YAML: {e}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"job spec {path} must be a mapping of option: value")
+    # max-new-tokens and max_new_tokens are one key, before flags are merged in by name
+    values = {str(k).replace("-", "_"): v for k, v in values.items()}
     for key in ("input", "output", "model"):
         if isinstance(values.get(key), str):
             values[key] = resolve_path(values[key])

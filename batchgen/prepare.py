@@ -7,14 +7,21 @@ Rows that cannot run become error records here, before the engine sees them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+
 from batchgen.config import RunConfig
 from batchgen.data import InputError, InputSource, PromptBuilder, RowError, default_ids
+from batchgen.data.writer import RESERVED_COLUMNS
 from batchgen.engine.sequence import Request, SamplingParams
 from batchgen.tokenize import fit_length, tokenize
+
+log = logging.getLogger(__name__)
 
 # Optional input columns that override the job's sampling defaults for their row.
 OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "seed")
@@ -66,7 +73,7 @@ class Preparer:
         self.builder = make_prompt_builder(cfg, tokenizer)
         self.max_prompt_len = max_prompt_len
         self.max_seq = max_seq  # prompt + new tokens must fit the model's positions
-        self.passthrough = list(source.columns if cfg.passthrough is None else cfg.passthrough)
+        self.passthrough = self._passthrough(cfg, source)
         self.overrides = [c for c in OVERRIDE_COLUMNS if c in source.columns]
         needed = self.builder.required_columns() | set(self.passthrough) | set(self.overrides)
         if cfg.id_column:
@@ -83,6 +90,21 @@ class Preparer:
             ignore_eos=cfg.ignore_eos,
         )
         self._seen_ids: set[Any] = set()
+
+    @staticmethod
+    def _passthrough(cfg: RunConfig, source: InputSource) -> list[str]:
+        """Input columns copied to the output: the id column is the output's `id`, and by
+        default a column named like an output column (e.g. `text`) is left out."""
+        if cfg.passthrough is not None:
+            return [c for c in cfg.passthrough if c != cfg.id_column]
+        clash = [c for c in source.columns if c in RESERVED_COLUMNS and c != cfg.id_column]
+        if clash:
+            log.warning(
+                "input column(s) %s not copied to the output, which has columns of that name%s",
+                ", ".join(map(repr, clash)),
+                " (--id-column id uses the input's ids)" if "id" in clash else "",
+            )
+        return [c for c in source.columns if c not in RESERVED_COLUMNS and c != cfg.id_column]
 
     @property
     def id_type(self):
@@ -102,13 +124,17 @@ class Preparer:
             if limit is not None and read + batch.num_rows > limit:
                 batch = batch.slice(0, limit - read)
             read += batch.num_rows
-            records = batch.to_pylist()
+            n_read = batch.num_rows
             ids = (
                 batch.column(self.cfg.id_column).to_pylist()
                 if self.cfg.id_column
                 else default_ids(offset, batch.num_rows).to_pylist()
             )
-            yield batch.num_rows, self._window(records, ids, done)
+            if self.cfg.shard is not None:  # other shards' rows are neither rendered nor checked
+                keep = self.cfg.shard.mask(ids)
+                batch = batch.filter(pa.array(keep, pa.bool_()))
+                ids = list(itertools.compress(ids, keep))
+            yield n_read, self._window(batch.to_pylist(), ids, done)
 
     def _window(self, records: list[dict], ids: list[Any], done: set[Any]) -> Window:
         rows: list[Row] = []

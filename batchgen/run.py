@@ -115,8 +115,11 @@ def open_job(cfg: RunConfig) -> Job:
     model_cfg = config_from_hf(read_hf_config(model_dir))
     source = open_input(cfg.input)
     tokenizer = load_tokenizer(model_dir)
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    try:
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+    except ValueError as e:  # e.g. --device cuda on a machine without one
+        raise ConfigError(str(e)) from None
     max_seq = model_cfg.max_position_embeddings
     max_prompt = min(
         cfg.max_prompt_len, max_seq - BucketConfig().new_tokens_bucket(cfg.max_new_tokens)
@@ -149,9 +152,16 @@ def run(cfg: RunConfig) -> RunStats:
     )
     passthrough = pa.schema([source.schema.field(c) for c in prep.passthrough])
     schema = output_schema(prep.id_type, passthrough, cfg.with_token_ids, cfg.with_logprobs)
-    out = OutputDir(cfg.output, cfg.fingerprint(), cfg.overwrite)
+    out = OutputDir(cfg.output_dir, cfg.fingerprint(), cfg.overwrite)
     done = out.done_ids()
     stats.rows_skipped_done = len(done)
+    if out.is_complete:
+        log.warning(
+            "%s already holds this job's complete results; --overwrite reruns it", cfg.output_dir
+        )
+        stats.extra["complete"] = True
+        stats.finish()
+        return stats
 
     t0 = time.perf_counter()
     buckets = job.buckets

@@ -296,7 +296,8 @@ def _jsonl_schema(file: str) -> pa.Schema | None:
             return reader.schema
     except (pa.ArrowException, OSError) as e:
         raise InputError(
-            f"cannot read JSON Lines file {file}: {e}; each line must be one JSON object"
+            f"cannot read JSON Lines file {file}: {e}; each line must be one JSON object "
+            "and a column's type must not change between lines (or convert to Parquet)"
         ) from e
 
 

@@ -39,6 +39,8 @@ TMP_PREFIX = ".tmp-"
 _PART_RE = re.compile(r"part-(\d+)\.parquet")
 WriteFn = Callable[[BinaryIO], None]
 _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+# Names an input column cannot keep in the output: the result row already has them.
+RESERVED_COLUMNS = frozenset({"id", *_OUTPUT_COLUMNS, "token_ids", "logprobs"})
 
 
 def output_schema(
@@ -48,12 +50,11 @@ def output_schema(
     with_logprobs: bool = False,
 ) -> pa.Schema:
     """The one definition of a result row: id, passthrough input columns, generation fields."""
-    reserved = {"id", *_OUTPUT_COLUMNS, "token_ids", "logprobs"}
-    clash = [n for n in passthrough.names if n in reserved]
+    clash = [n for n in passthrough.names if n in RESERVED_COLUMNS]
     if clash:
         raise InputError(
             f"passthrough column(s) {', '.join(map(repr, clash))} clash with output columns "
-            f"{sorted(reserved)}; leave them out of the passthrough list"
+            f"{sorted(RESERVED_COLUMNS)}; leave them out of the passthrough list"
         )
     fields = [
         pa.field("id", id_type),
@@ -242,10 +243,18 @@ def _json_writer(obj: Any) -> WriteFn:
     return write
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
+
+
 def _write_atomic(directory: str, name: str, write: WriteFn) -> None:
     """Write `name` in `directory` so that it appears complete or not at all."""
     fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{name}.", dir=directory)
     try:
+        # mkstemp makes the file owner-only; results get the modes any new file would.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

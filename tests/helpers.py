@@ -1,0 +1,114 @@
+"""Shared helpers for the CLI tests: write real input files, run the real CLI, read outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from click.testing import CliRunner, Result
+
+from batchgen.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Eager with a small cache: the tiny models then run a job in about a second.
+EAGER = ("--device", "cpu", "--no-compile", "--kv-cache-tokens", "4096")
+FAST = (*EAGER, "--quiet")
+
+BASE_COLUMNS = ["text", "finish_reason", "prompt_tokens", "completion_tokens", "error"]
+
+# Short prompts in the tiny tokenizer's corpus, of a few different token lengths.
+PROMPTS = [
+    "the quick brown fox",
+    "label the sentiment of this review: great product",
+    "a static cache keeps every shape fixed",
+    "summarise the text in one sentence.",
+    "batch inference sorts prompts by length and packs them into buckets.",
+    "the lazy dog",
+    "great product, would buy again",
+    "so the compiler sees one graph",
+]
+
+
+def prompts(n: int) -> list[str]:
+    return [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(n)]
+
+
+def write_parquet(path: Path, columns: dict[str, list], **kw) -> Path:
+    pq.write_table(pa.table(columns), path, **kw)
+    return path
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_cli(*args: Any, exit_code: int | None = 0) -> Result:
+    """`batchgen ARGS` in-process; checks the exit code unless exit_code is None."""
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    if exit_code is not None:
+        assert result.exit_code == exit_code, (
+            f"exit {result.exit_code}, wanted {exit_code}\n"
+            f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+        )
+    return result
+
+
+def cli_command(*args: Any) -> list[str]:
+    return [sys.executable, "-m", "batchgen.cli", *map(str, args)]
+
+
+def start_cli(*args: Any) -> subprocess.Popen:
+    """The CLI as a separate process (for signals), stdout/stderr captured."""
+    return subprocess.Popen(
+        cli_command(*args),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def wait_for_part(out: Path, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Poll until the first complete part file exists (the process must still be running)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(out.glob("part-*.parquet")):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"the job ended (exit {proc.returncode}) before writing a part:\n"
+                + proc.stderr.read()
+            )
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError(f"no part file in {out} after {timeout} s")
+
+
+def read_output(out: Path) -> pa.Table:
+    """Every part file of an output directory, in part order."""
+    parts = sorted(out.glob("part-*.parquet"))
+    assert parts, f"no part files in {out}: {sorted(p.name for p in out.iterdir())}"
+    return pa.concat_tables(pq.read_table(p) for p in parts)
+
+
+def rows_by_id(out: Path) -> dict[Any, dict[str, Any]]:
+    """Output rows keyed by id; fails on a duplicate id."""
+    rows = read_output(out).to_pylist()
+    ids = [r["id"] for r in rows]
+    dupes = sorted({i for i in ids if ids.count(i) > 1}, key=str)
+    assert not dupes, f"ids written more than once: {dupes}"
+    return {r["id"]: r for r in rows}
+
+
+def read_stats(out: Path) -> dict[str, Any]:
+    return json.loads((out / "_stats.json").read_text())

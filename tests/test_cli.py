@@ -1,0 +1,404 @@
+"""`batchgen run` and `batchgen plan` end to end: the real CLI on real files with tiny models."""
+
+import json
+import os
+
+import datasets
+import pyarrow as pa
+import pytest
+from helpers import (
+    BASE_COLUMNS,
+    FAST,
+    prompts,
+    read_output,
+    rows_by_id,
+    run_cli,
+    write_jsonl,
+    write_parquet,
+)
+from transformers import AutoTokenizer
+
+from batchgen.config import RunConfig
+from batchgen.engine.sequence import SamplingParams
+from batchgen.llm import LLM
+from batchgen.run import open_job
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dirs):
+    return tiny_dirs["llama"]
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    return AutoTokenizer.from_pretrained(str(model))
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    """A plain Parquet run of prompts(N) that the other input formats must reproduce."""
+    d = tmp_path_factory.mktemp("reference")
+    src = write_parquet(d / "in.parquet", {"prompt": prompts(N), "k": list(range(N))})
+    run_cli("run", src, "-o", d / "out", "--model", model, *FAST, "--max-new-tokens", 8)
+    return rows_by_id(d / "out")
+
+
+def test_parquet_end_to_end(tmp_path, model, tok):
+    tags = [f"t{i}" if i % 3 else None for i in range(N)]
+    src = write_parquet(
+        tmp_path / "in.parquet",
+        {"prompt": prompts(N), "k": list(range(N)), "tag": tags},
+        row_group_size=5,
+    )
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 8,
+            "--with-token-ids", "--with-logprobs")  # fmt: skip
+
+    table = read_output(out)
+    assert table.schema.names == [
+        "id",
+        "prompt",
+        "k",
+        "tag",
+        *BASE_COLUMNS,
+        "token_ids",
+        "logprobs",
+    ]
+    assert table.schema.field("id").type == pa.int64()
+    assert table.schema.field("k").type == pa.int64()
+    assert table.schema.field("token_ids").type == pa.list_(pa.int32())
+    rows = rows_by_id(out)
+    assert sorted(rows) == list(range(N))
+    for i, r in rows.items():
+        assert (r["prompt"], r["k"], r["tag"]) == (prompts(N)[i], i, tags[i])
+        assert r["error"] is None
+        assert r["finish_reason"] in ("stop", "length")
+        assert 1 <= r["completion_tokens"] <= 8
+        assert (r["finish_reason"] == "length") == (r["completion_tokens"] == 8)
+        assert len(r["token_ids"]) == len(r["logprobs"]) == r["completion_tokens"]
+        assert all(lp <= 0 for lp in r["logprobs"])
+        assert r["text"] == tok.decode(r["token_ids"], skip_special_tokens=True)
+        assert r["prompt_tokens"] == len(tok(prompts(N)[i])["input_ids"])
+    assert (out / "_SUCCESS").exists()
+    assert json.loads((out / "_job.json").read_text())["max_new_tokens"] == 8
+
+
+def test_output_files_follow_the_umask(tmp_path, model):
+    """Results go to shared storage: files are created like any other, not owner-only."""
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
+    run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, "--max-new-tokens", 2)
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in (tmp_path / "out").iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f.name
+
+
+def _jsonl(d, n):
+    return write_jsonl(d / "in.jsonl", [{"prompt": p, "k": i} for i, p in enumerate(prompts(n))])
+
+
+def _datasets(d, n):
+    datasets.Dataset.from_dict({"prompt": prompts(n), "k": list(range(n))}).save_to_disk(d / "ds")
+    return d / "ds"
+
+
+def _glob(d, n):
+    (d / "parts").mkdir()
+    cut = [0, 3, 4, n]  # uneven files; ids run on across them in sorted file order
+    for j, (a, b) in enumerate(zip(cut, cut[1:], strict=False)):
+        cols = {"prompt": prompts(n)[a:b], "k": list(range(a, b))}
+        write_parquet(d / "parts" / f"f{j}.parquet", cols)
+    return f"{d}/parts/*.parquet"
+
+
+@pytest.mark.parametrize("make", [_jsonl, _datasets, _glob], ids=["jsonl", "datasets", "glob"])
+def test_other_inputs_give_the_same_results(tmp_path, model, reference, make):
+    src = make(tmp_path, N)
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 8)
+    rows = rows_by_id(out)
+    assert sorted(rows) == list(range(N))
+    for i, r in rows.items():
+        assert (r["prompt"], r["k"]) == (prompts(N)[i], i)
+        assert r["text"] == reference[i]["text"]
+        assert r["completion_tokens"] == reference[i]["completion_tokens"]
+
+
+def test_template_over_columns_equals_the_rendered_prompt(tmp_path, model, tok, caplog):
+    """A template over `text` (also an output column's name) and `lang` renders per row;
+    the result equals running the rendered strings as plain prompts."""
+    texts, langs = prompts(6), ["en", "fr"] * 3
+    rendered = [f"Review ({lang}): {t}\nSentiment:" for t, lang in zip(texts, langs, strict=True)]
+    src = write_parquet(tmp_path / "in.parquet", {"text": texts, "lang": langs})
+    out = tmp_path / "out"
+    tmpl = "Review ({{ lang }}): {{ text }}\nSentiment:"
+    run_cli("run", src, "-o", out, "--model", model, *FAST, "-t", tmpl, "--max-new-tokens", 6)
+    plain = write_parquet(tmp_path / "plain.parquet", {"prompt": rendered})
+    run_cli("run", plain, "-o", tmp_path / "plain", "--model", model, *FAST,
+            "--max-new-tokens", 6)  # fmt: skip
+
+    got, want = rows_by_id(out), rows_by_id(tmp_path / "plain")
+    # the input `text` column cannot pass through under its own name: the output's text wins
+    assert read_output(out).schema.names == ["id", "lang", *BASE_COLUMNS]
+    assert "'text' not copied to the output" in caplog.text
+    for i in range(6):
+        assert got[i]["lang"] == langs[i]
+        assert got[i]["prompt_tokens"] == len(tok(rendered[i])["input_ids"])
+        assert (got[i]["text"], got[i]["error"]) == (want[i]["text"], None)
+
+
+def test_messages_column_uses_the_chat_template(tmp_path, model, tok):
+    chats = [
+        [
+            {"role": "system", "content": "label the sentiment"},
+            {"role": "user", "content": "great"},
+        ],
+        [{"role": "user", "content": "the quick brown fox"}],
+        None,
+        [],
+        [{"role": "user", "content": "summarise the text in one sentence."}],
+    ]
+    src = write_parquet(tmp_path / "in.parquet", {"messages": chats})
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", model, *FAST, "--messages-column", "messages",
+            "--max-new-tokens", 6)  # fmt: skip
+    rendered = {
+        i: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+        for i, m in enumerate(chats)
+        if m
+    }
+    plain = write_parquet(tmp_path / "plain.parquet", {"prompt": list(rendered.values())})
+    run_cli("run", plain, "-o", tmp_path / "plain", "--model", model, *FAST,
+            "--max-new-tokens", 6)  # fmt: skip
+
+    rows, plain_rows = rows_by_id(out), rows_by_id(tmp_path / "plain")
+    want = [plain_rows[j] for j in sorted(plain_rows)]
+    assert sorted(rows) == list(range(len(chats)))
+    for (i, text), ref in zip(rendered.items(), want, strict=True):
+        assert rows[i]["error"] is None
+        assert rows[i]["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"])
+        assert rows[i]["text"] == ref["text"]
+    for i in (2, 3):
+        assert rows[i]["finish_reason"] == "error"
+        assert "messages" in rows[i]["error"]
+
+
+def test_id_column(tmp_path, model):
+    """String ids in any order come back once each, with their own row; an input column
+    named `id` works as the id column."""
+    ids = [f"r{(i * 7) % N:02d}" for i in range(N)]
+    for col in ("uid", "id"):
+        src = write_parquet(tmp_path / f"{col}.parquet", {col: ids, "prompt": prompts(N)})
+        out = tmp_path / f"out-{col}"
+        run_cli("run", src, "-o", out, "--model", model, *FAST, "--id-column", col,
+                "--max-new-tokens", 4)  # fmt: skip
+        table = read_output(out)
+        assert table.schema.names == ["id", "prompt", *BASE_COLUMNS]
+        assert table.schema.field("id").type == pa.string()
+        rows = rows_by_id(out)
+        assert sorted(rows) == sorted(ids)
+        for i, rid in enumerate(ids):
+            assert rows[rid]["prompt"] == prompts(N)[i]
+
+
+def test_duplicate_ids_fail_with_a_fix(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"uid": [1, 2, 1], "prompt": prompts(3)})
+    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
+                "--id-column", "uid", exit_code=2)  # fmt: skip
+    assert "twice" in r.stderr and "--id-column" in r.stderr
+
+
+def test_per_row_max_new_tokens(tmp_path, model):
+    limits = [1, 5, 12, None, 3, 20]
+    src = write_parquet(
+        tmp_path / "in.parquet", {"prompt": prompts(6), "max_new_tokens": pa.array(limits)}
+    )
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", model, *FAST, "--ignore-eos",
+            "--max-new-tokens", 4)  # fmt: skip
+    rows = rows_by_id(out)
+    for i, want in enumerate(limits):
+        assert rows[i]["completion_tokens"] == (want or 4), i
+        assert rows[i]["finish_reason"] == "length"
+        assert rows[i]["max_new_tokens"] == want  # override columns also pass through
+
+
+def test_per_row_sampling_columns(tmp_path, model):
+    """temperature, top_p and seed columns act like the same values given as flags."""
+    n = 4
+    groups = {  # (temperature, top_p, seed) per group of n rows
+        "greedy": (0.0, 1.0, 0),
+        "top_p_tiny": (1.0, 1e-6, 0),  # nucleus of one token: greedy
+        "seed3": (1.0, 1.0, 3),
+        "seed4": (1.0, 1.0, 4),
+    }
+    cols = {"prompt": [], "temperature": [], "top_p": [], "seed": []}
+    for t, p, s in groups.values():
+        cols["prompt"] += prompts(n)
+        cols["temperature"] += [t] * n
+        cols["top_p"] += [p] * n
+        cols["seed"] += [s] * n
+    src = write_parquet(tmp_path / "in.parquet", cols)
+    run_cli("run", src, "-o", tmp_path / "mixed", "--model", model, *FAST, "--max-new-tokens", 8)
+    plain = write_parquet(tmp_path / "plain.parquet", {"prompt": prompts(n)})
+
+    def flags_run(name, *flags):
+        run_cli("run", plain, "-o", tmp_path / name, "--model", model, *FAST,
+                "--max-new-tokens", 8, *flags)  # fmt: skip
+        rows = rows_by_id(tmp_path / name)
+        return [rows[i]["text"] for i in sorted(rows)]
+
+    rows = rows_by_id(tmp_path / "mixed")
+    mixed = [rows[i]["text"] for i in sorted(rows)]
+    by_group = {g: mixed[j * n : (j + 1) * n] for j, g in enumerate(groups)}
+    greedy = flags_run("greedy")
+    assert by_group["greedy"] == greedy
+    assert by_group["top_p_tiny"] == greedy
+    assert by_group["seed3"] == flags_run("seed3", "--temperature", 1.0, "--seed", 3)
+    assert by_group["seed3"] != by_group["seed4"]
+    assert by_group["seed3"] != greedy
+
+
+def test_bad_per_row_sampling_value_is_a_row_error(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3), "top_p": [1.0, 0.0, None]})
+    run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, "--max-new-tokens", 2)
+    rows = rows_by_id(tmp_path / "out")
+    assert rows[1]["finish_reason"] == "error" and "top_p" in rows[1]["error"]
+    assert rows[0]["error"] is None and rows[2]["error"] is None
+
+
+def test_limit(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(N)})
+    run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, "--limit", 5,
+            "--max-new-tokens", 2)  # fmt: skip
+    assert sorted(rows_by_id(tmp_path / "out")) == [0, 1, 2, 3, 4]
+    plan = json.loads(run_cli("plan", src, "--model", model, "--limit", 5, "--json").stdout)
+    assert plan["rows"] == 5
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_cli_equals_the_python_api(tmp_path, tiny_dirs, family):
+    model = tiny_dirs[family]
+    texts = prompts(N)
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": texts})
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 10,
+            "--with-token-ids")  # fmt: skip
+    # the same bucketing as the CLI, so the same batches
+    job = open_job(RunConfig(input=str(src), output=str(out), model=str(model), device="cpu",
+                             kv_cache_tokens=4096, max_new_tokens=10))  # fmt: skip
+    llm = LLM(model, device="cpu", compile=False, buckets=job.buckets)
+    want = llm.generate(texts, SamplingParams(max_new_tokens=10))
+    rows = rows_by_id(out)
+    for i, c in enumerate(want):
+        assert rows[i]["token_ids"] == c.token_ids
+        assert rows[i]["text"] == c.text
+        assert rows[i]["finish_reason"] == c.finish_reason.value
+
+
+def test_overwrite(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
+    out = tmp_path / "out"
+    args = ("run", src, "-o", out, "--model", model, *FAST, "--ignore-eos")
+    run_cli(*args, "--max-new-tokens", 3)
+    r = run_cli(*args, "--max-new-tokens", 5, exit_code=2)
+    assert "another job" in r.stderr and "--overwrite" in r.stderr
+    assert {r["completion_tokens"] for r in rows_by_id(out).values()} == {3}
+    run_cli(*args, "--max-new-tokens", 5, "--overwrite")
+    rows = rows_by_id(out)
+    assert sorted(rows) == [0, 1, 2, 3]
+    assert {r["completion_tokens"] for r in rows.values()} == {5}
+
+
+def test_refuses_a_directory_it_did_not_write(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, "--overwrite",
+                exit_code=2)  # fmt: skip
+    assert "not written by batchgen" in r.stderr
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+def test_run_help_mentions_the_main_options():
+    text = run_cli("run", "--help").stdout
+    for opt in ("--output", "--model", "--prompt-column", "--messages-column", "--template",
+                "--id-column", "--max-new-tokens", "--truncate", "--temperature", "--seed",
+                "--rows-per-part", "--overwrite", "--quiet", "--no-compile", "--limit",
+                "job spec", "resume"):  # fmt: skip
+        assert opt in text, opt
+    assert "plan" in run_cli("--help").stdout
+
+
+def test_device_without_a_gpu_is_a_clear_error(tmp_path, model):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, "--device", "cuda",
+                exit_code=2)  # fmt: skip
+    assert "--device cpu" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# --- plan ---
+
+
+def test_plan_text(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(40)})
+    text = run_cli("plan", src, "--model", model, "--max-batch", 8).stdout
+    for part in ("prompt length histogram", "batches", "padding efficiency", "KV cache",
+                 "rows    40"):  # fmt: skip
+        assert part in text, part
+
+
+def test_plan_json(tmp_path, model, tok):
+    texts = prompts(40) + ["the quick brown fox " * 30, None]
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": texts})
+    report = json.loads(
+        run_cli(
+            "plan", src, "--model", model, "--max-batch", 8, "--max-prompt-len", 32, "--json"
+        ).stdout  # fmt: skip
+    )
+    assert report["rows"] == len(texts)
+    assert report["rows_error"] == 2  # too long (skip) and null
+    assert sum(report["length_histogram"].values()) == len(texts) - 2
+    assert all(int(edge) <= 32 for edge in report["length_histogram"])
+    assert 0 < report["padding_efficiency"] <= 1
+    assert report["prompt_tokens"] == sum(len(tok(t)["input_ids"]) for t in texts[:40])
+    planned = sum(b["count"] for b in report["batches"])
+    assert planned >= (len(texts) - 2) / 8
+    assert all(b["batch_size"] <= 8 for b in report["batches"])
+    assert report["kv_cache_bytes_max_batch"] > 0
+
+
+def test_plan_loads_no_weights(tmp_path, model, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("plan loaded the model")
+
+    monkeypatch.setattr("batchgen.llm.load_model", boom)
+    monkeypatch.setattr("batchgen.run.LLM", boom)
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(5)})
+    assert json.loads(run_cli("plan", src, "--model", model, "--json").stdout)["rows"] == 5
+
+
+@pytest.mark.slow
+def test_compiled_run_equals_eager(tmp_path, model):
+    """The default compiled path end to end: same results as --no-compile, shapes compiled."""
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
+    common = ("--model", model, "--device", "cpu", "--kv-cache-tokens", 4096, "--quiet",
+              "--max-new-tokens", 6, "--with-token-ids")  # fmt: skip
+    run_cli("run", src, "-o", tmp_path / "compiled", *common)
+    run_cli("run", src, "-o", tmp_path / "eager", *common, "--no-compile")
+    compiled, eager = rows_by_id(tmp_path / "compiled"), rows_by_id(tmp_path / "eager")
+    assert sorted(compiled) == [0, 1, 2, 3]
+    for i in range(4):
+        assert compiled[i]["token_ids"] == eager[i]["token_ids"]
+        assert compiled[i]["text"] == eager[i]["text"]
+    stats = json.loads((tmp_path / "compiled" / "_stats.json").read_text())
+    assert stats["compiled"] is True
+    assert stats["compiled_shapes"] >= 2  # a prefill and a decode shape
+    assert stats["compile_s"] > 0
