@@ -1,0 +1,133 @@
+"""`batchgen run --workers N|auto`: one worker process per GPU over shards of the input.
+
+Worker i of N is `batchgen run <the same job> --shard i/N` in its own process, pinned to one GPU
+with CUDA_VISIBLE_DEVICES (so each compiles and caches for a single device, and no process
+touches another's memory). The workers write OUT/shard-*-of-N/ exactly as N Slurm array tasks
+would, and the parent merges them (batchgen.merge) once all have finished, so the rows are
+those of one process: the same prompts, each run once, greedy outputs equal.
+
+On the CPU (`--device cpu`) N workers share the cores, each with cores/N threads: mostly a way
+to test this on a machine without GPUs. SIGTERM/SIGINT are passed to the workers, which save
+their finished rows; running the same command again resumes every unfinished shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from batchgen.config import ConfigError, RunConfig
+from batchgen.merge import MergeSummary, merge
+from batchgen.shard import Shard
+
+
+class WorkersFailed(RuntimeError):
+    pass
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (indices or UUIDs)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def plan_workers(cfg: RunConfig) -> list[dict[str, str]]:
+    """The extra environment of each worker: its length is the number of workers."""
+    device = cfg.device
+    if device.startswith("cuda:"):
+        raise ConfigError(
+            f"--workers runs one process per GPU; instead of --device {device}, choose the GPUs "
+            "with CUDA_VISIBLE_DEVICES"
+        )
+    gpus = [] if device == "cpu" else visible_gpus()
+    if device == "cuda" and not gpus:
+        raise ConfigError("--device cuda with --workers, but no GPU is visible")
+    if gpus:
+        n = len(gpus) if cfg.workers == "auto" else cfg.workers
+        if n > len(gpus):
+            raise ConfigError(f"--workers {n}, but only {len(gpus)} GPU(s) are visible")
+        return [{"CUDA_VISIBLE_DEVICES": g} for g in gpus[:n]]
+    # CPU: "auto" is one process using every core; N processes split the cores.
+    n = 1 if cfg.workers == "auto" else cfg.workers
+    threads = str(max(1, (os.cpu_count() or 1) // n))
+    return [{"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads}] * n
+
+
+def _job_spec(cfg: RunConfig) -> dict:
+    """cfg as a job spec for the workers, without the parts each worker sets itself."""
+    spec = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    spec.update(truncate=cfg.truncate.value, quiet=True)
+    for k in ("workers", "shard"):
+        del spec[k]
+    return spec
+
+
+def _remove_other_splits(out: Path, n: int) -> None:
+    """With --overwrite, shard directories of an earlier split into another count go."""
+    for p in out.glob("shard-*-of-*"):
+        shard = Shard.from_dirname(p.name)
+        if shard is not None and shard.count != n and (p / "_job.json").exists():
+            shutil.rmtree(p)
+
+
+def run_workers(cfg: RunConfig) -> MergeSummary:
+    """Run cfg over N worker processes, then merge their shards; see the module docstring."""
+    envs = plan_workers(cfg)
+    n = len(envs)
+    # Check the model, input and template once here rather than fail N times in the workers;
+    # on the CPU, so that the parent never takes memory on a GPU.
+    from batchgen.run import open_job
+
+    open_job(dataclasses.replace(cfg, device="cpu", dtype="float32", workers=1))
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.overwrite:
+        _remove_other_splits(out, n)
+    received: list[int] = []
+    procs: list[subprocess.Popen] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    with tempfile.TemporaryDirectory(prefix="batchgen-workers-") as tmp:
+        spec = Path(tmp) / "job.yaml"
+        spec.write_text(yaml.safe_dump(_job_spec(cfg), sort_keys=False))
+        old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for i, extra in enumerate(envs):
+                # Not an enclosing Slurm array task's shard: each worker is told its own.
+                env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_ARRAY_")}
+                cmd = [sys.executable, "-m", "batchgen.cli", "run", str(spec)]
+                procs.append(subprocess.Popen([*cmd, "--shard", f"{i}/{n}"], env={**env, **extra}))
+                if received:  # a signal arrived while starting: do not start more
+                    break
+            codes = [p.wait() for p in procs]
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+    if received:
+        from batchgen.run import JobInterrupted
+
+        raise JobInterrupted(received[0])
+    failed = [f"{i}/{n} (exit {c})" for i, c in enumerate(codes) if c != 0]
+    if failed:
+        raise WorkersFailed(
+            f"worker(s) {', '.join(failed)} failed (their messages are above); the other shards "
+            "are kept, and running the same command again redoes only what is missing"
+        )
+    return merge(out)

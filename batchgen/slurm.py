@@ -1,0 +1,163 @@
+"""`batchgen slurm`: an sbatch job array that runs one shard of a job per array task.
+
+Task I of an N-task array runs `batchgen run SOURCE --shard I/N --quiet` with the Python that
+wrote the script, into OUT/shard-IIIII-of-NNNNN/, and logs to OUT/logs/<job>_<task>.out.
+`batchgen merge OUT` then checks and combines the shards.
+
+Stopping and resuming. batchgen flushes its finished rows and exits 143 on SIGTERM, and a rerun
+of the same command resumes, so the script only has to get SIGTERM to it and get the task run
+again:
+  - preemption (PreemptMode=REQUEUE) and scancel signal every process of the task, batchgen
+    included; `--requeue` lets Slurm put a preempted task back in the queue, and a scancel is
+    left cancelled;
+  - the time limit: `--signal=B:USR1@<grace>` sends USR1 to the batch shell <grace> seconds
+    before the limit. USR1 rather than TERM tells the time limit apart from a scancel: on USR1
+    the script passes SIGTERM to batchgen, waits for its flush, and requeues the task itself
+    (scontrol requeue), which then resumes where it stopped.
+Logs are opened with --open-mode=append, so a requeued task adds to its log. A task whose shard
+already has _SUCCESS exits at once, so resubmitting the whole array (or `--only 2,5`) redoes
+only what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchgen.config import RunConfig
+
+
+class SlurmError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class SbatchOptions:
+    shards: int
+    partition: str | None = None
+    gpus_per_task: int | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None  # e.g. 32G
+    time: str | None = None  # e.g. 04:00:00
+    only: tuple[int, ...] = ()  # submit only these shards (default all)
+    max_parallel: int | None = None  # at most this many tasks at once (--array=...%K)
+    grace_s: int = 120  # USR1 this long before the time limit: time to flush
+    job_name: str = "batchgen"
+    extra: tuple[str, ...] = ()  # more sbatch options, e.g. --account=abc
+
+    def __post_init__(self) -> None:
+        if self.shards < 1:
+            raise SlurmError(f"--shards must be >= 1, got {self.shards}")
+        bad = [i for i in self.only if not 0 <= i < self.shards]
+        if bad:
+            raise SlurmError(f"--only {bad}: shards are numbered 0..{self.shards - 1}")
+
+    @property
+    def array(self) -> str:
+        tasks = ",".join(map(str, sorted(set(self.only)))) if self.only else f"0-{self.shards - 1}"
+        return tasks + (f"%{self.max_parallel}" if self.max_parallel else "")
+
+
+def sbatch_script(source: str, cfg: RunConfig, run_args: list[str], opts: SbatchOptions) -> str:
+    """The script that runs `batchgen run SOURCE *run_args` (which make `cfg`) as an array."""
+    if cfg.overwrite:
+        raise SlurmError(
+            "overwrite would make every requeued task start its shard again from scratch; "
+            f"delete {cfg.output} (or its shard directories) before submitting instead"
+        )
+    out = Path(cfg.output).resolve()
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={opts.job_name}",
+        f"#SBATCH --array={opts.array}",
+        "#SBATCH --ntasks=1",
+        f"#SBATCH --output={out}/logs/%A_%a.out",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --requeue",
+        f"#SBATCH --signal=B:USR1@{opts.grace_s}",
+        f"#SBATCH --chdir={Path.cwd()}",  # relative paths in the job mean what they mean here
+    ]
+    for flag, value in (
+        ("partition", opts.partition),
+        ("gpus-per-task", opts.gpus_per_task),
+        ("cpus-per-task", opts.cpus_per_task),
+        ("mem", opts.mem),
+        ("time", opts.time),
+    ):
+        if value is not None:
+            lines.append(f"#SBATCH --{flag}={value}")
+    lines += [f"#SBATCH {e}" for e in opts.extra]
+    # The shard count is written in, not read from SLURM_ARRAY_TASK_COUNT, so that an array
+    # of only some tasks (--only) still runs shards of the same split.
+    run = [sys.executable, "-m", "batchgen.cli", "run", source, *run_args]
+    lines.append(f"""
+# Written by `batchgen slurm`; see batchgen/slurm.py for how stopping and resuming work.
+set -u
+export PYTHONUNBUFFERED=1
+N={opts.shards}
+I=$SLURM_ARRAY_TASK_ID
+SHARD_DIR={shlex.quote(str(out))}/$(printf 'shard-%05d-of-%05d' "$I" "$N")
+echo "[$(date -Is)] task $SLURM_ARRAY_JOB_ID.$I (job $SLURM_JOB_ID, restart ${{SLURM_RESTART_COUNT:-0}}) on $(hostname): shard $I/$N"
+if [ -e "$SHARD_DIR/_SUCCESS" ]; then
+    echo "shard $I/$N is already complete"
+    exit 0
+fi
+
+requeue=0
+pid=
+stop() {{
+    [ "$1" = USR1 ] && requeue=1
+    echo "[$(date -Is)] SIG$1: stopping batchgen (it saves finished rows)"
+    [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null
+}}
+trap 'stop USR1' USR1
+trap 'stop TERM' TERM
+
+{shlex.join(run)} --shard "$I/$N" --quiet &
+pid=$!
+# A trapped signal ends `wait` early; wait again until batchgen has flushed and exited.
+wait "$pid"
+rc=$?
+while kill -0 "$pid" 2>/dev/null; do
+    wait "$pid"
+    rc=$?
+done
+echo "[$(date -Is)] batchgen exited with $rc"
+if [ "$requeue" = 1 ] && [ ! -e "$SHARD_DIR/_SUCCESS" ]; then
+    echo "time limit near: requeueing ${{SLURM_ARRAY_JOB_ID}}_$I to resume"
+    scontrol requeue "${{SLURM_ARRAY_JOB_ID}}_$I"
+fi
+exit "$rc"
+""")
+    return "\n".join(lines)
+
+
+def write_script(output: str, script: str) -> Path:
+    """Save the script under OUT/logs/ (which must exist before sbatch opens its logs)."""
+    logs = Path(output) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    path = logs / "batchgen.sbatch"
+    path.write_text(script)
+    return path
+
+
+def submit(script: Path) -> str:
+    """sbatch the script; returns the job id."""
+    if not shutil.which("sbatch"):
+        raise SlurmError("sbatch is not on PATH; run on a Slurm login node, or use --dry-run")
+    r = subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, env=_env()
+    )
+    if r.returncode:
+        raise SlurmError(f"sbatch failed ({r.returncode}): {(r.stderr or r.stdout).strip()}")
+    return r.stdout.strip().split(";")[0]  # "jobid" or "jobid;cluster"
+
+
+def _env() -> dict[str, str]:
+    # Shard variables of an enclosing array task must not leak into the new job's tasks.
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_ARRAY_")}

@@ -1,0 +1,128 @@
+"""`batchgen merge`: refuses missing, unfinished or foreign shards; merges complete ones."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchgen.cli import main
+from batchgen.data.writer import OutputDir, PartBuffer, output_schema
+from batchgen.merge import IncompleteOutput, MergeError, merge
+from batchgen.shard import Shard
+
+SCHEMA = output_schema(pa.int64(), pa.schema([("label", pa.string())]))
+
+
+def _job(**kw) -> dict:
+    return {"input": "in.parquet", "output": "out", "max_new_tokens": 4, **kw}
+
+
+def write_shard(out, shard: Shard, ids, *, complete=True, wall_s=2.0, job=None, stats=True):
+    """A shard directory as `batchgen run --shard` leaves it, without running a model."""
+    d = OutputDir(out / shard.dirname, _job(shard=str(shard), **(job or {})))
+    buf = PartBuffer(d, rows_per_part=3, schema=SCHEMA)
+    buf.add(
+        {
+            "id": i,
+            "label": "x",
+            "text": f"t{i}",
+            "finish_reason": "stop",
+            "prompt_tokens": 5,
+            "completion_tokens": 2,
+            "error": "bad row" if i == 0 else None,
+        }  # fmt: skip
+        for i in ids
+    )
+    buf.flush()
+    if stats:
+        d.write_stats({"wall_s": wall_s, "complete": complete, "device": "cpu",
+                       "rows_skipped_done": 0})  # fmt: skip
+    if complete:
+        d.mark_success()
+    return d
+
+
+def split(ids, n):
+    return {i: [x for x in ids if Shard(i, n).contains(x)] for i in range(n)}
+
+
+def test_merge_complete_shards(tmp_path):
+    ids = list(range(20))
+    for i, part in split(ids, 3).items():
+        write_shard(tmp_path, Shard(i, 3), part, wall_s=1.0 + i)
+    summary = merge(tmp_path)
+    table = pq.read_table(tmp_path / "merged.parquet")
+    assert sorted(table.column("id").to_pylist()) == ids
+    assert table.schema.equals(SCHEMA)
+    stats = json.loads((tmp_path / "_stats.json").read_text())
+    assert stats["rows"] == 20 and stats["rows_error"] == 1 and stats["shards"] == 3
+    assert stats["output_tokens"] == 40 and stats["max_wall_s"] == 3.0
+    assert stats["output_tokens_per_s"] == pytest.approx(40 / 3.0)
+    assert [s["rows"] for s in stats["per_shard"]] == [len(p) for p in split(ids, 3).values()]
+    assert (tmp_path / "_SUCCESS").exists()
+    table_text = summary.table()
+    assert "0/3" in table_text and "2/3" in table_text and "total" in table_text
+
+
+def test_cli_merge_prints_table_and_stats_only(tmp_path):
+    for i, part in split(list(range(8)), 2).items():
+        write_shard(tmp_path, Shard(i, 2), part)
+    r = CliRunner().invoke(main, ["merge", str(tmp_path), "--stats-only"])
+    assert r.exit_code == 0, r.output
+    assert "total" in r.output and "1/2" in r.output
+    assert not (tmp_path / "merged.parquet").exists()
+    assert json.loads((tmp_path / "_stats.json").read_text())["rows"] == 8
+
+
+def test_refuses_missing_and_unfinished_shards_by_number(tmp_path):
+    parts = split(list(range(40)), 5)
+    write_shard(tmp_path, Shard(0, 5), parts[0])
+    write_shard(tmp_path, Shard(1, 5), parts[1][:2], complete=False)  # stopped by a signal
+    write_shard(tmp_path, Shard(2, 5), parts[2][:2], complete=False, stats=False)  # killed
+    write_shard(tmp_path, Shard(4, 5), parts[4])  # shard 3 never started
+    with pytest.raises(IncompleteOutput) as e:
+        merge(tmp_path)
+    assert e.value.todo == [1, 2, 3]
+    msg = str(e.value)
+    assert "shard 1/5: its last run stopped early" in msg
+    assert "shard 2/5: incomplete" in msg
+    assert "shard 3/5: missing" in msg
+    assert not (tmp_path / "merged.parquet").exists() and not (tmp_path / "_SUCCESS").exists()
+    r = CliRunner().invoke(main, ["merge", str(tmp_path)])
+    assert r.exit_code == 1 and "shards to (re)run: 1,2,3" in r.output
+
+
+def test_refuses_shards_of_different_jobs(tmp_path):
+    write_shard(tmp_path, Shard(0, 2), [1, 2])
+    write_shard(tmp_path, Shard(1, 2), [3], job={"max_new_tokens": 8})
+    with pytest.raises(
+        IncompleteOutput, match=r"shard 1/2: a different job.*max_new_tokens: 4 vs 8"
+    ):
+        merge(tmp_path)
+
+
+def test_refuses_mixed_splits_and_empty_directories(tmp_path):
+    with pytest.raises(MergeError, match="no shard-IIIII-of-NNNNN"):
+        merge(tmp_path)
+    write_shard(tmp_path, Shard(0, 2), [1])
+    write_shard(tmp_path, Shard(0, 3), [1])
+    with pytest.raises(MergeError, match="2 different splits"):
+        merge(tmp_path)
+
+
+def test_row_count_checked_against_the_input(tmp_path):
+    data = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a"] * 10}), data)
+    out = tmp_path / "out"
+    parts = split(list(range(9)), 2)  # one row short of the input's 10
+    for i in range(2):
+        write_shard(out, Shard(i, 2), parts[i], job={"input": str(data)})
+    with pytest.raises(MergeError, match="hold 9 rows but the input"):
+        merge(out)
+    for i in range(2):
+        (out / Shard(i, 2).dirname / "_job.json").write_text(
+            json.dumps(_job(shard=f"{i}/2", input=str(data), limit=9))
+        )
+    assert merge(out).rows == 9  # with limit 9, nine rows are all of them
