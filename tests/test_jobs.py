@@ -1,0 +1,57 @@
+"""The shipped job specs, their documentation, and the Makefile pipeline that runs them."""
+
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from batchgen.cli import main
+from batchgen.config import RunConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
+
+
+def test_there_are_labeling_and_generation_jobs():
+    names = {p.name for p in JOBS}
+    assert {"label_sentiment.yaml", "summarize.yaml"} <= names
+
+
+@pytest.mark.parametrize("spec", JOBS, ids=lambda p: p.name)
+def test_shipped_jobs_are_valid_on_the_embedded_default(spec):
+    values = yaml.safe_load(spec.read_text())
+    assert "model" not in values and values["output"].startswith("out/")
+    assert values["input"].startswith("builtin:samples/")
+    # `slurm --dry-run` builds the RunConfig exactly as `run` does: every key checked
+    r = CliRunner().invoke(main, ["slurm", "--dry-run", str(spec), "--shards", "2"])
+    assert r.exit_code == 0, r.output
+
+
+def test_label_job_runs_on_the_embedded_default(tmp_path):
+    spec = ROOT / "jobs" / "label_sentiment.yaml"
+    r = CliRunner().invoke(main, ["run", str(spec), "--limit", "12", "--no-compile",
+                                  "-o", str(tmp_path / "out"), "-q"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = pq.read_table(tmp_path / "out").to_pylist()
+    assert len(rows) == 12 and all(r["id"].startswith("r") for r in rows)
+    assert {r["text"].strip() for r in rows} <= {"positive", "negative", "neutral"}
+    assert sum(r["text"].strip() == r["label"] for r in rows) >= 6  # the demo model is ~78% right
+
+
+def test_docs_list_every_key():
+    text = (ROOT / "docs" / "jobs.md").read_text()
+    keys = [f.name for f in dataclasses.fields(RunConfig)]
+    missing = [k for k in keys if f"| `{k}` |" not in text]
+    assert not missing, f"docs/jobs.md does not document {missing}"
+
+
+def test_pipeline_makefile_parses():
+    r = subprocess.run(["make", "-n", "-B", "label", "summarize"], cwd=ROOT, capture_output=True,
+                       text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "batchgen merge out/label/run" in r.stdout
+    assert "pipeline.py report label out/label/run" in r.stdout
