@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# The GPU check, in one call of about 8 minutes, with no network:
+#   1. environment report (nvidia-smi, python, torch/CUDA, library versions) and an offline
+#      install: wheels carried in .whl/ (if any), then this repo (`pip install --no-deps -e .`);
+#   2. the GPU-marked tests (`pytest -m gpu`: CUDA graphs and no recompiles, NVML stats,
+#      bf16 agreement with transformers, quantized paths);
+#   3. the GPU benchmark, bf16, random weights: Llama-3-8B shape at batch 1 (decode against
+#      the bandwidth bound), then the Llama-3.2-1B shape offline (throughput against
+#      transformers' batched generate, dynamic and static cache).
+# Every step runs under `timeout`, none past the overall budget; a step that fails or
+# times out is recorded and the next one still runs.
+#
+#   bash scripts/gpu_check.sh            # writes under $OUT if set, else ./gpu-out
+#   GPU_CHECK_BUDGET=480 bash scripts/gpu_check.sh
+#   GPU_CHECK_STEPS="setup bench1b" bash scripts/gpu_check.sh   # only some steps (a rerun)
+#
+# Files written (7, flat, within what the device tool brings back): summary.md (steps,
+# timings, test results, benchmark tables), setup.log, tests.log, bench-8b-b1.{log,json},
+# bench-1b.{log,json}. docs/benchmarks.md says how to prepare .whl/ and call this.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT="${OUT:-$REPO/gpu-out}"
+mkdir -p "$OUT"
+BUDGET="${GPU_CHECK_BUDGET:-510}" # seconds for all steps together
+PY="${PYTHON:-python3}"
+TMP=$(mktemp -d) # scratch outside $OUT, which holds only the files listed above
+export PY PYTHONUNBUFFERED=1
+export BATCHGEN_BENCH_CACHE="${BATCHGEN_BENCH_CACHE:-/tmp/batchgen-bench}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+STEPS=" ${GPU_CHECK_STEPS:-setup tests bench8b bench1b} "
+T0=$(date +%s)
+SUMMARY="$OUT/summary.md"
+
+selected() { [[ $STEPS == *" $1 "* ]]; }
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+
+# step NAME MAX_SECONDS LOG CMD...: run CMD for at most MAX_SECONDS, never past the budget.
+step() {
+    local name=$1 want=$2 log=$3
+    shift 3
+    local limit start rc status
+    limit=$(left)
+    ((limit > want)) && limit=$want
+    if ((limit < 30)); then
+        echo "| $name | skipped: budget spent | 0 s |" >>"$SUMMARY"
+        return 0
+    fi
+    start=$(date +%s)
+    echo "=== $name (limit ${limit}s): $*" >>"$log"
+    timeout -k 10 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    case $rc in
+        0) status=ok ;;
+        124 | 137) status="TIMEOUT after ${limit}s" ;;
+        *) status="FAILED (exit $rc)" ;;
+    esac
+    echo "| $name | $status | $(($(date +%s) - start)) s |" >>"$SUMMARY"
+    return 0
+}
+
+{
+    echo "# batchgen GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo
+    dirty=$(git -C "$REPO" status --porcelain 2>/dev/null | grep -q . && echo ", uncommitted changes")
+    echo "commit $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)$dirty; budget ${BUDGET} s"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,power.limit \
+        --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /'
+    echo
+    echo "| step | result | time |"
+    echo "| --- | --- | ---: |"
+} >"$SUMMARY"
+
+# ---------------------------------------------------------------- 1. environment + install
+cat >"$TMP/setup.sh" <<'SETUP'
+echo "## nvidia-smi"
+nvidia-smi || echo "nvidia-smi failed"
+echo "## host"
+uname -a
+echo "cpus $(nproc)"
+free -g
+df -h /tmp | tail -1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    echo "## carried wheels: $(ls .whl | tr '\n' ' ')"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+fi
+echo "## pip install --no-deps -e . (offline)"
+"$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . ||
+    echo "editable install failed; the repo root on PYTHONPATH stands in for it"
+"$PY" - <<'PYEOF'
+import importlib, platform, sys
+import torch
+print("python", sys.version.split()[0], platform.machine())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, f"sm_{p.major}{p.minor}", p.multi_processor_count, "SMs",
+          round(p.total_memory / 2**30, 1), "GiB")
+for name in ("transformers", "triton", "torchao", "optimum.quanto", "pynvml", "pyarrow",
+             "safetensors", "tokenizers", "accelerate", "pytest", "pytest_timeout", "batchgen"):
+    try:
+        m = importlib.import_module(name)
+        print(name, getattr(m, "__version__", ""), getattr(m, "__file__", ""))
+    except Exception as e:
+        print(name, "MISSING:", type(e).__name__, e)
+PYEOF
+SETUP
+selected setup && step "environment + offline install" 45 "$OUT/setup.log" bash "$TMP/setup.sh"
+
+# ---------------------------------------------------------------- 2. GPU-marked tests
+PYTEST_TIMEOUT=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT=(--timeout=100)
+selected tests && step "pytest -m gpu" 160 "$OUT/tests.log" \
+    "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" tests/test_gpu.py
+
+# ---------------------------------------------------------------- 3. benchmark
+# Batch-1 decode of the 8B shape: one prompt of 128 tokens, 256 new tokens; batchgen
+# (cold = compile, warm = measured), then transformers at batch 1 if time is left (the
+# goal here is batchgen against the bandwidth bound; results are saved engine by engine).
+selected bench8b && step "bench llama-8b batch 1" 160 "$OUT/bench-8b-b1.log" \
+    "$PY" scripts/bench.py --model llama-8b --dtype bfloat16 --device cuda \
+    --n-prompts 1 --prompt-len 128 --out-len 256 --max-batch 1 --hf-batch-size 1 \
+    --engines batchgen,hf --out "$OUT/bench-8b-b1.json" --markdown "$TMP/bench-8b-b1.md"
+# Offline throughput of the 1B shape: 64 prompts, 16..1024 prompt tokens, 16..256 new
+# tokens. Prompt buckets from 256 keep batchgen to 3 batch shapes (6 compiled graphs) within
+# the budget.
+selected bench1b && step "bench llama-1b offline" 400 "$OUT/bench-1b.log" \
+    "$PY" scripts/bench.py --model llama-1b --dtype bfloat16 --device cuda \
+    --n-prompts 64 --prompt-len 16:1024:128 --out-len 16:256:64 --min-bucket 256 \
+    --max-batch 64 --hf-batch-size 32 --engines batchgen,hf,hf-static \
+    --out "$OUT/bench-1b.json" --markdown "$TMP/bench-1b.md"
+
+# ---------------------------------------------------------------- summary
+{
+    echo
+    echo "tests: $(grep -E '^=+ .*(passed|failed|error|skipped).* in ' "$OUT/tests.log" 2>/dev/null | tail -1 | tr -d '=')"
+    grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests.log" 2>/dev/null | sed 's/^/    /'
+    for md in "$TMP/bench-8b-b1.md" "$TMP/bench-1b.md"; do
+        [ -f "$md" ] && {
+            echo
+            cat "$md"
+        }
+    done
+    echo
+    echo "total $(($(date +%s) - T0)) s of a ${BUDGET} s budget"
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used \
+        --format=csv 2>/dev/null
+} >>"$SUMMARY"
+rm -rf "$TMP"
+cat "$SUMMARY"
