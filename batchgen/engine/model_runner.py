@@ -2,9 +2,10 @@
 
 A batch is left-padded to its bucket length and prefilled in one call; then a decode
 loop feeds one token per row per step. Prefill and decode are separate compiled
-callables kept on the runner (decode with CUDA graphs on GPU). Stop bookkeeping (EOS,
-per-row max_new_tokens) happens on the device; the host looks only every
-`sync_every` steps, to end the batch early and check stop strings.
+callables kept on the runner (decode with CUDA graphs on GPU). The decode graph also
+does the stop bookkeeping (EOS, per-row max_new_tokens), so the host loop only records
+each step's tokens; it looks at them every `sync_every` steps, to end the batch early
+and check stop strings, and not at all when no row can stop early.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +31,25 @@ class RowOutput:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+
+
+@dataclass(slots=True)
+class RowTensors:
+    """Per-row constants of one batch, on the device, each (B,)."""
+
+    kv_start: torch.Tensor  # first cache slot of the row's prompt (left padding before it)
+    sampling: SamplingTensors
+    max_new: torch.Tensor
+    ignore_eos: torch.Tensor
+
+
+class DecodeState(NamedTuple):
+    """What one decode step hands the next, on the device, each (B,)."""
+
+    tok: torch.Tensor  # the last sampled token
+    slot: torch.Tensor  # the cache slot of the token before it
+    n_gen: torch.Tensor  # tokens produced so far, EOS included
+    done: torch.Tensor  # finished: EOS, max_new_tokens or a stop string
 
 
 @dataclass(slots=True)
@@ -73,29 +94,55 @@ class ModelRunner:
             # Each (batch, bucket) shape is one specialisation; allow the bounded set.
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
             cuda = self.device.type == "cuda"
-            self._prefill = torch.compile(self._step, fullgraph=True, dynamic=False)
+            self._prefill = torch.compile(self._prefill_step, fullgraph=True, dynamic=False)
             self._decode = torch.compile(
-                self._step, fullgraph=True, dynamic=False, mode="reduce-overhead" if cuda else None
+                self._decode_step,
+                fullgraph=True,
+                dynamic=False,
+                mode="reduce-overhead" if cuda else None,  # CUDA graphs
             )
         else:
-            self._prefill = self._decode = self._step
+            self._prefill, self._decode = self._prefill_step, self._decode_step
 
-    def _step(
+    def _prefill_step(
         self,
         tokens: torch.Tensor,
         input_pos: torch.Tensor,
         slots: torch.Tensor,
-        kv_start: torch.Tensor,
-        sampling: SamplingTensors,
-        steps: torch.Tensor,
-        kv_len: int,
+        rows: RowTensors,
         row_stride: int,
         greedy_only: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model(tokens, input_pos, slots, kv_start, kv_len, row_stride)  # (B, V)
-        next_tok = sample(logits, sampling, steps, greedy_only)
-        logprob = logits.log_softmax(-1).gather(-1, next_tok[:, None])[:, 0]
-        return next_tok, logprob
+        """Prefill left-padded prompts (B, L); sample each row's first token."""
+        logits = self.model(tokens, input_pos, slots, rows.kv_start, tokens.shape[1], row_stride)
+        steps = torch.zeros_like(rows.kv_start)
+        tok = sample(logits, rows.sampling, steps, greedy_only)
+        return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
+
+    def _decode_step(
+        self, state: DecodeState, rows: RowTensors, row_stride: int, greedy_only: bool
+    ) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
+        """One token for every row, with the stop bookkeeping, as one graph: feed each
+        row's last token at its next slot, sample, and update n_gen/done on the device.
+        Returns the new state and the step's (B,) tokens (pad for finished rows) and logprobs."""
+        slot = state.slot + 1  # (B,): where the previous token goes
+        # Finished rows keep stepping (their tokens are dropped); a short-prompt row can
+        # finish early while a long-prompt row goes on, so clamp their positions.
+        pos = (slot - rows.kv_start).clamp(max=self.max_positions - 1)
+        logits = self.model(
+            state.tok[:, None], pos[:, None], slot[:, None], rows.kv_start, row_stride, row_stride
+        )
+        # A row's noise depends on how many tokens it has made, not on the batch's step.
+        tok = sample(logits, rows.sampling, state.n_gen, greedy_only)
+        logprob = logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
+        alive = ~state.done
+        n_gen = state.n_gen + alive.long()
+        done = state.done | self._stops(tok, rows) | (n_gen >= rows.max_new)
+        out_tok = torch.where(alive, tok, self.pad_id)
+        return DecodeState(tok, slot, n_gen, done), out_tok, logprob
+
+    def _stops(self, tok: torch.Tensor, rows: RowTensors) -> torch.Tensor:
+        return (tok[:, None] == self.eos[None, :]).any(-1) & ~rows.ignore_eos
 
     def _call(self, fn, key: tuple, *args) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Call fn; return its outputs and, for the first call of a shape, the time it
@@ -110,84 +157,91 @@ class ModelRunner:
         self.stats.compile_s += dt
         return (*out, dt)
 
+    def _row_tensors(self, requests: list[Request], b: int, L: int) -> RowTensors:
+        """Per-row constants of a batch padded to b rows; padding rows are greedy, one token."""
+        dev, pad = self.device, b - len(requests)
+        params = [r.params for r in requests]
+
+        def col(values: list, fill, dtype=None) -> torch.Tensor:
+            return torch.tensor(values + [fill] * pad, dtype=dtype, device=dev)
+
+        return RowTensors(
+            kv_start=col([L - r.prompt_len for r in requests], L - 1),
+            sampling=SamplingTensors(
+                temperature=col([p.temperature for p in params], 0.0, torch.float32),
+                top_k=col([p.top_k for p in params], 0),
+                top_p=col([p.top_p for p in params], 1.0, torch.float32),
+                seed=col([p.seed for p in params], 0),
+            ),
+            max_new=col([p.max_new_tokens for p in params], 1),
+            ignore_eos=col([p.ignore_eos for p in params], True),
+        )
+
     def run_batch(
         self, requests: list[Request], plan: BatchPlan, stop_fn: StopFn | None = None
     ) -> list[RowOutput]:
         """Generate for `requests` (the plan's real rows, in order) padded to the plan's shape."""
-        dev, n = self.device, len(requests)
+        dev = self.device
         b, L, stride = plan.batch_size, plan.prompt_len, plan.row_stride
-        lens = [r.prompt_len for r in requests] + [1] * (b - n)
         tokens = torch.full((b, L), self.pad_id, dtype=torch.long)
         for i, r in enumerate(requests):
             tokens[i, L - r.prompt_len :] = torch.tensor(r.prompt_ids, dtype=torch.long)
-        params = [r.params for r in requests]
-        max_new = [p.max_new_tokens for p in params] + [1] * (b - n)
-        greedy_only = all(p.greedy for p in params)
-        sampling = SamplingTensors(
-            temperature=torch.tensor([p.temperature for p in params] + [0.0] * (b - n), device=dev),
-            top_k=torch.tensor([p.top_k for p in params] + [0] * (b - n), device=dev),
-            top_p=torch.tensor([p.top_p for p in params] + [1.0] * (b - n), device=dev),
-            seed=torch.tensor([p.seed for p in params] + [0] * (b - n), device=dev),
-        )
-        ignore_eos = torch.tensor([p.ignore_eos for p in params] + [True] * (b - n), device=dev)
-        max_new_t = torch.tensor(max_new, device=dev)
-
         tokens = tokens.to(dev)
-        kv_start = torch.tensor([L - n_ for n_ in lens], device=dev)  # (B,)
+        rows = self._row_tensors(requests, b, L)
+        greedy_only = all(r.params.greedy for r in requests)
         slots = torch.arange(L, device=dev).expand(b, L)
-        input_pos = (slots - kv_start[:, None]).clamp(min=0)
-        steps = torch.zeros(b, dtype=torch.long, device=dev)
+        input_pos = (slots - rows.kv_start[:, None]).clamp(min=0)
 
         t0 = time.perf_counter()
         tok, lp, compile_s = self._call(
             self._prefill, ("prefill", b, L, greedy_only),
-            tokens, input_pos, slots, kv_start, sampling, steps, L, stride, greedy_only,
+            tokens, input_pos, slots, rows, stride, greedy_only,
         )  # fmt: skip
         _sync(dev)
         self.stats.prefill_s += time.perf_counter() - t0 - compile_s
 
-        n_steps = max(max_new)
+        n_steps = max(r.params.max_new_tokens for r in requests)
         out = torch.full((b, n_steps), self.pad_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros((b, n_steps), device=dev)
         out[:, 0], out_lp[:, 0] = tok, lp
         n_gen = torch.ones(b, dtype=torch.long, device=dev)  # tokens produced, EOS included
-        done = (torch.isin(tok, self.eos) & ~ignore_eos) | (n_gen >= max_new_t)
+        state = DecodeState(
+            tok,
+            torch.full((b,), L - 1, device=dev),
+            n_gen,
+            self._stops(tok, rows) | (n_gen >= rows.max_new),
+        )
         cut: dict[int, int] = {}  # row -> tokens kept after a stop string
+        # With EOS ignored and no stop strings, only max_new_tokens ends a row: the host
+        # need not look before the end.
+        early = stop_fn is not None or not all(r.params.ignore_eos for r in requests)
+        cuda_graphs = dev.type == "cuda" and self.compiled
 
         t0, compile_s = time.perf_counter(), 0.0
-        slot = torch.full((b, 1), L - 1, dtype=torch.long, device=dev)
         for s in range(1, n_steps):
-            if s % self.sync_every == 0 and self._check_host(
-                out, n_gen, done, s, requests, stop_fn, cut
-            ):
+            host_looks = early and s % self.sync_every == 0
+            if host_looks and self._check_host(out, state, s, requests, stop_fn, cut):
                 break
-            slot = slot + 1  # (B, 1): the previous token's slot
-            if dev.type == "cuda" and self.compiled:
+            if cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            # Finished rows keep stepping (their tokens are dropped); a short-prompt row can
-            # finish early while a long-prompt row is still going, so clamp their positions.
-            pos = (slot - kv_start[:, None]).clamp(max=self.max_positions - 1)
-            tok, lp, dt = self._call(
-                self._decode, ("decode", b, stride, greedy_only),
-                tok[:, None].clone(), pos, slot, kv_start, sampling,
-                steps + s, stride, stride, greedy_only,
-            )  # fmt: skip
+            state, tok, lp, dt = self._call(
+                self._decode, ("decode", b, stride, greedy_only), state, rows, stride, greedy_only
+            )
+            if cuda_graphs:  # the graph's outputs are overwritten by its next replay
+                state = DecodeState(*(t.clone() for t in state))
             compile_s += dt
             self.stats.decode_steps += 1
-            alive = ~done
-            out[:, s] = torch.where(alive, tok, self.pad_id)
-            out_lp[:, s] = lp
-            n_gen += alive.long()
-            done |= (torch.isin(tok, self.eos) & ~ignore_eos) | (n_gen >= max_new_t)
-        self._check_host(out, n_gen, done, n_steps, requests, stop_fn, cut)
+            out[:, s], out_lp[:, s] = tok, lp
+        self._check_host(out, state, n_steps, requests, stop_fn, cut)
         _sync(dev)
         self.stats.decode_s += time.perf_counter() - t0 - compile_s
-        return self._collect(out, out_lp, n_gen, requests, cut)
+        return self._collect(out, out_lp, state.n_gen, requests, cut)
 
-    def _check_host(self, out, n_gen, done, s, requests, stop_fn, cut) -> bool:
+    def _check_host(self, out, state: DecodeState, s, requests, stop_fn, cut) -> bool:
         """One device->host sync: apply stop strings; True when every row is done."""
+        done = state.done
         if stop_fn is not None:
-            host_out, host_n = out[:, :s].tolist(), n_gen.tolist()
+            host_out, host_n = out[:, :s].tolist(), state.n_gen.tolist()
             for i, r in enumerate(requests):
                 if i in cut or not r.params.stop:
                     continue
