@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/batchgen run builtin:samples/prompts.parquet --output out/demo --max-new-tokens 32
+	$(BIN)/batchgen run builtin:samples/prompts.parquet --output out/demo --id-column id --max-new-tokens 32
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_FLAGS)

@@ -73,6 +73,7 @@ def run_options(f):
         _opt("--overwrite", is_flag=True, help="Replace another job's results in --output."),
         _opt("--quiet", "-q", is_flag=True, help="No progress bar (for schedulers' logs)."),
         _opt("--allow-pickle", is_flag=True, help="Allow loading pytorch_model.bin pickle checkpoints (can run code)."),
+        _opt("--threads", type=int, help="CPU threads for torch. Default: torch's (all cores); 1 is faster on a busy machine."),
         _opt("--shard", help="Run only shard I/N of the rows (by id hash), into OUTPUT/shard-IIIII-of-NNNNN/. Default in a Slurm array task: SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT."),
         _opt("--workers", type=str, help="auto or N: N processes (auto: one per visible GPU) over shards of the input, then merged into OUTPUT/merged.parquet."),
     ]):  # fmt: skip

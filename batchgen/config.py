@@ -71,6 +71,7 @@ class RunConfig:
     overwrite: bool = False
     quiet: bool = False
     allow_pickle: bool = False
+    threads: int | None = None  # CPU threads for torch; None: torch's default (all cores)
     workers: int | str = 1  # processes over shards of the input; "auto": one per visible GPU
 
     def __post_init__(self) -> None:
@@ -92,7 +93,7 @@ class RunConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("max_batch", "kv_cache_tokens", "limit"):
+        for key in ("max_batch", "kv_cache_tokens", "limit", "threads"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         try:
@@ -141,7 +142,7 @@ class RunConfig:
     def fingerprint(self) -> dict[str, Any]:
         """What makes two runs the same job: a rerun with a different one is refused."""
         skip = {"overwrite", "quiet", "rows_per_part", "flush_seconds", "window_rows", "max_batch",
-                "prefill_token_budget", "kv_cache_tokens", "compile", "workers"}  # fmt: skip
+                "prefill_token_budget", "kv_cache_tokens", "compile", "workers", "threads"}  # fmt: skip
         out = {k: getattr(self, k) for k in self.keys() if k not in skip}
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())

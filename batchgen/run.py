@@ -142,6 +142,8 @@ def open_job(cfg: RunConfig) -> Job:
 def run(cfg: RunConfig) -> RunStats:
     """Run one job to completion (or to a signal); returns its statistics."""
     stats = RunStats()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     job = open_job(cfg)
     model_dir, model_cfg, source, device, prep = (
         job.model_dir,

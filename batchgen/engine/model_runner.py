@@ -76,6 +76,7 @@ class ModelRunner:
         eos_ids: list[int],
         pad_id: int,
         compile: bool = True,
+        compile_prefill: bool = False,
         sync_every: int = 8,
     ) -> None:
         self.model = model
@@ -94,7 +95,15 @@ class ModelRunner:
             # Each (batch, bucket) shape is one specialisation; allow the bounded set.
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
             cuda = self.device.type == "cuda"
-            self._prefill = torch.compile(self._prefill_step, fullgraph=True, dynamic=False)
+            # Prefill is one call per batch, so on the CPU its Python overhead is spread over
+            # batch x bucket tokens, and compiling it (~10-30 s a shape with inductor's C++
+            # backend) costs more than it saves; on a GPU it is compiled like decode.
+            self.prefill_compiled = cuda or compile_prefill
+            self._prefill = (
+                torch.compile(self._prefill_step, fullgraph=True, dynamic=False)
+                if self.prefill_compiled
+                else self._prefill_step
+            )
             self._decode = torch.compile(
                 self._decode_step,
                 fullgraph=True,
@@ -102,6 +111,7 @@ class ModelRunner:
                 mode="reduce-overhead" if cuda else None,  # CUDA graphs
             )
         else:
+            self.prefill_compiled = False
             self._prefill, self._decode = self._prefill_step, self._decode_step
 
     def _prefill_step(
@@ -144,10 +154,10 @@ class ModelRunner:
     def _stops(self, tok: torch.Tensor, rows: RowTensors) -> torch.Tensor:
         return (tok[:, None] == self.eos[None, :]).any(-1) & ~rows.ignore_eos
 
-    def _call(self, fn, key: tuple, *args) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Call fn; return its outputs and, for the first call of a shape, the time it
-        took (compile + first run), else 0."""
-        if key in self.stats.shapes or not self.compiled:
+    def _call(self, fn, key: tuple | None, *args) -> tuple:
+        """Call fn; return its outputs and, for the first call of a compiled shape (key),
+        the time it took (compile + first run), else 0. key None: fn is not compiled."""
+        if key is None or key in self.stats.shapes:
             return (*fn(*args), 0.0)
         t0 = time.perf_counter()
         out = fn(*args)
@@ -194,7 +204,7 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         tok, lp, compile_s = self._call(
-            self._prefill, ("prefill", b, L, greedy_only),
+            self._prefill, ("prefill", b, L, greedy_only) if self.prefill_compiled else None,
             tokens, input_pos, slots, rows, stride, greedy_only,
         )  # fmt: skip
         _sync(dev)
@@ -225,7 +235,12 @@ class ModelRunner:
             if cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             state, tok, lp, dt = self._call(
-                self._decode, ("decode", b, stride, greedy_only), state, rows, stride, greedy_only
+                self._decode,
+                ("decode", b, stride, greedy_only) if self.compiled else None,
+                state,
+                rows,
+                stride,
+                greedy_only,
             )
             if cuda_graphs:  # the graph's outputs are overwritten by its next replay
                 state = DecodeState(*(t.clone() for t in state))
