@@ -27,6 +27,7 @@ _CHOICES = {
     "quantize": ("none", "int8", "int4", "fp8"),
     "quant_backend": ("auto", "torchao", "quanto"),
     "truncate": tuple(t.value for t in Truncate),
+    "schedule": ("static", "continuous"),
 }
 
 
@@ -63,6 +64,7 @@ class RunConfig:
     prefill_token_budget: int = 16384
     kv_cache_tokens: int | None = None  # None: sized from free memory
     window_rows: int = 8192  # rows tokenized, sorted and bucketed together
+    schedule: str = "static"  # static length-bucketed batches, or continuous slot refills
     # output
     rows_per_part: int = 4096
     flush_seconds: float = 60.0  # write a part at least this often, bounding work lost to a kill
@@ -142,7 +144,8 @@ class RunConfig:
     def fingerprint(self) -> dict[str, Any]:
         """What makes two runs the same job: a rerun with a different one is refused."""
         skip = {"overwrite", "quiet", "rows_per_part", "flush_seconds", "window_rows", "max_batch",
-                "prefill_token_budget", "kv_cache_tokens", "compile", "workers", "threads"}  # fmt: skip
+                "prefill_token_budget", "kv_cache_tokens", "compile", "workers", "threads",
+                "schedule"}  # fmt: skip
         out = {k: getattr(self, k) for k in self.keys() if k not in skip}
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())

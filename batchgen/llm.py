@@ -10,6 +10,7 @@ import torch
 
 from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.scheduler import Schedule
 from batchgen.engine.sequence import Completion, Request, SamplingParams
 from batchgen.model.loader import load_model
 from batchgen.planner import BucketConfig
@@ -63,6 +64,7 @@ class LLM:
         compile: bool = True,
         buckets: BucketConfig | None = None,
         allow_pickle: bool = False,
+        schedule: Schedule | str = Schedule.STATIC,
     ) -> None:
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = resolve_device(device)
@@ -83,7 +85,7 @@ class LLM:
             pad_id=pad if pad is not None else (eos[0] if eos else 0),
             compile=compile,
         )
-        self.engine = Engine(self.runner, self.decode, self.buckets)
+        self.engine = Engine(self.runner, self.decode, self.buckets, Schedule(schedule))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -87,6 +87,10 @@ class BatchPlan:
     def kv_tokens(self) -> int:
         return self.batch_size * self.row_stride
 
+    @property
+    def computed_prompt_tokens(self) -> int:
+        return self.batch_size * self.prompt_len  # padding rows and tokens included
+
 
 @dataclass(slots=True)
 class Plan:

@@ -174,6 +174,7 @@ def run(cfg: RunConfig) -> RunStats:
         compile=cfg.compile,
         buckets=buckets,
         allow_pickle=cfg.allow_pickle,
+        schedule=cfg.schedule,
     )
     stats.load_s = time.perf_counter() - t0
     stats.extra.update(
@@ -183,6 +184,7 @@ def run(cfg: RunConfig) -> RunStats:
         dtype=str(llm.dtype).removeprefix("torch."),
         compiled=cfg.compile,
         kv_cache_tokens=buckets.kv_capacity_tokens,
+        schedule=cfg.schedule,
     )
     nvml = NvmlSampler(device.index or 0).start() if device.type == "cuda" else None
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
@@ -202,7 +204,7 @@ def run(cfg: RunConfig) -> RunStats:
                     stats.rows += len(completions)
                     stats.batches += 1
                     stats.prompt_tokens += sum(c.prompt_tokens for c in completions)
-                    stats.computed_prompt_tokens += batch.batch_size * batch.prompt_len
+                    stats.computed_prompt_tokens += batch.computed_prompt_tokens
                     stats.output_tokens += sum(c.completion_tokens for c in completions)
                     progress.update(len(completions))
                     progress.set_postfix_str(f"{stats.rate(stats.output_tokens):.0f} out tok/s")

@@ -16,12 +16,12 @@ def test_bench_report_on_tiny_model(tmp_path, capsys):
         "--n-prompts", "5", "--prompt-len", "16:48:20", "--out-len", "3:9:5",
         "--hf-batch-size", "2", "--no-compile", "--in-process",
         "--copy-mib", "16", "--matmul-n", "128", "--out", str(out),
-        "--markdown", str(tmp_path / "bench.md"),
+        "--markdown", str(tmp_path / "bench.md"), "--schedule", "static,continuous",
     ])  # fmt: skip
     assert json.loads(out.read_text()) == json.loads(json.dumps(reports, default=str))
     (r,) = reports
     assert r["errors"] == {}
-    assert set(r["results"]) == {"roofline", "batchgen", "hf@2", "hf-static@2"}
+    assert set(r["results"]) == {"roofline", "batchgen", "batchgen-continuous", "hf@2", "hf-static@2"}  # fmt: skip
     wanted = r["workload"]["output"]["total"]
     for key, res in r["results"].items():
         if key != "roofline":
@@ -31,6 +31,8 @@ def test_bench_report_on_tiny_model(tmp_path, capsys):
     assert runs == {
         ("batchgen", "cold"),
         ("batchgen", "warm"),
+        ("batchgen-continuous", "cold"),
+        ("batchgen-continuous", "warm"),
         ("hf", "warm"),
         ("hf-static", "warm"),
     }
@@ -38,6 +40,7 @@ def test_bench_report_on_tiny_model(tmp_path, capsys):
         assert row["output_tok_s"] > 0 and row["total_tok_s"] > row["output_tok_s"]
         assert row["ttfr_s"] is not None and 0 < row["ttfr_s"] <= row["wall_s"]
         assert row["peak_mem_bytes"] > 0
+        assert 0 < row["prompt_padding_eff"] <= 1 and 0 < row["decode_row_eff"] <= 1
         assert 0 < row["prompt_padding_eff"] <= 1 and 0 < row["decode_row_eff"] <= 1
     assert r["headline"]["ratio"] > 0 and set(r["headline"]["per_variant"]) == {
         "hf@2",

@@ -1,13 +1,21 @@
-"""The engine loop: scheduler hands out batches, the runner fills them, completions
-come back with their text."""
+"""The engine loop: the scheduler decides, the runner computes, completions come back
+with their text. Static: one planned batch at a time. Continuous: refill free slots,
+decode a round, report the rows that finished."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
 from batchgen.engine.model_runner import ModelRunner, RowOutput
-from batchgen.engine.scheduler import StaticScheduler
+from batchgen.engine.scheduler import (
+    Action,
+    ContinuousScheduler,
+    RoundReport,
+    Schedule,
+    StaticScheduler,
+)
 from batchgen.engine.sequence import Completion, FinishReason, Request
+from batchgen.engine.slot_runner import SlotRunner
 from batchgen.engine.stopping import tokens_to_keep, trim_at_stop
 from batchgen.planner import BatchPlan, BucketConfig
 
@@ -15,13 +23,23 @@ Decode = Callable[[list[int]], str]
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, decode: Decode, buckets: BucketConfig) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        decode: Decode,
+        buckets: BucketConfig,
+        schedule: Schedule = Schedule.STATIC,
+    ) -> None:
         self.runner = runner
         self.decode = decode
         self.buckets = buckets
+        self.schedule = Schedule(schedule)
 
-    def generate(self, requests: Sequence[Request]) -> Iterator[tuple[BatchPlan, list[Completion]]]:
-        """Run every request once; yield each finished batch's completions as it ends."""
+    def generate(
+        self, requests: Sequence[Request]
+    ) -> Iterator[tuple[BatchPlan | RoundReport, list[Completion]]]:
+        """Run every request once; yield completions as rows finish (static: per batch;
+        continuous: per decode round), with the batch or round's prefill accounting."""
         limit = self.runner.max_positions
         for r in requests:  # checked before any batch runs
             if r.prompt_len + r.params.max_new_tokens > limit:
@@ -29,6 +47,9 @@ class Engine:
                     f"request {r.index}: prompt of {r.prompt_len} tokens + max_new_tokens "
                     f"{r.params.max_new_tokens} exceeds the model's {limit} positions"
                 )
+        if self.schedule is Schedule.CONTINUOUS:
+            yield from self._continuous(requests)
+            return
         scheduler = StaticScheduler(requests, self.buckets)
         while (item := scheduler.next_batch()) is not None:
             batch, reqs = item
@@ -41,6 +62,29 @@ class Engine:
             outputs = self.runner.run_batch(reqs, batch, stop_fn)
             scheduler.finish(batch)
             yield batch, [self._completion(r, o) for r, o in zip(reqs, outputs, strict=True)]
+
+    def _continuous(self, requests: Sequence[Request]) -> Iterator[tuple[RoundReport, list[Completion]]]:  # fmt: skip
+        if not requests:
+            return
+        scheduler = ContinuousScheduler(requests, self.buckets)
+        slots = SlotRunner(self.runner, scheduler.shape, all(r.params.greedy for r in requests))
+        stop_fn = None
+        if any(r.params.stop for r in requests):
+
+            def stop_fn(req: Request, ids: list[int]) -> int | None:
+                return tokens_to_keep(ids, req.params.stop, self.decode)
+
+        prefilled = 0
+        while (step := scheduler.schedule()).action is not Action.DONE:
+            if step.action is Action.REFILL:
+                slots.refill(step.refill, [requests[i] for i in step.refill.indices])
+                prefilled += step.refill.computed_prompt_tokens
+                continue
+            finished = slots.decode_round(stop_fn)
+            if finished:
+                done = [(requests[scheduler.finish(slot)], out) for slot, out in finished]
+                yield RoundReport(prefilled), [self._completion(r, o) for r, o in done]
+                prefilled = 0
 
     def _completion(self, req: Request, out: RowOutput) -> Completion:
         text = self.decode(out.token_ids)

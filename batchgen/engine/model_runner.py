@@ -122,9 +122,13 @@ class ModelRunner:
         rows: RowTensors,
         row_stride: int,
         greedy_only: bool,
+        cache_rows: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill left-padded prompts (B, L); sample each row's first token."""
-        logits = self.model(tokens, input_pos, slots, rows.kv_start, tokens.shape[1], row_stride)
+        """Prefill left-padded prompts (B, L) into cache rows cache_rows (B,) (None: rows
+        0..B-1); sample each row's first token."""
+        logits = self.model(
+            tokens, input_pos, slots, rows.kv_start, tokens.shape[1], row_stride, cache_rows
+        )
         steps = torch.zeros_like(rows.kv_start)
         tok = sample(logits, rows.sampling, steps, greedy_only)
         return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
@@ -135,9 +139,11 @@ class ModelRunner:
         """One token for every row, with the stop bookkeeping, as one graph: feed each
         row's last token at its next slot, sample, and update n_gen/done on the device.
         Returns the new state and the step's (B,) tokens (pad for finished rows) and logprobs."""
-        slot = state.slot + 1  # (B,): where the previous token goes
-        # Finished rows keep stepping (their tokens are dropped); a short-prompt row can
-        # finish early while a long-prompt row goes on, so clamp their positions.
+        # (B,): where the previous token goes. Finished rows keep stepping (their tokens are
+        # dropped); an idle slot of a continuous batch can step indefinitely, so it stays on
+        # its row's last slot. A short-prompt row can finish early while a long-prompt row
+        # goes on, so clamp positions too.
+        slot = (state.slot + 1).clamp(max=row_stride - 1)
         pos = (slot - rows.kv_start).clamp(max=self.max_positions - 1)
         logits = self.model(
             state.tok[:, None], pos[:, None], slot[:, None], rows.kv_start, row_stride, row_stride
@@ -187,28 +193,65 @@ class ModelRunner:
             ignore_eos=col([p.ignore_eos for p in params], True),
         )
 
+    def prefill(
+        self,
+        requests: list[Request],
+        b: int,
+        L: int,
+        row_stride: int,
+        greedy_only: bool,
+        cache_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, RowTensors]:
+        """Prefill `requests` left-padded to L, as a batch padded to b rows, into cache rows
+        cache_rows (B,) (None: 0..b-1). Returns each row's first token and its logprob,
+        (b,) each, and the batch's row constants."""
+        dev = self.device
+        tokens = torch.full((b, L), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(requests):
+            tokens[i, L - r.prompt_len :] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        tokens = tokens.to(dev)
+        rows = self._row_tensors(requests, b, L)
+        slots = torch.arange(L, device=dev).expand(b, L)
+        input_pos = (slots - rows.kv_start[:, None]).clamp(min=0)
+        key = ("prefill", b, L, greedy_only) if cache_rows is None else ("prefill_rows", b, L, greedy_only)  # fmt: skip
+
+        t0 = time.perf_counter()
+        tok, lp, compile_s = self._call(
+            self._prefill, key if self.prefill_compiled else None,
+            tokens, input_pos, slots, rows, row_stride, greedy_only, cache_rows,
+        )  # fmt: skip
+        _sync(dev)
+        self.stats.prefill_s += time.perf_counter() - t0 - compile_s
+        return tok, lp, rows
+
+    def decode(self, state: DecodeState, rows: RowTensors, row_stride: int, greedy_only: bool):
+        """One compiled decode step; returns (state, tokens, logprobs, compile seconds)."""
+        b = state.tok.shape[0]
+        cuda_graphs = self.device.type == "cuda" and self.compiled
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        state, tok, lp, dt = self._call(
+            self._decode,
+            ("decode", b, row_stride, greedy_only) if self.compiled else None,
+            state,
+            rows,
+            row_stride,
+            greedy_only,
+        )
+        if cuda_graphs:  # the graph's outputs are overwritten by its next replay
+            state = DecodeState(*(t.clone() for t in state))
+            tok, lp = tok.clone(), lp.clone()
+        self.stats.decode_steps += 1
+        return state, tok, lp, dt
+
     def run_batch(
         self, requests: list[Request], plan: BatchPlan, stop_fn: StopFn | None = None
     ) -> list[RowOutput]:
         """Generate for `requests` (the plan's real rows, in order) padded to the plan's shape."""
         dev = self.device
         b, L, stride = plan.batch_size, plan.prompt_len, plan.row_stride
-        tokens = torch.full((b, L), self.pad_id, dtype=torch.long)
-        for i, r in enumerate(requests):
-            tokens[i, L - r.prompt_len :] = torch.tensor(r.prompt_ids, dtype=torch.long)
-        tokens = tokens.to(dev)
-        rows = self._row_tensors(requests, b, L)
         greedy_only = all(r.params.greedy for r in requests)
-        slots = torch.arange(L, device=dev).expand(b, L)
-        input_pos = (slots - rows.kv_start[:, None]).clamp(min=0)
-
-        t0 = time.perf_counter()
-        tok, lp, compile_s = self._call(
-            self._prefill, ("prefill", b, L, greedy_only) if self.prefill_compiled else None,
-            tokens, input_pos, slots, rows, stride, greedy_only,
-        )  # fmt: skip
-        _sync(dev)
-        self.stats.prefill_s += time.perf_counter() - t0 - compile_s
+        tok, lp, rows = self.prefill(requests, b, L, stride, greedy_only)
 
         n_steps = max(r.params.max_new_tokens for r in requests)
         out = torch.full((b, n_steps), self.pad_id, dtype=torch.long, device=dev)
@@ -225,27 +268,14 @@ class ModelRunner:
         # With EOS ignored and no stop strings, only max_new_tokens ends a row: the host
         # need not look before the end.
         early = stop_fn is not None or not all(r.params.ignore_eos for r in requests)
-        cuda_graphs = dev.type == "cuda" and self.compiled
 
         t0, compile_s = time.perf_counter(), 0.0
         for s in range(1, n_steps):
             host_looks = early and s % self.sync_every == 0
             if host_looks and self._check_host(out, state, s, requests, stop_fn, cut):
                 break
-            if cuda_graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            state, tok, lp, dt = self._call(
-                self._decode,
-                ("decode", b, stride, greedy_only) if self.compiled else None,
-                state,
-                rows,
-                stride,
-                greedy_only,
-            )
-            if cuda_graphs:  # the graph's outputs are overwritten by its next replay
-                state = DecodeState(*(t.clone() for t in state))
+            state, tok, lp, dt = self.decode(state, rows, stride, greedy_only)
             compile_s += dt
-            self.stats.decode_steps += 1
             out[:, s], out_lp[:, s] = tok, lp
         self._check_host(out, state, n_steps, requests, stop_fn, cut)
         _sync(dev)

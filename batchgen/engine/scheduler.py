@@ -1,17 +1,28 @@
-"""The static-bucket scheduler: plain Python, no torch.
+"""Schedulers: plain Python, no torch.
 
-It owns the lifecycle of every request of one planning window: WAITING until its batch
-is handed out, RUNNING while the runner has it, FINISHED once its completion is back.
-Batches come out in the planner's order (longest bucket first).
+Each owns the lifecycle of every request of one planning window: WAITING until it is
+handed out, RUNNING while the runner has it, FINISHED once its completion is back.
+
+- StaticScheduler hands out the planner's length-bucketed batches (longest bucket first);
+  a batch runs until its last row finishes.
+- ContinuousScheduler keeps a fixed number of cache slots decoding together and refills
+  the slots of finished rows with waiting prompts (see ContinuousScheduler.schedule).
 """
 
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from batchgen.engine.sequence import Request
-from batchgen.planner import BatchPlan, BucketConfig, Plan, plan_batches
+from batchgen.planner import BatchPlan, BucketConfig, Plan, next_pow2, plan_batches
+
+
+class Schedule(str, enum.Enum):
+    STATIC = "static"
+    CONTINUOUS = "continuous"
 
 
 class SeqStatus(enum.Enum):
@@ -53,3 +64,134 @@ class StaticScheduler:
             if self.status[i] is not SeqStatus.RUNNING:
                 raise RuntimeError(f"request {i} finished while {self.status[i].value}")
             self.status[i] = SeqStatus.FINISHED
+
+
+@dataclass(slots=True, frozen=True)
+class SlotShape:
+    """The one decode shape of a continuous window: `slots` rows of row_stride cache slots."""
+
+    slots: int
+    prompt_len: int  # the longest prompt bucket of the window
+    max_new: int  # new-token bucket
+
+    @property
+    def row_stride(self) -> int:
+        return self.prompt_len + self.max_new
+
+    @property
+    def kv_tokens(self) -> int:
+        """Cache the window needs: its slots plus one scratch row that a refill's padding
+        rows write to (so they never touch a decoding row)."""
+        return (self.slots + 1) * self.row_stride
+
+
+@dataclass(slots=True, frozen=True)
+class Refill:
+    """Prefill `indices` (positions in the window's request list) into the cache rows
+    `slots`, one each, left-padded to prompt_len, as a batch padded to batch_size rows."""
+
+    slots: tuple[int, ...]
+    indices: tuple[int, ...]
+    prompt_len: int  # bucket edge
+    batch_size: int  # power of two >= len(indices), <= the window's slots
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        return self.batch_size * self.prompt_len
+
+
+class Action(enum.Enum):
+    REFILL = "refill"  # prefill waiting prompts into free slots, then decode
+    DECODE = "decode"  # decode the running rows
+    DONE = "done"  # every request finished
+
+
+@dataclass(slots=True, frozen=True)
+class Step:
+    action: Action
+    refill: Refill | None = None  # set exactly when action is REFILL
+
+    def __post_init__(self) -> None:
+        if (self.action is Action.REFILL) != (self.refill is not None):
+            raise ValueError(f"{self.action}: refill must be given exactly for REFILL")
+
+
+@dataclass(slots=True, frozen=True)
+class RoundReport:
+    """What a continuous round yields alongside its finished rows, in place of a BatchPlan."""
+
+    computed_prompt_tokens: int  # prefill tokens (padding included) since the last report
+
+
+class ContinuousScheduler:
+    """Slots decode together in one shape; finished rows' slots are refilled.
+
+    The window's requests wait in order of prompt length, longest first (so refills group
+    similar lengths and the largest prefill shape comes first). The decode shape is fixed
+    for the window: its longest prompt bucket plus its new-token bucket per row, and as
+    many slots as the bucket budgets allow for that row length (fewer if the window is
+    small). `schedule()` is called after each decode round: if slots are free and prompts
+    wait, it plans a refill of as many of them as fit into the free slots (lowest slot
+    first), padded to one length bucket and a power-of-two count; otherwise it asks for
+    another decode round while rows run, and says DONE when none run and none wait. The
+    runner reports finished rows with `finish(slot)`, which frees the slot.
+    """
+
+    def __init__(self, requests: Sequence[Request], buckets: BucketConfig) -> None:
+        self.requests = list(requests)
+        self.buckets = buckets
+        self.status = [SeqStatus.WAITING] * len(self.requests)
+        lens = [r.prompt_len for r in self.requests]
+        order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+        self.waiting: deque[int] = deque(order)
+        self.running: dict[int, int] = {}  # slot -> request index
+        prompt_len = buckets.prompt_bucket(max(lens, default=1))
+        max_new = buckets.new_tokens_bucket(
+            max((r.params.max_new_tokens for r in self.requests), default=1)
+        )
+        slots = min(buckets.batch_size(prompt_len, max_new), next_pow2(max(len(lens), 1)))
+        while slots > 1 and (slots + 1) * (prompt_len + max_new) > buckets.kv_capacity_tokens:
+            slots //= 2
+        self.shape = SlotShape(slots, prompt_len, max_new)
+        if self.shape.kv_tokens > buckets.kv_capacity_tokens:
+            raise ValueError(
+                f"a continuous batch needs {self.shape.kv_tokens} KV cache tokens "
+                f"(2 rows of {self.shape.row_stride}); the cache holds {buckets.kv_capacity_tokens}"
+            )
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.shape.slots) if s not in self.running]
+
+    @property
+    def num_finished(self) -> int:
+        return sum(s is SeqStatus.FINISHED for s in self.status)
+
+    @property
+    def is_done(self) -> bool:
+        return self.num_finished == len(self.requests)
+
+    def schedule(self) -> Step:
+        free = self.free_slots
+        if free and self.waiting:
+            n = min(len(free), len(self.waiting))
+            indices = tuple(self.waiting.popleft() for _ in range(n))
+            slots = tuple(free[:n])
+            for i, slot in zip(indices, slots, strict=True):
+                self.status[i] = SeqStatus.RUNNING
+                self.running[slot] = i
+            # waiting is longest first, so the first prompt sets the bucket
+            prompt_len = self.buckets.prompt_bucket(self.requests[indices[0]].prompt_len)
+            batch = self.buckets.padded_batch(n, self.shape.slots)
+            return Step(Action.REFILL, Refill(slots, indices, prompt_len, batch))
+        if self.running:
+            return Step(Action.DECODE)
+        return Step(Action.DONE)
+
+    def finish(self, slot: int) -> int:
+        """Row in `slot` finished: free the slot; returns its request's index."""
+        if slot not in self.running:
+            raise RuntimeError(f"slot {slot} finished but holds no running request")
+        i = self.running.pop(slot)
+        self.status[i] = SeqStatus.FINISHED
+        return i

@@ -37,12 +37,19 @@ class KVCache(nn.Module):
         v: torch.Tensor,
         row_stride: int,
         kv_len: int,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, T, H, D) at flat positions index (B, T) = row * row_stride + slot;
-        return the first kv_len slots of each of the B rows, (B, kv_len, H, D) each."""
+        return the first kv_len slots of each of the B rows, (B, kv_len, H, D) each.
+        rows (B,): the cache rows of the batch's rows; None: rows 0..B-1."""
         self.k.index_put_((index,), k)
         self.v.index_put_((index,), v)
         b, _, h, d = k.shape
-        k_rows = self.k[: b * row_stride].view(b, row_stride, h, d)
-        v_rows = self.v[: b * row_stride].view(b, row_stride, h, d)
-        return k_rows[:, :kv_len], v_rows[:, :kv_len]
+        if rows is None:
+            k_rows = self.k[: b * row_stride].view(b, row_stride, h, d)
+            v_rows = self.v[: b * row_stride].view(b, row_stride, h, d)
+            return k_rows[:, :kv_len], v_rows[:, :kv_len]
+        n = self.capacity_tokens // row_stride  # a gather: prefill into some rows of a batch
+        k_rows = self.k[: n * row_stride].view(n, row_stride, h, d)
+        v_rows = self.v[: n * row_stride].view(n, row_stride, h, d)
+        return k_rows[rows, :kv_len], v_rows[rows, :kv_len]

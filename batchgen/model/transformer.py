@@ -71,6 +71,7 @@ class Attention(nn.Module):
         cache_index: torch.Tensor,
         row_stride: int,
         kv_len: int,
+        rows: torch.Tensor | None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -82,7 +83,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_all, v_all = self.kv_cache.update(cache_index, k, v, row_stride, kv_len)  # (B, S, Hkv, D)
+        k_all, v_all = self.kv_cache.update(
+            cache_index, k, v, row_stride, kv_len, rows
+        )  # (B, S, Hkv, D)
         # Grouped-query attention as plain attention: each kv head's group of g query heads
         # is folded into the query length, (B, Hkv, g*T, D). SDPA then needs no copies of
         # K/V per query head, and no GQA path (which, with a mask, takes the math kernel).
@@ -122,8 +125,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg, cfg.dim)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, mask, cache_index, row_stride, kv_len) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, mask, cache_index, row_stride, kv_len)
+    def forward(self, x, rope, mask, cache_index, row_stride, kv_len, rows) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, mask, cache_index, row_stride, kv_len, rows)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -186,10 +189,12 @@ class Transformer(nn.Module):
         kv_start: torch.Tensor,
         kv_len: int,
         row_stride: int,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, input_pos, slots: (B, T); kv_start: (B,). Row b owns cache slots
-        [b * row_stride, (b + 1) * row_stride). Returns the logits of each row's last
-        token, (B, vocab), in float32."""
+        [r * row_stride, (r + 1) * row_stride) with r = rows[b] (default r = b: rows is
+        for prefilling some rows of a running batch). Returns the logits of each row's
+        last token, (B, vocab), in float32."""
         b, t = tokens.shape
         x = self.embed(tokens)  # (B, T, dim)
         rope = None
@@ -198,8 +203,9 @@ class Transformer(nn.Module):
         else:
             rope = (self.rope_cos[input_pos], self.rope_sin[input_pos])  # (B, T, D) each
         mask = self.attention_mask(slots, kv_start, kv_len)
-        cache_index = torch.arange(b, device=tokens.device)[:, None] * row_stride + slots  # (B, T)
+        row = torch.arange(b, device=tokens.device) if rows is None else rows  # (B,)
+        cache_index = row[:, None] * row_stride + slots  # (B, T)
         for block in self.layers:
-            x = block(x, rope, mask, cache_index, row_stride, kv_len)
+            x = block(x, rope, mask, cache_index, row_stride, kv_len, rows)
         x = self.norm(x[:, -1])  # (B, dim): left padding puts every row's last token at T-1
         return self.lm_head(x).float()
