@@ -46,8 +46,10 @@ sys.path.insert(0, str(HERE.parent))
 import bench_models  # noqa: E402
 
 ENGINES = ("batchgen", "hf", "hf-static")
+SCHEDULES = ("static", "continuous")
 ENGINE_LABELS = {
     "batchgen": "batchgen",
+    "batchgen-continuous": "batchgen, continuous schedule",
     "hf": "transformers generate, dynamic cache",
     "hf-static": "transformers generate, static cache",
 }
@@ -172,8 +174,10 @@ def worker_batchgen(job: dict) -> dict:
     from batchgen.planner import BucketConfig
 
     t0 = time.perf_counter()
+    schedule = job.get("schedule", "static")
     llm = LLM(job["model_dir"], dtype=job["dtype"], device=job["device"],
-              compile=job["compile"], buckets=BucketConfig(**job["buckets"]))  # fmt: skip
+              compile=job["compile"], buckets=BucketConfig(**job["buckets"]),
+              schedule=schedule)  # fmt: skip
     _sync(device)
     load_s = time.perf_counter() - t0
     rss_loaded = _rss_bytes()
@@ -188,11 +192,13 @@ def worker_batchgen(job: dict) -> dict:
         shapes_before = len(stats.shapes)
         graphs_before = dynamo_utils.counters["stats"]["unique_graphs"]
         results: list = [None] * len(requests)
+        computed_prompt = 0
         _sync(device)
         t0 = time.perf_counter()
         first = None
-        for _, completions in llm.engine.generate(requests):
+        for batch, completions in llm.engine.generate(requests):
             first = first if first is not None else time.perf_counter() - t0
+            computed_prompt += batch.computed_prompt_tokens
             for c in completions:
                 results[c.index] = c
         _sync(device)
@@ -204,7 +210,13 @@ def worker_batchgen(job: dict) -> dict:
             run=label, wall_s=wall, ttfr_s=first, prefill_s=d[0], decode_s=d[1], compile_s=d[2],
             decode_steps=d[3], new_shapes=len(stats.shapes) - shapes_before,
             new_graphs=dynamo_utils.counters["stats"]["unique_graphs"] - graphs_before,
+            computed_prompt_tokens=computed_prompt,
         ))  # fmt: skip
+    slots = None
+    if schedule == "continuous":  # every decode step computes all slots
+        from batchgen.engine.scheduler import ContinuousScheduler
+
+        slots = ContinuousScheduler(requests, llm.buckets).shape.slots
     return dict(
         load_s=load_s,
         rss_after_load_bytes=rss_loaded,
@@ -212,6 +224,8 @@ def worker_batchgen(job: dict) -> dict:
         out_lens=[len(c.token_ids) for c in results],
         head_tokens=[c.token_ids[:8] for c in results],
         compiled=job["compile"],
+        schedule=schedule,
+        slots=slots,
         **_memory(device),
     )
 
@@ -300,8 +314,8 @@ def worker_hf(job: dict) -> dict:
     )
 
 
-WORKERS = {"roofline": worker_roofline, "batchgen": worker_batchgen, "hf": worker_hf,
-           "hf-static": worker_hf}  # fmt: skip
+WORKERS = {"roofline": worker_roofline, "batchgen": worker_batchgen,
+           "batchgen-continuous": worker_batchgen, "hf": worker_hf, "hf-static": worker_hf}  # fmt: skip
 
 
 def run_worker(job: dict, in_process: bool, timeout: float | None, log) -> dict:
@@ -345,7 +359,7 @@ def engine_report(name: str, res: dict, work: Workload, plan_info: dict) -> list
             peak_mem_bytes=res.get("peak_mem_bytes"),
             load_s=res.get("load_s"),
         )
-        if name == "batchgen":
+        if name.startswith("batchgen"):
             row.update(
                 compile_s=run["compile_s"],
                 prefill_s=run["prefill_s"],
@@ -356,6 +370,13 @@ def engine_report(name: str, res: dict, work: Workload, plan_info: dict) -> list
                 prompt_padding_eff=plan_info["prompt_padding_eff"],
                 decode_row_eff=plan_info["decode_row_eff"],
             )
+            if res.get("slots"):  # continuous: from what ran, not from the static plan
+                row.update(
+                    prompt_padding_eff=work.prompt_tokens / run["computed_prompt_tokens"],
+                    # the first token of each row comes from its prefill
+                    decode_row_eff=(work.output_tokens - len(work.prompts))
+                    / (run["decode_steps"] * res["slots"]),
+                )
         else:
             row.update(
                 compile_s=res.get("warmup_s"),
@@ -466,7 +487,7 @@ def markdown(report: dict) -> str:
     best = h["best_hf_tok_s"] if h else None
     for r in report["rows"]:
         label = ENGINE_LABELS.get(r["engine"], r["engine"])
-        if r["engine"] != "batchgen":
+        if not r["engine"].startswith("batchgen"):
             label += f", batch {r.get('hf_batch_size', '?')}"
         lines.append(
             f"| {label} | {r['run']} | {r['wall_s']:.2f} | {r['output_tok_s']:.1f} | "
@@ -481,6 +502,18 @@ def markdown(report: dict) -> str:
         lines += ["", f"batchgen warm run: prefill {bg['prefill_s']:.2f} s, decode {bg['decode_s']:.2f} s "
                   f"({bg['decode_steps']} steps), host/other {bg['host_other_s']:.2f} s, "
                   f"graphs compiled during it: {bg['new_graphs']}."]  # fmt: skip
+    cont = next(
+        (r for r in report["rows"] if r["engine"] == "batchgen-continuous" and r["run"] == "warm"),
+        None,
+    )
+    if bg and cont:
+        cold = {r["engine"]: r for r in report["rows"] if r["run"] == "cold"}
+        lines += ["", f"**Continuous / static schedule (warm): {cont['output_tok_s'] / bg['output_tok_s']:.2f}x "
+                  "output tokens/s**"
+                  + (f"; cold (compile included): {cold['batchgen-continuous']['output_tok_s'] / cold['batchgen']['output_tok_s']:.2f}x"
+                     if {"batchgen", "batchgen-continuous"} <= cold.keys() else "")
+                  + f". Continuous warm run: prefill {cont['prefill_s']:.2f} s, decode {cont['decode_s']:.2f} s "
+                  f"({cont['decode_steps']} steps), graphs compiled during it: {cont['new_graphs']}."]  # fmt: skip
     c, rl = report.get("ceilings"), report.get("roofline")
     if c and "error" not in c:
         lines += [
@@ -539,6 +572,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-sigma", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument(
+        "--schedule",
+        default="static",
+        help="batchgen schedules to run, comma-separated: static, continuous (static "
+        "is the one compared with transformers)",
+    )
     p.add_argument("--hf-batch-size", default="16",
                    help="transformers rows per generate call; comma list to try several")  # fmt: skip
     p.add_argument("--hf-compile", choices=["auto", "off"], default="auto",
@@ -629,8 +668,14 @@ def bench_one(args, shape: str | None, device: str, dtype: str, command: str, lo
     work_kw = dict(prompts=work.prompts, new_tokens=work.new_tokens)
     for engine in args.engines.split(","):
         if engine == "batchgen":
-            jobs.append(dict(base, **work_kw, engine=engine, buckets=buckets,
-                             compile=not args.no_compile, runs=args.runs))  # fmt: skip
+            for schedule in args.schedule.split(","):
+                if schedule not in SCHEDULES:
+                    raise SystemExit(
+                        f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}"
+                    )
+                name = engine if schedule == "static" else f"{engine}-{schedule}"
+                jobs.append(dict(base, **work_kw, engine=name, buckets=buckets, schedule=schedule,
+                                 compile=not args.no_compile, runs=args.runs))  # fmt: skip
         elif engine in ("hf", "hf-static"):
             for bs in args.hf_batch_size.split(","):
                 jobs.append(dict(base, **work_kw, engine=engine, hf_batch_size=int(bs),
@@ -668,7 +713,7 @@ def bench_one(args, shape: str | None, device: str, dtype: str, command: str, lo
 def _derive(report: dict, model_dir: Path, dtype: str, plan: dict) -> None:
     rows = report["rows"]
     bg = {r["run"]: r for r in rows if r["engine"] == "batchgen"}
-    hf = [r for r in rows if r["engine"] != "batchgen"]
+    hf = [r for r in rows if not r["engine"].startswith("batchgen")]
     if bg and hf:
         best = max(hf, key=lambda r: r["output_tok_s"])
         warm = bg.get("warm") or bg.get("cold")
