@@ -46,6 +46,7 @@ def data_options(f):
         _opt("--prefill-token-budget", type=int, help="Max prompt tokens (batch x bucket length) in one prefill."),
         _opt("--kv-cache-tokens", type=int, help="KV cache capacity in tokens. Default: 80% of free GPU memory, 2 GiB on CPU."),
         _opt("--window-rows", type=int, help="Rows tokenized, sorted and bucketed together."),
+        _opt("--prefix-reuse", is_flag=True, help="With --schedule continuous: prefill the longest token prefix all prompts of a window share (16+ tokens) once, and copy its KV into each row."),
         _opt("--schedule", type=click.Choice(["static", "continuous"]), help="static: length-bucketed batches, each run to its longest row; continuous: fixed slots, refilled as rows finish."),
     ]):  # fmt: skip
         f = o(f)

@@ -65,6 +65,7 @@ class RunConfig:
     kv_cache_tokens: int | None = None  # None: sized from free memory
     window_rows: int = 8192  # rows tokenized, sorted and bucketed together
     schedule: str = "static"  # static length-bucketed batches, or continuous slot refills
+    prefix_reuse: bool = False  # continuous: prefill the prompts' shared prefix once
     # output
     rows_per_part: int = 4096
     flush_seconds: float = 60.0  # write a part at least this often, bounding work lost to a kill
@@ -112,6 +113,8 @@ class RunConfig:
             raise ConfigError(
                 "use either shard or workers, not both (workers shard the input itself)"
             )
+        if self.prefix_reuse and self.schedule != "continuous":
+            raise ConfigError("prefix_reuse needs schedule continuous")
         if self.messages_column and self.template:
             raise ConfigError("use either messages_column or template, not both")
 
@@ -145,7 +148,7 @@ class RunConfig:
         """What makes two runs the same job: a rerun with a different one is refused."""
         skip = {"overwrite", "quiet", "rows_per_part", "flush_seconds", "window_rows", "max_batch",
                 "prefill_token_budget", "kv_cache_tokens", "compile", "workers", "threads",
-                "schedule"}  # fmt: skip
+                "schedule", "prefix_reuse"}  # fmt: skip
         out = {k: getattr(self, k) for k in self.keys() if k not in skip}
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())

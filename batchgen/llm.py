@@ -65,6 +65,7 @@ class LLM:
         buckets: BucketConfig | None = None,
         allow_pickle: bool = False,
         schedule: Schedule | str = Schedule.STATIC,
+        prefix_reuse: bool = False,
     ) -> None:
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = resolve_device(device)
@@ -85,7 +86,9 @@ class LLM:
             pad_id=pad if pad is not None else (eos[0] if eos else 0),
             compile=compile,
         )
-        self.engine = Engine(self.runner, self.decode, self.buckets, Schedule(schedule))
+        self.engine = Engine(
+            self.runner, self.decode, self.buckets, Schedule(schedule), prefix_reuse
+        )
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -175,6 +175,7 @@ def run(cfg: RunConfig) -> RunStats:
         buckets=buckets,
         allow_pickle=cfg.allow_pickle,
         schedule=cfg.schedule,
+        prefix_reuse=cfg.prefix_reuse,
     )
     stats.load_s = time.perf_counter() - t0
     stats.extra.update(
@@ -234,6 +235,7 @@ def _finish_stats(
     stats.decode_steps = rs.decode_steps
     stats.peak_memory_bytes = peak_memory_bytes(device)
     stats.extra["compiled_shapes"] = len(rs.shapes)
+    stats.extra["prefix_tokens_saved"] = rs.prefix_tokens_saved
     quant = getattr(llm, "quant", None)
     stats.extra["quantization"] = quant.to_dict() if quant is not None else {"method": "none"}
     if nvml is not None:

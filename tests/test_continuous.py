@@ -151,6 +151,78 @@ def test_cli_schedule_continuous_equals_static(tmp_path, tiny_dirs):
     assert outs["continuous"] == outs["static"]
 
 
+# --- shared prefix ------------------------------------------------------------------------
+
+PREFIX_BUCKETS = BucketConfig(max_prompt_len=128, min_bucket=4, max_batch=4)
+
+
+def _prefixed(prefix_len: int, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(2, 500, (prefix_len,), generator=g).tolist()
+    return [prefix + p for p in _prompts(seed)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_reuse_equals_no_reuse_and_transformers(family, tiny_dirs, refills):
+    prompts_ = _prefixed(37)  # shared: 37 tokens, reused: 32
+    params = [SamplingParams(max_new_tokens=m) for m in MAX_NEW]
+    ref = hf_greedy(tiny_dirs[family], prompts_, max(MAX_NEW))
+    static = _llm(tiny_dirs[family], "static", buckets=PREFIX_BUCKETS).generate(prompts_, params)
+    llm = LLM(tiny_dirs[family], dtype="float32", device="cpu", compile=False,
+              buckets=PREFIX_BUCKETS, schedule="continuous", prefix_reuse=True)  # fmt: skip
+    got = llm.generate(prompts_, params)
+    for i, m in enumerate(MAX_NEW):
+        assert got[i].token_ids == ref[i][:m], f"row {i}"
+        assert got[i].token_ids == static[i].token_ids
+        assert got[i].finish_reason == static[i].finish_reason
+        assert got[i].logprobs == pytest.approx(static[i].logprobs, abs=1e-4)
+    assert llm.runner.stats.prefix_tokens_saved == 32 * (len(prompts_) - 1)
+    assert len(refills) >= 4
+
+
+def test_prefix_reuse_keeps_seeded_sampling_and_skips_short_prefixes(tiny_dirs):
+    params = [
+        SamplingParams(
+            max_new_tokens=m,
+            temperature=0.0 if i % 3 == 2 else 0.9,
+            top_k=40,
+            top_p=0.95,
+            seed=2000 + i,
+        )  # fmt: skip
+        for i, m in enumerate(MAX_NEW)
+    ]
+    static = _llm(tiny_dirs["qwen3"], "static", buckets=PREFIX_BUCKETS)
+    reuse = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", compile=False,
+                buckets=PREFIX_BUCKETS, schedule="continuous", prefix_reuse=True)  # fmt: skip
+    prompts_ = _prefixed(50)
+    got = reuse.generate(prompts_, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in static.generate(prompts_, params)]
+    assert reuse.runner.stats.prefix_tokens_saved == 48 * (len(prompts_) - 1)
+    # a 10-token common prefix is under the minimum: nothing reused, same outputs
+    short = _prefixed(10)
+    got = reuse.generate(short, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in static.generate(short, params)]
+    assert reuse.runner.stats.prefix_tokens_saved == 48 * (len(prompts_) - 1)
+
+
+def test_cli_prefix_reuse_reports_tokens_saved(tmp_path, tiny_dirs):
+    model = tiny_dirs["llama"]
+    texts = ["label the sentiment of this review: great product, would buy again. " + t
+             for t in prompts(8)]  # fmt: skip
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": texts})
+    outs = {}
+    for name, flags in {"static": (), "reuse": ("--schedule", "continuous", "--prefix-reuse")}.items():  # fmt: skip
+        out = tmp_path / name
+        run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 6,
+                "--max-batch", 4, "--with-token-ids", *flags)  # fmt: skip
+        outs[name] = rows_by_id(out)
+        saved = read_stats(out)["prefix_tokens_saved"]
+        assert (saved > 0) == (name == "reuse")
+    assert outs["reuse"] == outs["static"]
+    run_cli("run", src, "-o", tmp_path / "bad", "--model", model, *FAST, "--prefix-reuse",
+            exit_code=2)  # fmt: skip
+
+
 # One prompt bucket (32), 8 slots, new-token bucket 16: one decode graph, stride 48.
 COMPILED = BucketConfig(max_prompt_len=32, min_bucket=32, max_batch=8)
 

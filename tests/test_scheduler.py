@@ -13,6 +13,7 @@ from batchgen.engine.scheduler import (
     SlotShape,
     StaticScheduler,
     Step,
+    shared_prefix_len,
 )
 from batchgen.engine.sequence import Completion, FinishReason, Request, SamplingParams
 from batchgen.planner import BucketConfig
@@ -217,3 +218,39 @@ def test_step_refill_is_given_exactly_for_refill():
         Step(Action.REFILL)
     with pytest.raises(ValueError):
         Step(Action.DECODE, Refill((0,), (0,), 4, 1))
+
+
+# --- shared prefix ------------------------------------------------------------------------
+
+
+def test_shared_prefix_len():
+    base = list(range(100, 150))  # 50 tokens
+    assert shared_prefix_len([base + [1, 2], base + [3]], 16, 16) == 48  # 50 cut to 48
+    assert shared_prefix_len([base[:40] + [1], base[:40] + [2]], 16, 16) == 32
+    # every prompt keeps at least one token of its own
+    assert shared_prefix_len([base[:32], base[:32] + [7]], 16, 16) == 16
+    assert shared_prefix_len([base[:17], base[:17]], 16, 16) == 16
+    assert shared_prefix_len([base[:16], base[:16]], 16, 16) == 0
+    assert shared_prefix_len([base + [1], base[:20] + [9] + base], 16, 16) == 16
+    assert shared_prefix_len([base[:15] + [1], base], 16, 16) == 0  # under the minimum
+    assert shared_prefix_len([base], 16, 16) == 0 and shared_prefix_len([], 16, 16) == 0
+    assert shared_prefix_len([[5, 6, 7], [8, 6, 7]], 1, 1) == 0
+
+
+def test_continuous_with_a_prefix_buckets_the_suffixes():
+    prefix = list(range(100, 140))  # 40 tokens: 32 reused
+    reqs = [Request(i, prefix + list(range(2, 2 + n)), SamplingParams(max_new_tokens=8))
+            for i, n in enumerate([3, 30, 4, 20, 2, 9])]  # fmt: skip
+    buckets = BucketConfig(max_prompt_len=128, min_bucket=4, max_batch=4)
+    sched = ContinuousScheduler(reqs, buckets, prefix_reuse=True)
+    assert sched.prefix_len == 32
+    # suffixes are 8 + n tokens: 38 the longest, bucket 64
+    assert sched.shape == SlotShape(slots=4, prompt_len=64, max_new=16, prefix_len=32)
+    assert sched.shape.row_stride == 32 + 64 + 16 and sched.shape.extra_rows == 2
+    assert sched.prefix_tokens_saved == 5 * 32
+    first = sched.schedule()
+    assert first.refill.prompt_len == 64 and first.refill.indices == (1, 3, 5, 2)
+    sched.finish(0)
+    assert sched.schedule().refill == Refill((0,), (0,), 16, 1)  # suffix 8 + 3 tokens
+    off = ContinuousScheduler(reqs, buckets)
+    assert off.prefix_len == 0 and off.prefix_tokens_saved == 0

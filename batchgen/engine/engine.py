@@ -29,11 +29,13 @@ class Engine:
         decode: Decode,
         buckets: BucketConfig,
         schedule: Schedule = Schedule.STATIC,
+        prefix_reuse: bool = False,
     ) -> None:
         self.runner = runner
         self.decode = decode
         self.buckets = buckets
         self.schedule = Schedule(schedule)
+        self.prefix_reuse = prefix_reuse  # continuous only: prefill a shared prefix once
 
     def generate(
         self, requests: Sequence[Request]
@@ -66,8 +68,12 @@ class Engine:
     def _continuous(self, requests: Sequence[Request]) -> Iterator[tuple[RoundReport, list[Completion]]]:  # fmt: skip
         if not requests:
             return
-        scheduler = ContinuousScheduler(requests, self.buckets)
+        scheduler = ContinuousScheduler(requests, self.buckets, self.prefix_reuse)
         slots = SlotRunner(self.runner, scheduler.shape, all(r.params.greedy for r in requests))
+        if scheduler.prefix_len:
+            slots.prefill_prefix(requests[0].prompt_ids[: scheduler.prefix_len])
+            # every row but the one that pays for it (the prefix's own prefill)
+            self.runner.stats.prefix_tokens_saved -= scheduler.prefix_len
         stop_fn = None
         if any(r.params.stop for r in requests):
 

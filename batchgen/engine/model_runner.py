@@ -58,6 +58,7 @@ class RunnerStats:
     decode_s: float = 0.0
     compile_s: float = 0.0  # first calls of each new shape (compile + first run)
     decode_steps: int = 0
+    prefix_tokens_saved: int = 0  # prompt tokens a shared prefix spared the prefill
     shapes: set = field(default_factory=set)
 
 
@@ -123,12 +124,13 @@ class ModelRunner:
         row_stride: int,
         greedy_only: bool,
         cache_rows: torch.Tensor | None,
+        prefix_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill left-padded prompts (B, L) into cache rows cache_rows (B,) (None: rows
-        0..B-1); sample each row's first token."""
-        logits = self.model(
-            tokens, input_pos, slots, rows.kv_start, tokens.shape[1], row_stride, cache_rows
-        )
+        0..B-1), after prefix_len slots of a shared prefix already in the rows; sample
+        each row's first token."""
+        kv_len = tokens.shape[1] + prefix_len
+        logits = self.model(tokens, input_pos, slots, rows.kv_start, kv_len, row_stride, cache_rows)
         steps = torch.zeros_like(rows.kv_start)
         tok = sample(logits, rows.sampling, steps, greedy_only)
         return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
@@ -201,10 +203,16 @@ class ModelRunner:
         row_stride: int,
         greedy_only: bool,
         cache_rows: torch.Tensor | None = None,
+        prefix_len: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, RowTensors]:
         """Prefill `requests` left-padded to L, as a batch padded to b rows, into cache rows
         cache_rows (B,) (None: 0..b-1). Returns each row's first token and its logprob,
-        (b,) each, and the batch's row constants."""
+        (b,) each, and the batch's row constants.
+
+        prefix_len > 0: each row's cache already holds a shared prefix of that many tokens at
+        slots [kv_start, kv_start + prefix_len), copied there (kv_start = L - len(prompt));
+        the requests are the suffixes, which go right after it at positions prefix_len...
+        Padding tokens go to the slots before kv_start, which the mask hides."""
         dev = self.device
         tokens = torch.full((b, L), self.pad_id, dtype=torch.long)
         for i, r in enumerate(requests):
@@ -212,13 +220,15 @@ class ModelRunner:
         tokens = tokens.to(dev)
         rows = self._row_tensors(requests, b, L)
         slots = torch.arange(L, device=dev).expand(b, L)
+        real = slots >= rows.kv_start[:, None]
+        slots = torch.where(real, slots + prefix_len, slots)  # (b, L)
         input_pos = (slots - rows.kv_start[:, None]).clamp(min=0)
-        key = ("prefill", b, L, greedy_only) if cache_rows is None else ("prefill_rows", b, L, greedy_only)  # fmt: skip
+        key = ("prefill", b, L, greedy_only) if cache_rows is None else ("prefill_rows", b, L, prefix_len, greedy_only)  # fmt: skip
 
         t0 = time.perf_counter()
         tok, lp, compile_s = self._call(
             self._prefill, key if self.prefill_compiled else None,
-            tokens, input_pos, slots, rows, row_stride, greedy_only, cache_rows,
+            tokens, input_pos, slots, rows, row_stride, greedy_only, cache_rows, prefix_len,
         )  # fmt: skip
         _sync(dev)
         self.stats.prefill_s += time.perf_counter() - t0 - compile_s

@@ -71,24 +71,43 @@ class SlotShape:
     """The one decode shape of a continuous window: `slots` rows of row_stride cache slots."""
 
     slots: int
-    prompt_len: int  # the longest prompt bucket of the window
+    prompt_len: int  # the longest prompt bucket of the window (of its suffixes, with a prefix)
     max_new: int  # new-token bucket
+    prefix_len: int = 0  # a prefix every prompt shares, prefilled once (0: none)
 
     @property
     def row_stride(self) -> int:
-        return self.prompt_len + self.max_new
+        return self.prefix_len + self.prompt_len + self.max_new
+
+    @property
+    def extra_rows(self) -> int:
+        """Rows past the slots: a scratch row that a refill's padding rows write to (so they
+        never touch a decoding row), and the shared prefix's row."""
+        return 2 if self.prefix_len else 1
 
     @property
     def kv_tokens(self) -> int:
-        """Cache the window needs: its slots plus one scratch row that a refill's padding
-        rows write to (so they never touch a decoding row)."""
-        return (self.slots + 1) * self.row_stride
+        return (self.slots + self.extra_rows) * self.row_stride
+
+
+def shared_prefix_len(prompts: Sequence[Sequence[int]], min_len: int, multiple: int) -> int:
+    """The longest common token prefix of `prompts`, cut down to a multiple of `multiple`
+    and leaving every prompt at least one token of its own (its last token's logits start
+    its generation); 0 if that is under min_len or there are fewer than two prompts."""
+    if len(prompts) < 2:
+        return 0
+    first, n = prompts[0], min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    n -= n % multiple
+    return n if n >= min_len else 0
 
 
 @dataclass(slots=True, frozen=True)
 class Refill:
     """Prefill `indices` (positions in the window's request list) into the cache rows
-    `slots`, one each, left-padded to prompt_len, as a batch padded to batch_size rows."""
+    `slots`, one each, left-padded to prompt_len, as a batch padded to batch_size rows.
+    With a shared prefix, what is prefilled is each prompt's suffix after it."""
 
     slots: tuple[int, ...]
     indices: tuple[int, ...]
@@ -98,6 +117,9 @@ class Refill:
     @property
     def computed_prompt_tokens(self) -> int:
         return self.batch_size * self.prompt_len
+
+
+MIN_PREFIX = 16  # shortest shared prefix worth reusing; prefixes are cut to multiples of it
 
 
 class Action(enum.Enum):
@@ -137,11 +159,21 @@ class ContinuousScheduler:
     runner reports finished rows with `finish(slot)`, which frees the slot.
     """
 
-    def __init__(self, requests: Sequence[Request], buckets: BucketConfig) -> None:
+    def __init__(
+        self, requests: Sequence[Request], buckets: BucketConfig, prefix_reuse: bool = False
+    ) -> None:
         self.requests = list(requests)
         self.buckets = buckets
         self.status = [SeqStatus.WAITING] * len(self.requests)
-        lens = [r.prompt_len for r in self.requests]
+        # With prefix reuse, rows are prefilled from the end of the shared prefix on: the
+        # buckets, the order and the refills are about the suffixes.
+        self.prefix_len = (
+            shared_prefix_len([r.prompt_ids for r in self.requests], MIN_PREFIX, MIN_PREFIX)
+            if prefix_reuse
+            else 0
+        )
+        lens = [r.prompt_len - self.prefix_len for r in self.requests]
+        self._lens = lens
         order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
         self.waiting: deque[int] = deque(order)
         self.running: dict[int, int] = {}  # slot -> request index
@@ -149,15 +181,22 @@ class ContinuousScheduler:
         max_new = buckets.new_tokens_bucket(
             max((r.params.max_new_tokens for r in self.requests), default=1)
         )
-        slots = min(buckets.batch_size(prompt_len, max_new), next_pow2(max(len(lens), 1)))
-        while slots > 1 and (slots + 1) * (prompt_len + max_new) > buckets.kv_capacity_tokens:
+        stride = self.prefix_len + prompt_len + max_new
+        slots = min(buckets.batch_size(stride - max_new, max_new), next_pow2(max(len(lens), 1)))
+        extra = 2 if self.prefix_len else 1
+        while slots > 1 and (slots + extra) * stride > buckets.kv_capacity_tokens:
             slots //= 2
-        self.shape = SlotShape(slots, prompt_len, max_new)
+        self.shape = SlotShape(slots, prompt_len, max_new, self.prefix_len)
         if self.shape.kv_tokens > buckets.kv_capacity_tokens:
             raise ValueError(
                 f"a continuous batch needs {self.shape.kv_tokens} KV cache tokens "
-                f"(2 rows of {self.shape.row_stride}); the cache holds {buckets.kv_capacity_tokens}"
+                f"({1 + extra} rows of {stride}); the cache holds {buckets.kv_capacity_tokens}"
             )
+
+    @property
+    def prefix_tokens_saved(self) -> int:
+        """Prompt tokens not prefilled thanks to the shared prefix (prefilled once, not per row)."""
+        return self.prefix_len * (len(self.requests) - 1) if self.prefix_len else 0
 
     @property
     def free_slots(self) -> list[int]:
@@ -181,7 +220,7 @@ class ContinuousScheduler:
                 self.status[i] = SeqStatus.RUNNING
                 self.running[slot] = i
             # waiting is longest first, so the first prompt sets the bucket
-            prompt_len = self.buckets.prompt_bucket(self.requests[indices[0]].prompt_len)
+            prompt_len = self.buckets.prompt_bucket(self._lens[indices[0]])
             batch = self.buckets.padded_batch(n, self.shape.slots)
             return Step(Action.REFILL, Refill(slots, indices, prompt_len, batch))
         if self.running:

@@ -11,6 +11,13 @@ stop strings are checked, and finished rows come back to be reported and refille
 
 A slot's previous occupant leaves its keys/values behind; the new row never sees them:
 prefill overwrites slots [0, L) and the mask hides slots past a row's current one.
+
+Shared prefix (shape.prefix_len = P > 0): the prefix is prefilled once into its own cache
+row at positions 0..P-1. A row's layout is [left padding][prefix][suffix], kv_start at the
+end of the padding: a refill copies the prefix's keys/values into each new row right after
+its padding, then prefills only the left-padded suffixes, at positions P.. and slots right
+after the copy (their padding tokens write to the padding slots), so positions are
+contiguous and the mask is the usual one.
 """
 
 from __future__ import annotations
@@ -58,19 +65,38 @@ class SlotRunner:
         )
         self.state = DecodeState(col(runner.pad_id), col(0), col(0), col(True, torch.bool))
         self.running: dict[int, RunningRow] = {}  # slot -> row
+        self.scratch_row, self.prefix_row = shape.slots, shape.slots + 1
+
+    def prefill_prefix(self, prefix_ids: list[int]) -> None:
+        """Prefill the shared prefix into its own row, at positions and slots 0..P-1."""
+        assert len(prefix_ids) == self.shape.prefix_len
+        prefix = Request(-1, list(prefix_ids))
+        rows = torch.tensor([self.prefix_row], device=self.runner.device)
+        self.runner.prefill([prefix], 1, len(prefix_ids), self.shape.row_stride, True, rows)
 
     def refill(self, refill: Refill, requests: list[Request]) -> None:
         """Prefill `requests` into the cache rows of refill.slots and start them decoding."""
         r, dev, n = self.runner, self.runner.device, len(requests)
+        L, P, stride = refill.prompt_len, self.shape.prefix_len, self.shape.row_stride
+        if P:
+            requests = [Request(q.index, q.prompt_ids[P:], q.params) for q in requests]
+            # each new row: the prefix right after its left padding, at [kv_start, kv_start + P)
+            kv_start = torch.tensor([L - q.prompt_len for q in requests], device=dev)
+            src = self.prefix_row * stride + torch.arange(P, device=dev)  # (P,)
+            dst = torch.tensor(refill.slots, device=dev)[:, None] * stride + kv_start[:, None] + torch.arange(P, device=dev)  # (n, P)  # fmt: skip
+            for cache in r.model.kv_caches:
+                cache.copy(src, dst)
+            r.stats.prefix_tokens_saved += n * P
         # Padding rows of the prefill batch write to the scratch row past the last slot.
-        cache_rows = list(refill.slots) + [self.shape.slots] * (refill.batch_size - n)
+        cache_rows = list(refill.slots) + [self.scratch_row] * (refill.batch_size - n)
         tok, lp, rows = r.prefill(
             requests,
             refill.batch_size,
-            refill.prompt_len,
-            self.shape.row_stride,
+            L,
+            stride,
             self.greedy_only,
             torch.tensor(cache_rows, device=dev),
+            P,
         )
         idx = torch.tensor(refill.slots, device=dev)
         new, old = rows, self.rows
@@ -89,7 +115,7 @@ class SlotRunner:
         tok, lp = tok[:n], lp[:n]
         st = self.state
         st.tok[idx] = tok
-        st.slot[idx] = refill.prompt_len - 1  # the last prompt token's slot
+        st.slot[idx] = L + P - 1  # the last prompt token's slot
         st.n_gen[idx] = 1
         st.done[idx] = done[:n]
         for slot, req, t, p in zip(refill.slots, requests, tok.tolist(), lp.tolist(), strict=True):

@@ -53,3 +53,9 @@ class KVCache(nn.Module):
         k_rows = self.k[: n * row_stride].view(n, row_stride, h, d)
         v_rows = self.v[: n * row_stride].view(n, row_stride, h, d)
         return k_rows[rows, :kv_len], v_rows[rows, :kv_len]
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the keys/values at flat positions src (P,) to dst (B, P): a shared prefix
+        into rows. A key carries its position's rotation, so it may sit at any slot."""
+        self.k[dst] = self.k[src]
+        self.v[dst] = self.v[src]
