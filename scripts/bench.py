@@ -46,10 +46,11 @@ sys.path.insert(0, str(HERE.parent))
 import bench_models  # noqa: E402
 
 ENGINES = ("batchgen", "hf", "hf-static")
-SCHEDULES = ("static", "continuous")
+SCHEDULES = ("static", "continuous", "continuous-prefix")  # the last: with --prefix-reuse
 ENGINE_LABELS = {
     "batchgen": "batchgen",
     "batchgen-continuous": "batchgen, continuous schedule",
+    "batchgen-continuous-prefix": "batchgen, continuous schedule + prefix reuse",
     "hf": "transformers generate, dynamic cache",
     "hf-static": "transformers generate, static cache",
 }
@@ -105,12 +106,15 @@ def draw_lengths(rng: random.Random, n: int, spec: tuple[int, int, int], sigma: 
 
 
 def make_workload(n: int, prompt_spec, out_spec, prompt_sigma: float, out_sigma: float,
-                  vocab: int, seed: int) -> Workload:  # fmt: skip
+                  vocab: int, seed: int, shared_prefix: int = 0) -> Workload:  # fmt: skip
+    """shared_prefix > 0: a labeling job: every prompt starts with the same instruction of
+    that many tokens, followed by its own (length-drawn) text."""
     rng = random.Random(seed)
     plens = draw_lengths(rng, n, prompt_spec, prompt_sigma)
     news = draw_lengths(rng, n, out_spec, out_sigma)
     lo = bench_models.EOS + 1  # no special ids inside prompts
-    prompts = [[rng.randrange(lo, vocab) for _ in range(p)] for p in plens]
+    prefix = [rng.randrange(lo, vocab) for _ in range(shared_prefix)]
+    prompts = [prefix + [rng.randrange(lo, vocab) for _ in range(p)] for p in plens]
     return Workload(prompts, news)
 
 
@@ -177,7 +181,8 @@ def worker_batchgen(job: dict) -> dict:
     schedule = job.get("schedule", "static")
     llm = LLM(job["model_dir"], dtype=job["dtype"], device=job["device"],
               compile=job["compile"], buckets=BucketConfig(**job["buckets"]),
-              schedule=schedule)  # fmt: skip
+              schedule=schedule.removesuffix("-prefix"),
+              prefix_reuse=schedule.endswith("-prefix"))  # fmt: skip
     _sync(device)
     load_s = time.perf_counter() - t0
     rss_loaded = _rss_bytes()
@@ -213,10 +218,11 @@ def worker_batchgen(job: dict) -> dict:
             computed_prompt_tokens=computed_prompt,
         ))  # fmt: skip
     slots = None
-    if schedule == "continuous":  # every decode step computes all slots
+    if schedule != "static":  # every decode step computes all slots
         from batchgen.engine.scheduler import ContinuousScheduler
 
-        slots = ContinuousScheduler(requests, llm.buckets).shape.slots
+        sched = ContinuousScheduler(requests, llm.buckets, schedule.endswith("-prefix"))
+        slots = sched.shape.slots
     return dict(
         load_s=load_s,
         rss_after_load_bytes=rss_loaded,
@@ -226,6 +232,7 @@ def worker_batchgen(job: dict) -> dict:
         compiled=job["compile"],
         schedule=schedule,
         slots=slots,
+        prefix_tokens_saved=stats.prefix_tokens_saved // max(1, job["runs"]),
         **_memory(device),
     )
 
@@ -514,6 +521,19 @@ def markdown(report: dict) -> str:
                      if {"batchgen", "batchgen-continuous"} <= cold.keys() else "")
                   + f". Continuous warm run: prefill {cont['prefill_s']:.2f} s, decode {cont['decode_s']:.2f} s "
                   f"({cont['decode_steps']} steps), graphs compiled during it: {cont['new_graphs']}."]  # fmt: skip
+    pre = next(
+        (
+            r
+            for r in report["rows"]
+            if r["engine"] == "batchgen-continuous-prefix" and r["run"] == "warm"
+        ),
+        None,
+    )
+    if pre and cont:
+        saved = report["results"]["batchgen-continuous-prefix"].get("prefix_tokens_saved")
+        lines += ["", f"**Prefix reuse on / off (continuous, warm): {pre['output_tok_s'] / cont['output_tok_s']:.2f}x "
+                  f"output tokens/s**; prefill {pre['prefill_s']:.2f} s vs {cont['prefill_s']:.2f} s; "
+                  f"prompt tokens not prefilled per run: {saved}."]  # fmt: skip
     c, rl = report.get("ceilings"), report.get("roofline")
     if c and "error" not in c:
         lines += [
@@ -572,10 +592,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-sigma", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="labeling workload: one instruction of N tokens before every prompt")  # fmt: skip
     p.add_argument(
         "--schedule",
         default="static",
-        help="batchgen schedules to run, comma-separated: static, continuous (static "
+        help="batchgen schedules to run, comma-separated: static, continuous, "
+        "continuous-prefix (with prefix reuse); static "
         "is the one compared with transformers)",
     )
     p.add_argument("--hf-batch-size", default="16",
@@ -620,11 +643,13 @@ def bench_one(args, shape: str | None, device: str, dtype: str, command: str, lo
         model_dir = bench_models.cached(shape, dtype, device if cuda else "cpu", args.cache_root)
     hf_cfg = json.loads((model_dir / "config.json").read_text())
     work = make_workload(args.n_prompts, args.prompt_len, args.out_len, args.prompt_sigma,
-                         args.out_sigma, hf_cfg["vocab_size"], args.seed)  # fmt: skip
+                         args.out_sigma, hf_cfg["vocab_size"], args.seed,
+                         args.shared_prefix)  # fmt: skip
     from batchgen.model.loader import config_from_hf
 
     mcfg = config_from_hf(hf_cfg)
-    max_prompt = args.prompt_len[1]  # the workload's cap, as a job's --max-prompt-len would be
+    # the workload's cap, as a job's --max-prompt-len would be
+    max_prompt = args.prompt_len[1] + args.shared_prefix
     buckets = dict(
         max_prompt_len=max_prompt,
         min_bucket=min(args.min_bucket, max_prompt),

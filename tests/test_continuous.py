@@ -63,8 +63,8 @@ def test_greedy_equals_static_and_transformers(family, tiny_dirs, refills):
         assert got[i].logprobs == pytest.approx(static[i].logprobs, abs=1e-4)
     # the slots really were refilled, with other rows still decoding
     assert len(refills) >= 4
-    assert refills[0] == ((0, 1, 2, 3), 32)
-    assert {bucket for _, bucket in refills[1:]} != {32}
+    assert refills[0] == ((0, 1, 2, 3), 32)  # 30, 25, 21, 17 tokens: one bucket
+    assert {bucket for _, bucket in refills} >= {32, 16, 8, 4}
 
 
 def test_seeded_sampling_is_unchanged_by_the_schedule(tiny_dirs, refills):

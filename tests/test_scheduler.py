@@ -154,6 +154,11 @@ def _drive(sched: ContinuousScheduler, seed: int) -> list[Step]:
             assert r.batch_size <= sched.shape.slots
             assert r.prompt_len in sched.buckets.prompt_edges
             assert all(sched.requests[i].prompt_len <= r.prompt_len for i in r.indices)
+            edges = sched.buckets.prompt_edges  # no row padded past its own bucket
+            assert all(
+                r.prompt_len == min(e for e in edges if e >= sched.requests[i].prompt_len)
+                for i in r.indices
+            )
             assert r.prompt_len <= sched.shape.prompt_len
             for s, i in zip(r.slots, r.indices, strict=True):
                 assert sched.status[i] is SeqStatus.RUNNING
@@ -190,8 +195,10 @@ def test_continuous_hands_out_every_request_once(seed):
 def test_continuous_refills_longest_prompts_first_into_free_slots():
     reqs = _mixed([3, 30, 4, 20, 2, 9], [8] * 6)
     sched = ContinuousScheduler(reqs, BucketConfig(max_prompt_len=32, min_bucket=4, max_batch=4))
-    first = sched.schedule()
-    assert first == Step(Action.REFILL, Refill((0, 1, 2, 3), (1, 3, 5, 2), 32, 4))
+    # one length bucket per refill: 30 and 20 tokens (32), then 9 (16), then 4 (4)
+    assert sched.schedule() == Step(Action.REFILL, Refill((0, 1), (1, 3), 32, 2))
+    assert sched.schedule() == Step(Action.REFILL, Refill((2,), (5,), 16, 1))
+    assert sched.schedule() == Step(Action.REFILL, Refill((3,), (2,), 4, 1))
     assert sched.schedule() == Step(Action.DECODE)  # no free slot
     assert sched.finish(2) == 5 and sched.finish(0) == 1
     assert sched.schedule() == Step(Action.REFILL, Refill((0, 2), (0, 4), 4, 2))
@@ -248,8 +255,9 @@ def test_continuous_with_a_prefix_buckets_the_suffixes():
     assert sched.shape == SlotShape(slots=4, prompt_len=64, max_new=16, prefix_len=32)
     assert sched.shape.row_stride == 32 + 64 + 16 and sched.shape.extra_rows == 2
     assert sched.prefix_tokens_saved == 5 * 32
-    first = sched.schedule()
-    assert first.refill.prompt_len == 64 and first.refill.indices == (1, 3, 5, 2)
+    assert sched.schedule().refill == Refill((0,), (1,), 64, 1)  # suffix 38
+    assert sched.schedule().refill == Refill((1, 2), (3, 5), 32, 2)  # 28, 17
+    assert sched.schedule().refill == Refill((3,), (2,), 16, 1)  # 12
     sched.finish(0)
     assert sched.schedule().refill == Refill((0,), (0,), 16, 1)  # suffix 8 + 3 tokens
     off = ContinuousScheduler(reqs, buckets)

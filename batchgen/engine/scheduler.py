@@ -154,7 +154,8 @@ class ContinuousScheduler:
     many slots as the bucket budgets allow for that row length (fewer if the window is
     small). `schedule()` is called after each decode round: if slots are free and prompts
     wait, it plans a refill of as many of them as fit into the free slots (lowest slot
-    first), padded to one length bucket and a power-of-two count; otherwise it asks for
+    first) and share the longest one's length bucket, padded to a power-of-two count (it
+    is called again until no slot is free or no prompt waits); otherwise it asks for
     another decode round while rows run, and says DONE when none run and none wait. The
     runner reports finished rows with `finish(slot)`, which frees the slot.
     """
@@ -213,14 +214,20 @@ class ContinuousScheduler:
     def schedule(self) -> Step:
         free = self.free_slots
         if free and self.waiting:
-            n = min(len(free), len(self.waiting))
+            # one length bucket per refill: the head's (the longest waiting), so no row is
+            # padded past its own bucket; the next bucket's rows come in the next refill
+            prompt_len = self.buckets.prompt_bucket(self._lens[self.waiting[0]])
+            n = 0
+            while (
+                n < min(len(free), len(self.waiting))
+                and self.buckets.prompt_bucket(self._lens[self.waiting[n]]) == prompt_len
+            ):
+                n += 1
             indices = tuple(self.waiting.popleft() for _ in range(n))
             slots = tuple(free[:n])
             for i, slot in zip(indices, slots, strict=True):
                 self.status[i] = SeqStatus.RUNNING
                 self.running[slot] = i
-            # waiting is longest first, so the first prompt sets the bucket
-            prompt_len = self.buckets.prompt_bucket(self._lens[indices[0]])
             batch = self.buckets.padded_batch(n, self.shape.slots)
             return Step(Action.REFILL, Refill(slots, indices, prompt_len, batch))
         if self.running:
