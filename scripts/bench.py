@@ -322,7 +322,8 @@ def worker_hf(job: dict) -> dict:
 
 
 WORKERS = {"roofline": worker_roofline, "batchgen": worker_batchgen,
-           "batchgen-continuous": worker_batchgen, "hf": worker_hf, "hf-static": worker_hf}  # fmt: skip
+           "batchgen-continuous": worker_batchgen, "batchgen-continuous-prefix": worker_batchgen,
+           "hf": worker_hf, "hf-static": worker_hf}  # fmt: skip
 
 
 def run_worker(job: dict, in_process: bool, timeout: float | None, log) -> dict:

@@ -16,12 +16,14 @@ def test_bench_report_on_tiny_model(tmp_path, capsys):
         "--n-prompts", "5", "--prompt-len", "16:48:20", "--out-len", "3:9:5",
         "--hf-batch-size", "2", "--no-compile", "--in-process",
         "--copy-mib", "16", "--matmul-n", "128", "--out", str(out),
-        "--markdown", str(tmp_path / "bench.md"), "--schedule", "static,continuous",
+        "--markdown", str(tmp_path / "bench.md"), "--schedule", "static,continuous,continuous-prefix", "--shared-prefix", "16",
     ])  # fmt: skip
     assert json.loads(out.read_text()) == json.loads(json.dumps(reports, default=str))
     (r,) = reports
     assert r["errors"] == {}
-    assert set(r["results"]) == {"roofline", "batchgen", "batchgen-continuous", "hf@2", "hf-static@2"}  # fmt: skip
+    assert set(r["results"]) == {"roofline", "batchgen", "batchgen-continuous",
+                                 "batchgen-continuous-prefix", "hf@2", "hf-static@2"}  # fmt: skip
+    assert r["results"]["batchgen-continuous-prefix"]["prefix_tokens_saved"] == 16 * 4
     wanted = r["workload"]["output"]["total"]
     for key, res in r["results"].items():
         if key != "roofline":
@@ -33,6 +35,8 @@ def test_bench_report_on_tiny_model(tmp_path, capsys):
         ("batchgen", "warm"),
         ("batchgen-continuous", "cold"),
         ("batchgen-continuous", "warm"),
+        ("batchgen-continuous-prefix", "cold"),
+        ("batchgen-continuous-prefix", "warm"),
         ("hf", "warm"),
         ("hf-static", "warm"),
     }

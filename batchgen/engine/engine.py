@@ -80,7 +80,7 @@ class Engine:
             def stop_fn(req: Request, ids: list[int]) -> int | None:
                 return tokens_to_keep(ids, req.params.stop, self.decode)
 
-        prefilled = 0
+        prefilled = scheduler.prefix_len  # the shared prefix's own prefill, if any
         while (step := scheduler.schedule()).action is not Action.DONE:
             if step.action is Action.REFILL:
                 slots.refill(step.refill, [requests[i] for i in step.refill.indices])
