@@ -58,8 +58,11 @@ class SlotRunner:
         self.rows = RowTensors(
             kv_start=col(0),
             sampling=SamplingTensors(
-                col(0.0, torch.float32), col(0), col(1.0, torch.float32), col(0)
-            ),  # fmt: skip
+                temperature=col(0.0, torch.float32),
+                top_k=col(0),
+                top_p=col(1.0, torch.float32),
+                seed=col(0),
+            ),
             max_new=col(1),
             ignore_eos=col(True, torch.bool),
         )
@@ -83,7 +86,8 @@ class SlotRunner:
             # each new row: the prefix right after its left padding, at [kv_start, kv_start + P)
             kv_start = torch.tensor([L - q.prompt_len for q in requests], device=dev)
             src = self.prefix_row * stride + torch.arange(P, device=dev)  # (P,)
-            dst = torch.tensor(refill.slots, device=dev)[:, None] * stride + kv_start[:, None] + torch.arange(P, device=dev)  # (n, P)  # fmt: skip
+            offsets = kv_start[:, None] + torch.arange(P, device=dev)  # (n, P)
+            dst = torch.tensor(refill.slots, device=dev)[:, None] * stride + offsets
             for cache in r.model.kv_caches:
                 cache.copy(src, dst)
             r.stats.prefix_tokens_saved += n * P
@@ -124,6 +128,7 @@ class SlotRunner:
     def decode_round(self, stop_fn: RowStopFn | None) -> list[tuple[int, RowOutput]]:
         """Decode up to sync_every steps; return the (slot, output) of each row that finished."""
         r = self.runner
+        # no longer than the longest-running row still needs
         left = max(x.request.params.max_new_tokens - len(x.token_ids) for x in self.running.values())  # fmt: skip
         n_steps = max(1, min(r.sync_every, left))
         toks, lps = [], []
