@@ -14,6 +14,7 @@ from batchgen.engine.scheduler import Schedule
 from batchgen.engine.sequence import Completion, Request, SamplingParams
 from batchgen.model.loader import load_model
 from batchgen.planner import BucketConfig
+from batchgen.quant import make_scheme, quantize_model
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default-model"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,16 +63,25 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         compile: bool = True,
+        compile_prefill: bool = False,
         buckets: BucketConfig | None = None,
         allow_pickle: bool = False,
         schedule: Schedule | str = Schedule.STATIC,
         prefix_reuse: bool = False,
+        quantize: str = "none",
+        quant_backend: str = "auto",
     ) -> None:
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.model = load_model(self.model_dir, self.dtype, self.device, allow_pickle=allow_pickle)
+        # Resolved and checked before loading, so an unavailable combination fails fast.
+        self.quant = make_scheme(quantize, quant_backend, self.device, self.dtype)
+        # When quantizing, load on the host: the pass moves one block at a time to the
+        # device and quantizes it there, so the device never holds the float model.
+        load_device = torch.device("cpu") if self.quant.enabled else self.device
+        self.model = load_model(self.model_dir, self.dtype, load_device, allow_pickle=allow_pickle)
+        self.quant = quantize_model(self.model, self.quant, self.device)
         cfg = self.model.cfg
         self.buckets = buckets or BucketConfig(
             max_prompt_len=min(1024, cfg.max_position_embeddings // 2)
@@ -85,6 +95,7 @@ class LLM:
             eos_ids=eos,
             pad_id=pad if pad is not None else (eos[0] if eos else 0),
             compile=compile,
+            compile_prefill=compile_prefill,  # on the CPU; a GPU always compiles it
         )
         self.engine = Engine(
             self.runner, self.decode, self.buckets, Schedule(schedule), prefix_reuse

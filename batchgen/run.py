@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -176,6 +177,8 @@ def run(cfg: RunConfig) -> RunStats:
         allow_pickle=cfg.allow_pickle,
         schedule=cfg.schedule,
         prefix_reuse=cfg.prefix_reuse,
+        quantize=cfg.quantize,
+        quant_backend=cfg.quant_backend,
     )
     stats.load_s = time.perf_counter() - t0
     stats.extra.update(
@@ -187,6 +190,13 @@ def run(cfg: RunConfig) -> RunStats:
         kv_cache_tokens=buckets.kv_capacity_tokens,
         schedule=cfg.schedule,
     )
+    # The model and quantization scheme travel with every part file, not only _stats.json.
+    meta = {
+        "model": str(model_dir),
+        "dtype": stats.extra["dtype"],
+        "quantization": llm.quant.to_dict(),
+    }
+    schema = schema.with_metadata({"batchgen": json.dumps(meta)})
     nvml = NvmlSampler(device.index or 0).start() if device.type == "cuda" else None
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
     progress = _progress(cfg, source.num_rows, len(done))
@@ -236,8 +246,7 @@ def _finish_stats(
     stats.peak_memory_bytes = peak_memory_bytes(device)
     stats.extra["compiled_shapes"] = len(rs.shapes)
     stats.extra["prefix_tokens_saved"] = rs.prefix_tokens_saved
-    quant = getattr(llm, "quant", None)
-    stats.extra["quantization"] = quant.to_dict() if quant is not None else {"method": "none"}
+    stats.extra["quantization"] = llm.quant.to_dict()
     if nvml is not None:
         stats.extra.update(nvml.stop() or {})
     stats.finish()

@@ -113,7 +113,7 @@ selected setup && step "environment + offline install" 45 "$OUT/setup.log" bash 
 PYTEST_TIMEOUT=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT=(--timeout=100)
 selected tests && step "pytest -m gpu" 160 "$OUT/tests.log" \
-    "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" tests/test_gpu.py
+    "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" tests/test_gpu.py tests/test_quant.py
 
 # ---------------------------------------------------------------- 3. benchmark
 # Batch-1 decode of the 8B shape: one prompt of 128 tokens, 256 new tokens; batchgen

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
+import torch
+
 from batchgen.engine.model_runner import ModelRunner, RowOutput
 from batchgen.engine.scheduler import (
     Action,
@@ -37,6 +39,7 @@ class Engine:
         self.schedule = Schedule(schedule)
         self.prefix_reuse = prefix_reuse  # continuous only: prefill a shared prefix once
 
+    @torch.no_grad()  # (a generator: no_grad holds across its yields)
     def generate(
         self, requests: Sequence[Request]
     ) -> Iterator[tuple[BatchPlan | RoundReport, list[Completion]]]:

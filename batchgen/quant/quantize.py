@@ -1,0 +1,127 @@
+"""The quantization pass: float model on the host in, quantized model on the device out.
+
+Blocks are moved to the device one at a time and quantized there, so the device never
+holds more than one block in full precision (and packed int4 layouts, which differ
+between CPU and CUDA kernels, are built for the device that runs them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from batchgen.model.transformer import Transformer
+from batchgen.quant import quanto_backend, torchao_backend
+from batchgen.quant.scheme import (
+    DEFAULT_INT4_GROUP_SIZE,
+    INT4_GROUP_SIZES,
+    TARGETS,
+    QuantBackend,
+    QuantMethod,
+    QuantScheme,
+)
+
+_BACKENDS = {QuantBackend.TORCHAO: torchao_backend, QuantBackend.QUANTO: quanto_backend}
+
+# What backend="auto" picks, from CPU measurements and, for CUDA, published figures;
+# docs/quantization.md has the numbers. torchao is as fast as quanto or faster in every
+# CPU cell measured, except int4 with float32/float16 activations, where torchao's CPU
+# int4 kernel takes a slow path (2-26x slower than quanto in scripts/bench_quant.py) and
+# quanto is picked.
+DEFAULT_BACKEND = {"cpu": QuantBackend.TORCHAO, "cuda": QuantBackend.TORCHAO}
+DEFAULT_OVERRIDES = {
+    ("cpu", QuantMethod.INT4, torch.float32): QuantBackend.QUANTO,
+    ("cpu", QuantMethod.INT4, torch.float16): QuantBackend.QUANTO,
+}
+
+
+def default_backend(
+    device_type: str, method: QuantMethod | None = None, dtype: torch.dtype | None = None
+) -> QuantBackend:
+    """The device's default backend, or the measured better one for (method, dtype)."""
+    best = DEFAULT_OVERRIDES.get((device_type, method, dtype))
+    return best or DEFAULT_BACKEND.get(device_type, QuantBackend.TORCHAO)
+
+
+def make_scheme(
+    method: str,
+    backend: str = "auto",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    group_size: int | None = None,
+) -> QuantScheme:
+    """Resolve "auto" and the default group size, and check that the result runs on
+    device with dtype; raises QuantUnavailableError otherwise."""
+    method = QuantMethod(method)
+    if method is QuantMethod.NONE:
+        return QuantScheme()
+    device = torch.device(device)
+    auto = backend == "auto"
+    resolved = default_backend(device.type, method, dtype) if auto else QuantBackend(backend)
+    if method is QuantMethod.INT4 and group_size is None:
+        group_size = DEFAULT_INT4_GROUP_SIZE
+    scheme = QuantScheme(method, resolved, group_size)
+    scheme.check_available(device.type, dtype)
+    return scheme
+
+
+def _check_group_size(model: Transformer, scheme: QuantScheme) -> None:
+    if scheme.group_size is None:
+        return
+    for i, block in enumerate(model.layers):
+        for name in TARGETS:
+            k = block.get_submodule(name).in_features
+            if k % scheme.group_size:
+                fits = [g for g in INT4_GROUP_SIZES if k % g == 0]
+                raise ValueError(
+                    f"int4 group size {scheme.group_size} does not divide the {k} input "
+                    f"features of layers.{i}.{name}; group sizes that do: {fits or 'none'}"
+                )
+
+
+def quantize_model(
+    model: Transformer, scheme: QuantScheme, device: str | torch.device
+) -> QuantScheme:
+    """Quantize model's decoder linears in place and leave the whole model on device.
+
+    Returns the scheme with weight_format filled in (the tensor type the backend chose)."""
+    device = torch.device(device)
+    if not scheme.enabled:
+        model.to(device)
+        return scheme
+    scheme.check_available(device.type, model.embed.weight.dtype)
+    _check_group_size(model, scheme)
+    backend = _BACKENDS[scheme.backend]
+    for block in model.layers:
+        block.to(device)
+        backend.quantize_linears(block, TARGETS, scheme, device)
+    for name in ("embed", "pos_embed", "norm", "lm_head"):
+        module = getattr(model, name)
+        if module is not None:
+            module.to(device)
+    if model.cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    # quanto's QLinear makes fresh Parameters that require grad; the runner calls the
+    # model outside no_grad, so that would record autograd graphs and, through the KV
+    # cache writes, flip the cache buffers to requires_grad and force a recompile.
+    model.requires_grad_(False)
+    # quanto picks a tensor type (and kernel) per layer shape: record every one chosen.
+    formats = {type(b.get_submodule(n).weight).__name__ for b in model.layers for n in TARGETS}
+    return dataclasses.replace(scheme, weight_format="/".join(sorted(formats)))
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Storage bytes of t, summing the inner tensors of quantized tensor subclasses."""
+    if is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in inner if getattr(t, n) is not None)
+    return t.numel() * t.element_size()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (tied ones counted once); buffers such as the
+    KV cache are not weights."""
+    return sum(tensor_bytes(p) for p in model.parameters())

@@ -1,0 +1,140 @@
+"""What a quantized model is: method, backend, group size, and where each combination runs.
+
+A `QuantScheme` is plain data, validated on construction and written out with `to_dict()`
+into stats and output metadata, so a run always says how its weights were stored.
+`SUPPORT` is the one table of which (backend, method) pairs run on which device and
+dtype; asking for anything else raises `QuantUnavailableError` naming what does run.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class QuantMethod(str, enum.Enum):
+    NONE = "none"
+    INT8 = "int8"  # symmetric, one scale per output channel
+    INT4 = "int4"  # affine, one scale and zero point per group of input channels
+    FP8 = "fp8"  # float8 e4m3, one scale per output channel
+
+
+class QuantBackend(str, enum.Enum):
+    TORCHAO = "torchao"
+    QUANTO = "quanto"
+
+
+class QuantUnavailableError(ValueError):
+    pass
+
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+DEFAULT_INT4_GROUP_SIZE = 128  # torchao's default; quanto's CUDA int4 kernels need 128
+# Only the decoder blocks' linear layers are quantized; embeddings, norms and lm_head keep
+# the model dtype (lm_head is often tied to the embedding, where a quantized copy would add
+# memory, and it is the layer most sensitive to weight error).
+TARGETS = ("attn.wqkv", "attn.wo", "mlp.w_in", "mlp.w_out")
+
+_ANY = None  # any model dtype
+# (backend, method) -> {device type: dtypes the compiled path runs with, or _ANY}.
+# CPU entries are measured: float32 in tests/test_quant.py, float16 and bfloat16 on a small
+# compiled module. CUDA entries follow the libraries' kernels and stay unmeasured until
+# scripts/gpu_check.sh runs the gpu-marked tests.
+SUPPORT: dict[tuple[QuantBackend, QuantMethod], dict[str, tuple[torch.dtype, ...] | None]] = {
+    (QuantBackend.TORCHAO, QuantMethod.INT8): {"cpu": _ANY, "cuda": _ANY},
+    # CPU: tinygemm CPU kernel (Int4OpaqueTensor); CUDA: tinygemm tile-packed, bf16 only.
+    (QuantBackend.TORCHAO, QuantMethod.INT4): {"cpu": _ANY, "cuda": (torch.bfloat16,)},
+    (QuantBackend.TORCHAO, QuantMethod.FP8): {"cpu": _ANY, "cuda": _ANY},
+    (QuantBackend.QUANTO, QuantMethod.INT8): {"cpu": _ANY, "cuda": _ANY},
+    # On CPU, bf16 int4 selects quanto's tinygemm tensor, which fails under torch.compile.
+    (QuantBackend.QUANTO, QuantMethod.INT4): {"cpu": (torch.float32, torch.float16), "cuda": _ANY},
+    (QuantBackend.QUANTO, QuantMethod.FP8): {"cpu": _ANY, "cuda": _ANY},
+}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _runs(devices: dict, device_type: str, dtype: torch.dtype | None) -> bool:
+    if device_type not in devices:
+        return False
+    dtypes = devices[device_type]
+    return dtype is None or dtypes is None or dtype in dtypes
+
+
+def available(device_type: str, dtype: torch.dtype | None = None) -> list[str]:
+    """The "backend method" pairs that run on device_type (with dtype, if given); without
+    a dtype, pairs limited to some dtypes say which."""
+    out = []
+    for (backend, method), devices in SUPPORT.items():
+        if not _runs(devices, device_type, dtype):
+            continue
+        dtypes = devices[device_type]
+        only = f" ({'/'.join(map(_dtype_name, dtypes))} only)" if dtypes and dtype is None else ""
+        out.append(f"{backend.value} {method.value}{only}")
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class QuantScheme:
+    """Weight-only quantization of the decoder's linear layers.
+
+    method NONE has no backend. group_size is int4's group of input channels and None
+    for int8/fp8 (per output channel). weight_format is the weight tensor type the
+    backend produced ("A/B" if layers differ), filled in by `quantize_model`."""
+
+    method: QuantMethod = QuantMethod.NONE
+    backend: QuantBackend | None = None
+    group_size: int | None = None
+    weight_format: str | None = None
+
+    def __post_init__(self) -> None:
+        # Accept the plain strings the CLI and config files carry.
+        object.__setattr__(self, "method", QuantMethod(self.method))
+        if self.backend is not None:
+            object.__setattr__(self, "backend", QuantBackend(self.backend))
+        if self.method is QuantMethod.NONE:
+            if self.backend is not None or self.group_size is not None:
+                raise ValueError("quantize=none takes no backend and no group size")
+            return
+        if self.backend is None:
+            raise ValueError(f"quantize={self.method.value} needs a backend (torchao or quanto)")
+        if self.method is QuantMethod.INT4:
+            if self.group_size not in INT4_GROUP_SIZES:
+                raise ValueError(
+                    f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {self.group_size}"
+                )
+        elif self.group_size is not None:
+            raise ValueError(
+                f"{self.method.value} is per output channel; group_size applies to int4 only"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not QuantMethod.NONE
+
+    def check_available(self, device_type: str, dtype: torch.dtype) -> None:
+        if not self.enabled:
+            return
+        if not _runs(SUPPORT[(self.backend, self.method)], device_type, dtype):
+            choices = available(device_type, dtype) or ["none"]
+            raise QuantUnavailableError(
+                f"quantize={self.method.value} with backend {self.backend.value} is not available "
+                f"on {device_type} with {_dtype_name(dtype)}. Available there: {', '.join(choices)}. "
+                f"All combinations on {device_type}: {', '.join(available(device_type)) or 'none'}."
+            )
+
+    def to_dict(self) -> dict:
+        if not self.enabled:
+            return {"method": "none"}
+        return {
+            "method": self.method.value,
+            "backend": self.backend.value,
+            "granularity": f"group of {self.group_size}" if self.group_size else "per channel",
+            "group_size": self.group_size,
+            "modules": [f"layers.*.{t}" for t in TARGETS],
+            "weight_format": self.weight_format,
+        }

@@ -1,0 +1,163 @@
+"""Decode speed of quantized weights against the unquantized model, compiled, same run.
+
+    python scripts/bench_quant.py                                   # embedded model, CPU
+    python scripts/bench_quant.py --random-llama 1024 --layers 4    # a weight-bound size
+    python scripts/bench_quant.py --device cuda --dtype bfloat16 --random-llama 2048 --out q.json
+
+Each configuration (none, then every backend x method asked for and available on the
+device) is built once with `LLM(..., compile=True)` and warmed at every batch size, so
+all graphs are compiled before timing. Timing then runs in rounds, each round visiting
+every (configuration, batch size) once, and reports the median round: on a shared
+machine, load that comes and goes then hits every configuration alike. A cell is decode
+tokens/s (rows x decode steps / decode seconds, from the runner's own counters, which
+exclude compilation), and its ratio to `none` at the same batch size. `recompiles` counts
+graphs compiled during the timed rounds; it should be 0.
+
+Prints a markdown table; --out writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from batchgen.engine.sequence import SamplingParams  # noqa: E402
+from batchgen.llm import DEFAULT_MODEL, LLM  # noqa: E402
+from batchgen.planner import BucketConfig  # noqa: E402
+from batchgen.quant import QuantUnavailableError, weight_bytes  # noqa: E402
+
+
+def random_llama(hidden: int, layers: int, root: Path) -> Path:
+    from tiny_models import save_tiny_model
+
+    return save_tiny_model(
+        "llama", root / f"llama-{hidden}x{layers}", hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4 // 128 * 128, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
+        max_position_embeddings=1024,
+    )  # fmt: skip
+
+
+def prompts(batch: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 500, (batch, length), generator=g).tolist()
+
+
+def decode_rate(llm: LLM, batch: int, args, seed: int) -> tuple[float, int]:
+    """Decode tokens/s of one generate call of `batch` rows; and graphs compiled during it."""
+    from torch._dynamo.utils import counters
+
+    stats = llm.runner.stats
+    s0, t0, g0 = stats.decode_steps, stats.decode_s, counters["stats"]["unique_graphs"]
+    llm.generate(prompts(batch, args.prompt_len, seed),
+                 SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))  # fmt: skip
+    steps, secs = stats.decode_steps - s0, stats.decode_s - t0
+    return batch * steps / secs, counters["stats"]["unique_graphs"] - g0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--random-llama", type=int, metavar="HIDDEN",
+                   help="instead of --model, a random Llama of this width")  # fmt: skip
+    p.add_argument("--layers", type=int, default=4, help="layers of --random-llama")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--backends", default="torchao,quanto")
+    p.add_argument("--methods", default="int8,int4")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import torch._dynamo.config as dynamo_config
+
+    # Every configuration keeps its graphs for the interleaved rounds: room for all of them.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 512)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 512)
+
+    tmp = tempfile.TemporaryDirectory()
+    model = (
+        random_llama(args.random_llama, args.layers, Path(tmp.name))
+        if args.random_llama
+        else Path(args.model)
+    )
+    buckets = BucketConfig(
+        max_prompt_len=args.prompt_len, min_bucket=args.prompt_len, max_batch=max(batches),
+        kv_capacity_tokens=max(batches) * (args.prompt_len + max(16, args.new_tokens)) * 2,
+    )  # fmt: skip
+    configs = [("none", "auto")] + [
+        (m, b) for b in args.backends.split(",") for m in args.methods.split(",")
+    ]
+    llms: dict[tuple[str, str], LLM] = {}
+    info: dict[tuple[str, str], dict] = {}
+    for method, backend in configs:
+        t0 = time.perf_counter()
+        try:
+            llm = LLM(model, dtype=args.dtype, device=args.device, compile=True, buckets=buckets,
+                      quantize=method, quant_backend=backend)  # fmt: skip
+        except QuantUnavailableError as e:
+            print(f"skip {backend} {method}: {e}", file=sys.stderr)
+            continue
+        for b in batches:  # warm-up: compiles prefill and decode at each batch size
+            decode_rate(llm, b, args, seed=0)
+        key = (method, llm.quant.backend.value if llm.quant.enabled else "-")
+        llms[key] = llm
+        info[key] = dict(scheme=llm.quant.to_dict(), weight_bytes=weight_bytes(llm.model),
+                         warmup_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+        print(f"built {key} in {info[key]['warmup_s']} s", file=sys.stderr, flush=True)
+
+    rates: dict[tuple, list[float]] = {}
+    recompiles: dict[tuple, int] = {}
+    for r in range(args.rounds):
+        for key, llm in llms.items():
+            for b in batches:
+                rate, new_graphs = decode_rate(llm, b, args, seed=r + 1)
+                rates.setdefault((*key, b), []).append(rate)
+                recompiles[(*key, b)] = recompiles.get((*key, b), 0) + new_graphs
+
+    any_llm = next(iter(llms.values()))
+    rows = []
+    for key in llms:
+        for b in batches:
+            rate = statistics.median(rates[(*key, b)])
+            base = statistics.median(rates[("none", "-", b)])
+            rows.append(dict(method=key[0], backend=key[1], batch=b, tokens_per_s=rate,
+                             ratio=rate / base, recompiles=recompiles[(*key, b)],
+                             rounds=[round(x, 1) for x in rates[(*key, b)]], **info[key]))  # fmt: skip
+
+    print(f"\nmodel {model}, {any_llm.device} {str(any_llm.dtype).removeprefix('torch.')}, "
+          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, median of "
+          f"{args.rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads\n")  # fmt: skip
+    print("| backend | method | format | weights | batch | decode tok/s | vs none | recompiles |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['backend']} | {r['method']} | {r['scheme'].get('weight_format') or '-'} "
+              f"| {r['weight_bytes'] / 2**20:.1f} MiB | {r['batch']} | {r['tokens_per_s']:.0f} "
+              f"| {r['ratio']:.2f}x | {r['recompiles']} |")  # fmt: skip
+    if args.out:
+        meta = dict(model=str(model), device=str(any_llm.device), dtype=str(any_llm.dtype),
+                    prompt_len=args.prompt_len, new_tokens=args.new_tokens, rounds=args.rounds,
+                    threads=torch.get_num_threads(), torch=torch.__version__)  # fmt: skip
+        Path(args.out).write_text(json.dumps(dict(meta=meta, results=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()
