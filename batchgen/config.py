@@ -55,7 +55,7 @@ class RunConfig:
     # engine
     device: str = "auto"
     dtype: str = "auto"
-    compile: bool = True
+    compile: bool | None = None  # None: on a GPU yes, on the CPU no (measured: no faster there)
     quantize: str = "none"
     quant_backend: str = "auto"
     max_prompt_len: int = 1024

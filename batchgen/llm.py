@@ -38,6 +38,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def resolve_compile(compile: bool | None, device: torch.device) -> bool:
+    """None: compile on a GPU, run eager on the CPU. Measured (docs/benchmarks.md): on the
+    CPU, inductor's graphs decode no faster than eager for the models we ran, and each
+    shape costs 10-70 s to compile; on a GPU, compiled decode runs as CUDA graphs."""
+    return device.type == "cuda" if compile is None else compile
+
+
 def eos_token_ids(model_dir: Path, tokenizer) -> list[int]:
     """EOS ids from generation_config.json, else config.json, else the tokenizer."""
     for name in ("generation_config.json", "config.json"):
@@ -62,8 +69,7 @@ class LLM:
         *,
         dtype: str = "auto",
         device: str = "auto",
-        compile: bool = True,
-        compile_prefill: bool = False,
+        compile: bool | None = None,
         buckets: BucketConfig | None = None,
         allow_pickle: bool = False,
         schedule: Schedule | str = Schedule.STATIC,
@@ -74,6 +80,7 @@ class LLM:
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.compile = resolve_compile(compile, self.device)
         self.tokenizer = load_tokenizer(self.model_dir)
         # Resolved and checked before loading, so an unavailable combination fails fast.
         self.quant = make_scheme(quantize, quant_backend, self.device, self.dtype)
@@ -94,8 +101,7 @@ class LLM:
             max_seq=cfg.max_position_embeddings,
             eos_ids=eos,
             pad_id=pad if pad is not None else (eos[0] if eos else 0),
-            compile=compile,
-            compile_prefill=compile_prefill,  # on the CPU; a GPU always compiles it
+            compile=self.compile,
         )
         self.engine = Engine(
             self.runner, self.decode, self.buckets, Schedule(schedule), prefix_reuse

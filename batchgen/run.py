@@ -186,7 +186,7 @@ def run(cfg: RunConfig) -> RunStats:
         family=model_cfg.family.value,
         device=str(device),
         dtype=str(llm.dtype).removeprefix("torch."),
-        compiled=cfg.compile,
+        compiled=llm.compile,
         kv_cache_tokens=buckets.kv_capacity_tokens,
         schedule=cfg.schedule,
     )
@@ -202,8 +202,10 @@ def run(cfg: RunConfig) -> RunStats:
     progress = _progress(cfg, source.num_rows, len(done))
     last_flush = time.monotonic()
     complete = False
-    try:
-        with _stop_on_signals() as signals:
+    # Signals stay deferred until the results are flushed and marked: a SIGTERM during the
+    # last writes cannot leave a finished job looking unfinished.
+    with _stop_on_signals() as signals:
+        try:
             for n_read, window in prep.windows(done):
                 errors = [_row_record(r, None, cfg) for r in window.errors]
                 buffer.add(errors)
@@ -226,14 +228,14 @@ def run(cfg: RunConfig) -> RunStats:
                         raise JobInterrupted(signals[0])
                 if signals:
                     raise JobInterrupted(signals[0])
-        complete = True
-    finally:
-        buffer.flush()  # on a signal too: every finished row is kept
-        progress.close()
-        _finish_stats(stats, llm, device, nvml)
-        stats.extra["complete"] = complete
-        out.write_stats(stats.to_dict())
-    out.mark_success()
+            complete = True
+        finally:
+            buffer.flush()  # on a signal too: every finished row is kept
+            progress.close()
+            _finish_stats(stats, llm, device, nvml)
+            stats.extra["complete"] = complete
+            out.write_stats(stats.to_dict())
+        out.mark_success()
     return stats
 
 

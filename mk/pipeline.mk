@@ -15,8 +15,8 @@
 SHARD_NAMES     := shard-00000-of-00002 shard-00001-of-00002
 LABEL_ROWS      ?= 200
 SUMMARIZE_ROWS  ?= 40
-# torch.compile pays for itself on a GPU; on a CPU its compile time outweighs a demo-sized job.
-PIPELINE_FLAGS  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,--no-compile)
+# Extra `batchgen run` flags for the run steps (compile is already on with a GPU, off on a CPU).
+PIPELINE_FLAGS  ?=
 
 .PHONY: label summarize pipeline-clean
 

@@ -61,7 +61,7 @@ def _snapshot() -> dict:
 @pytest.mark.slow
 def test_no_recompilation_in_steady_state(tiny_dirs):
     path = tiny_dirs["llama"]
-    llm = LLM(path, dtype="float32", device="cpu", compile=True, compile_prefill=True,
+    llm = LLM(path, dtype="float32", device="cpu", compile=True,
               buckets=BUCKETS)  # fmt: skip
     eager = LLM(path, dtype="float32", device="cpu", compile=False, buckets=BUCKETS)
 

@@ -63,7 +63,7 @@ COMPILED_BUCKETS = BucketConfig(max_prompt_len=32, min_bucket=32, max_batch=8)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers_compiled(family, tiny_dirs, references):
     graphs_before = counters["stats"]["unique_graphs"]
-    llm = LLM(tiny_dirs[family], dtype="float32", device="cpu", compile=True, compile_prefill=True,
+    llm = LLM(tiny_dirs[family], dtype="float32", device="cpu", compile=True,
               buckets=COMPILED_BUCKETS)  # fmt: skip
     got = llm.generate(_prompts(), SamplingParams(max_new_tokens=MAX_NEW))
     assert [c.token_ids for c in got] == references[family]

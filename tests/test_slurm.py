@@ -102,7 +102,8 @@ def test_slurm_refuses_unknown_spec_keys(tmp_path):
 def test_script_saves_requeues_and_resumes_on_usr1(tmp_path, tiny_gpt2):
     """The time-limit path, without Slurm: USR1 to the batch shell stops batchgen (which saves
     its rows) and requeues the task; the rerun resumes and completes."""
-    spec = make_job(tmp_path, tiny_gpt2, n_rows=20, max_new_tokens=8, ignore_eos=True,
+    # Long enough (100 rows of a shard in batches of 2) that USR1 lands mid-job.
+    spec = make_job(tmp_path, tiny_gpt2, n_rows=200, max_new_tokens=32, ignore_eos=True,
                     max_batch=2, rows_per_part=2, flush_seconds=0)  # fmt: skip
     script = tmp_path / "job.sbatch"
     script.write_text(dry_run(str(spec), "--shards", "2"))
@@ -123,7 +124,7 @@ def test_script_saves_requeues_and_resumes_on_usr1(tmp_path, tiny_gpt2):
     proc.send_signal(signal.SIGUSR1)
     log, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, log
-    assert "SIGUSR1: stopping batchgen" in log and "requeueing 77_1" in log
+    assert "SIGUSR1: stopping batchgen" in log and "requeueing 77_1" in log, log
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77_1"]
     assert not (shard_dir / "_SUCCESS").exists()
     saved = {

@@ -77,7 +77,6 @@ class ModelRunner:
         eos_ids: list[int],
         pad_id: int,
         compile: bool = True,
-        compile_prefill: bool = False,
         sync_every: int = 8,
     ) -> None:
         self.model = model
@@ -96,15 +95,7 @@ class ModelRunner:
             # Each (batch, bucket) shape is one specialisation; allow the bounded set.
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
             cuda = self.device.type == "cuda"
-            # Prefill is one call per batch, so on the CPU its Python overhead is spread over
-            # batch x bucket tokens, and compiling it (~10-30 s a shape with inductor's C++
-            # backend) costs more than it saves; on a GPU it is compiled like decode.
-            self.prefill_compiled = cuda or compile_prefill
-            self._prefill = (
-                torch.compile(self._prefill_step, fullgraph=True, dynamic=False)
-                if self.prefill_compiled
-                else self._prefill_step
-            )
+            self._prefill = torch.compile(self._prefill_step, fullgraph=True, dynamic=False)
             self._decode = torch.compile(
                 self._decode_step,
                 fullgraph=True,
@@ -112,7 +103,6 @@ class ModelRunner:
                 mode="reduce-overhead" if cuda else None,  # CUDA graphs
             )
         else:
-            self.prefill_compiled = False
             self._prefill, self._decode = self._prefill_step, self._decode_step
 
     def _prefill_step(
@@ -227,7 +217,7 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         tok, lp, compile_s = self._call(
-            self._prefill, key if self.prefill_compiled else None,
+            self._prefill, key if self.compiled else None,
             tokens, input_pos, slots, rows, row_stride, greedy_only, cache_rows, prefix_len,
         )  # fmt: skip
         _sync(dev)
