@@ -387,11 +387,12 @@ def test_plan_loads_no_weights(tmp_path, model, monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_run_equals_eager(tmp_path, model):
-    """The default compiled path end to end: same results as --no-compile, shapes compiled."""
+    """The compiled path end to end (--compile; the CPU default is eager): same results as
+    --no-compile, shapes compiled."""
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
     common = ("--model", model, "--device", "cpu", "--kv-cache-tokens", 4096, "--quiet",
               "--max-new-tokens", 6, "--with-token-ids")  # fmt: skip
-    run_cli("run", src, "-o", tmp_path / "compiled", *common)
+    run_cli("run", src, "-o", tmp_path / "compiled", *common, "--compile")
     run_cli("run", src, "-o", tmp_path / "eager", *common, "--no-compile")
     compiled, eager = rows_by_id(tmp_path / "compiled"), rows_by_id(tmp_path / "eager")
     assert sorted(compiled) == [0, 1, 2, 3]

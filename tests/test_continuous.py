@@ -250,9 +250,10 @@ def test_compiled_no_recompilation_in_steady_state(tiny_dirs):
     prompts_, params = _window(0)
     first = llm.generate(prompts_, params)
     assert [c.token_ids for c in first] == [c.token_ids for c in eager.generate(prompts_, params)]
-    # on the CPU prefill runs eager: the one compiled graph is the (8 slots, 48) decode
-    assert _snapshot()["unique_graphs"] - before["unique_graphs"] == 1
-    assert llm.runner.stats.shapes == {("decode", 8, 48, False)}
+    # one decode graph, (8 slots, 48), plus one prefill graph per refill shape used
+    shapes = set(llm.runner.stats.shapes)
+    assert {s for s in shapes if s[0] == "decode"} == {("decode", 8, 48, False)}
+    assert _snapshot()["unique_graphs"] - before["unique_graphs"] == len(shapes)
 
     steady = _snapshot()
     graphs = counters["stats"]["unique_graphs"]
@@ -265,4 +266,4 @@ def test_compiled_no_recompilation_in_steady_state(tiny_dirs):
     assert events.n == 0
     assert counters["stats"]["unique_graphs"] == graphs
     assert _snapshot() == steady
-    assert llm.runner.stats.shapes == {("decode", 8, 48, False)}
+    assert llm.runner.stats.shapes == shapes  # later windows reuse the warm-up's shapes

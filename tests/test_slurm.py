@@ -203,7 +203,8 @@ def test_array_job_on_slurm_then_merge(slurm, tmp_path, tiny_gpt2):
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_time_limit_signal_requeues_and_resumes_on_slurm(slurm, tmp_path, tiny_gpt2):
-    spec = make_job(tmp_path, tiny_gpt2, n_rows=40, max_new_tokens=16, ignore_eos=True,
+    # Long enough (200 rows in batches of 2) that the signal lands mid-job.
+    spec = make_job(tmp_path, tiny_gpt2, n_rows=200, max_new_tokens=32, ignore_eos=True,
                     max_batch=2, rows_per_part=2, flush_seconds=0)  # fmt: skip
     job = submit(spec, "--shards", "1")
     shard_dir = tmp_path / "out" / "shard-00000-of-00001"
@@ -220,4 +221,4 @@ def test_time_limit_signal_requeues_and_resumes_on_slurm(slurm, tmp_path, tiny_g
     assert merged.returncode == 0, merged.stdout + merged.stderr
     assert "(resumed)" in merged.stdout
     ids = pq.read_table(tmp_path / "out" / "merged.parquet").column("id").to_pylist()
-    assert sorted(ids) == [f"r{i:03d}" for i in range(40)]
+    assert sorted(ids) == [f"r{i:03d}" for i in range(200)]
