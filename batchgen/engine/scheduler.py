@@ -31,7 +31,22 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class StaticScheduler:
+class _Lifecycle:
+    """Request statuses of one window, shared by both schedulers."""
+
+    requests: list[Request]
+    status: list[SeqStatus]
+
+    @property
+    def num_finished(self) -> int:
+        return sum(s is SeqStatus.FINISHED for s in self.status)
+
+    @property
+    def is_done(self) -> bool:
+        return self.num_finished == len(self.requests)
+
+
+class StaticScheduler(_Lifecycle):
     def __init__(self, requests: Sequence[Request], buckets: BucketConfig) -> None:
         self.requests = list(requests)
         self.plan: Plan = plan_batches(
@@ -41,14 +56,6 @@ class StaticScheduler:
         )
         self.status = [SeqStatus.WAITING] * len(self.requests)
         self._next = 0
-
-    @property
-    def num_finished(self) -> int:
-        return sum(s is SeqStatus.FINISHED for s in self.status)
-
-    @property
-    def is_done(self) -> bool:
-        return self.num_finished == len(self.requests)
 
     def next_batch(self) -> tuple[BatchPlan, list[Request]] | None:
         if self._next >= len(self.plan.batches):
@@ -145,7 +152,7 @@ class RoundReport:
     computed_prompt_tokens: int  # prefill tokens (padding included) since the last report
 
 
-class ContinuousScheduler:
+class ContinuousScheduler(_Lifecycle):
     """Slots decode together in one shape; finished rows' slots are refilled.
 
     The window's requests wait in order of prompt length, longest first (so refills group
@@ -202,14 +209,6 @@ class ContinuousScheduler:
     @property
     def free_slots(self) -> list[int]:
         return [s for s in range(self.shape.slots) if s not in self.running]
-
-    @property
-    def num_finished(self) -> int:
-        return sum(s is SeqStatus.FINISHED for s in self.status)
-
-    @property
-    def is_done(self) -> bool:
-        return self.num_finished == len(self.requests)
 
     def schedule(self) -> Step:
         free = self.free_slots
