@@ -73,7 +73,7 @@ def test_no_recompilation_in_steady_state(tiny_dirs):
     assert warmup.n >= 2
     assert _snapshot()["unique_graphs"] - before["unique_graphs"] == 2
     shapes = set(llm.runner.stats.shapes)
-    assert shapes == {("prefill", 8, 32, False), ("decode", 8, 48, False)}
+    assert shapes == {("prefill", 8, 32, False), ("decode", 8, 48, 48, False)}
     assert [c.token_ids for c in first] == [c.token_ids for c in eager.generate(prompts, params)]
 
     steady = _snapshot()

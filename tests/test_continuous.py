@@ -252,7 +252,7 @@ def test_compiled_no_recompilation_in_steady_state(tiny_dirs):
     assert [c.token_ids for c in first] == [c.token_ids for c in eager.generate(prompts_, params)]
     # one decode graph, (8 slots, 48), plus one prefill graph per refill shape used
     shapes = set(llm.runner.stats.shapes)
-    assert {s for s in shapes if s[0] == "decode"} == {("decode", 8, 48, False)}
+    assert {s for s in shapes if s[0] == "decode"} == {("decode", 8, 48, 48, False)}
     # at most one graph per shape (fewer when an earlier test in this process compiled
     # the same prefill code and shape, which dynamo then reuses)
     assert 1 <= _snapshot()["unique_graphs"] - before["unique_graphs"] <= len(shapes)

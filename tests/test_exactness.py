@@ -67,6 +67,6 @@ def test_greedy_matches_transformers_compiled(family, tiny_dirs, references):
               buckets=COMPILED_BUCKETS)  # fmt: skip
     got = llm.generate(_prompts(), SamplingParams(max_new_tokens=MAX_NEW))
     assert [c.token_ids for c in got] == references[family]
-    assert llm.runner.stats.shapes == {("prefill", 8, 32, True), ("decode", 8, 48, True)}
+    assert llm.runner.stats.shapes == {("prefill", 8, 32, True), ("decode", 8, 48, 48, True)}
     # really compiled: two new dynamo graphs, not a silent eager fallback
     assert counters["stats"]["unique_graphs"] - graphs_before == 2

@@ -20,7 +20,7 @@ import torch
 from batchgen.engine.sampler import SamplingTensors, sample
 from batchgen.engine.sequence import FinishReason, Request
 from batchgen.model.transformer import Transformer
-from batchgen.planner import BatchPlan
+from batchgen.planner import BatchPlan, next_pow2
 
 # (row, generated tokens so far) -> number of tokens to keep if a stop string matched
 StopFn = Callable[[int, list[int]], int | None]
@@ -126,7 +126,12 @@ class ModelRunner:
         return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
 
     def _decode_step(
-        self, state: DecodeState, rows: RowTensors, row_stride: int, greedy_only: bool
+        self,
+        state: DecodeState,
+        rows: RowTensors,
+        row_stride: int,
+        greedy_only: bool,
+        kv_len: int,
     ) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
         """One token for every row, with the stop bookkeeping, as one graph: feed each
         row's last token at its next slot, sample, and update n_gen/done on the device.
@@ -138,7 +143,7 @@ class ModelRunner:
         slot = (state.slot + 1).clamp(max=row_stride - 1)
         pos = (slot - rows.kv_start).clamp(max=self.max_positions - 1)
         logits = self.model(
-            state.tok[:, None], pos[:, None], slot[:, None], rows.kv_start, row_stride, row_stride
+            state.tok[:, None], pos[:, None], slot[:, None], rows.kv_start, kv_len, row_stride
         )
         # A row's noise depends on how many tokens it has made, not on the batch's step.
         tok = sample(logits, rows.sampling, state.n_gen, greedy_only)
@@ -224,19 +229,29 @@ class ModelRunner:
         self.stats.prefill_s += time.perf_counter() - t0 - compile_s
         return tok, lp, rows
 
-    def decode(self, state: DecodeState, rows: RowTensors, row_stride: int, greedy_only: bool):
-        """One compiled decode step; returns (state, tokens, logprobs, compile seconds)."""
+    def decode(
+        self,
+        state: DecodeState,
+        rows: RowTensors,
+        row_stride: int,
+        greedy_only: bool,
+        kv_len: int | None = None,
+    ):
+        """One compiled decode step attending over the first kv_len slots of each row
+        (default: the whole row); returns (state, tokens, logprobs, compile seconds)."""
+        kv_len = kv_len or row_stride
         b = state.tok.shape[0]
         cuda_graphs = self.device.type == "cuda" and self.compiled
         if cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         state, tok, lp, dt = self._call(
             self._decode,
-            ("decode", b, row_stride, greedy_only) if self.compiled else None,
+            ("decode", b, row_stride, kv_len, greedy_only) if self.compiled else None,
             state,
             rows,
             row_stride,
             greedy_only,
+            kv_len,
         )
         if cuda_graphs:  # the graph's outputs are overwritten by its next replay
             state = DecodeState(*(t.clone() for t in state))
@@ -274,7 +289,11 @@ class ModelRunner:
             host_looks = early and s % self.sync_every == 0
             if host_looks and self._check_host(out, state, s, requests, stop_fn, cut):
                 break
-            state, tok, lp, dt = self.decode(state, rows, stride, greedy_only)
+            # Every row's query sits at slot L - 1 + s, so it needs slots [0, L + s): attend
+            # over that, rounded up to a power-of-two step bucket (a bounded set of shapes),
+            # not the whole row: early steps then read far less of the KV cache.
+            kv_len = min(stride, L + max(16, next_pow2(s + 1)))
+            state, tok, lp, dt = self.decode(state, rows, stride, greedy_only, kv_len)
             compile_s += dt
             out[:, s], out_lp[:, s] = tok, lp
         self._check_host(out, state, n_steps, requests, stop_fn, cut)
