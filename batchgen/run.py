@@ -199,7 +199,7 @@ def run(cfg: RunConfig) -> RunStats:
     schema = schema.with_metadata({"batchgen": json.dumps(meta)})
     nvml = NvmlSampler(device.index or 0).start() if device.type == "cuda" else None
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
-    progress = _progress(cfg, source.num_rows, len(done))
+    progress = _progress(cfg, source.num_rows)
     last_flush = time.monotonic()
     complete = False
     # Signals stay deferred until the results are flushed and marked: a SIGTERM during the
@@ -254,9 +254,10 @@ def _finish_stats(
     stats.finish()
 
 
-def _progress(cfg: RunConfig, num_rows: int | None, done: int):
+def _progress(cfg: RunConfig, num_rows: int | None):
+    # Rows done by an earlier run count as they are read past, so total is every input row.
     from tqdm.auto import tqdm
 
     total = num_rows if cfg.limit is None else min(cfg.limit, num_rows or cfg.limit)
-    return tqdm(total=total, initial=0, unit="row", disable=cfg.quiet, dynamic_ncols=True,
+    return tqdm(total=total, unit="row", disable=cfg.quiet, dynamic_ncols=True,
                 desc="batchgen")  # fmt: skip

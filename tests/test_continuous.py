@@ -67,19 +67,24 @@ def test_greedy_equals_static_and_transformers(family, tiny_dirs, refills):
     assert {bucket for _, bucket in refills} >= {32, 16, 8, 4}
 
 
-def test_seeded_sampling_is_unchanged_by_the_schedule(tiny_dirs, refills):
-    prompts_ = _prompts(1)
-    params = [
+def _mixed_params(seed_base: int, ignore_eos_even: bool = False) -> list[SamplingParams]:
+    """One row in three greedy, the rest sampled with top-k/top-p, each with its own seed."""
+    return [
         SamplingParams(
             max_new_tokens=m,
             temperature=0.0 if i % 3 == 2 else 0.9,
             top_k=40,
             top_p=0.95,
-            seed=1000 + i,
-            ignore_eos=i % 2 == 0,
-        )  # fmt: skip
+            seed=seed_base + i,
+            ignore_eos=ignore_eos_even and i % 2 == 0,
+        )
         for i, m in enumerate(MAX_NEW)
     ]
+
+
+def test_seeded_sampling_is_unchanged_by_the_schedule(tiny_dirs, refills):
+    prompts_ = _prompts(1)
+    params = _mixed_params(seed_base=1000, ignore_eos_even=True)
     static = _llm(tiny_dirs["llama"], "static").generate(prompts_, params)
     got = _llm(tiny_dirs["llama"], "continuous").generate(prompts_, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in static]
@@ -181,16 +186,7 @@ def test_prefix_reuse_equals_no_reuse_and_transformers(family, tiny_dirs, refill
 
 
 def test_prefix_reuse_keeps_seeded_sampling_and_skips_short_prefixes(tiny_dirs):
-    params = [
-        SamplingParams(
-            max_new_tokens=m,
-            temperature=0.0 if i % 3 == 2 else 0.9,
-            top_k=40,
-            top_p=0.95,
-            seed=2000 + i,
-        )  # fmt: skip
-        for i, m in enumerate(MAX_NEW)
-    ]
+    params = _mixed_params(seed_base=2000)
     static = _llm(tiny_dirs["qwen3"], "static", buckets=PREFIX_BUCKETS)
     reuse = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", compile=False,
                 buckets=PREFIX_BUCKETS, schedule="continuous", prefix_reuse=True)  # fmt: skip
