@@ -8,12 +8,11 @@ from pathlib import Path
 
 import torch
 
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.scheduler import Schedule
 from batchgen.engine.sequence import Completion, Request, SamplingParams
 from batchgen.model.loader import load_model
-from batchgen.planner import BucketConfig
 from batchgen.quant import make_scheme, quantize_model
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default-model"
@@ -70,10 +69,8 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         compile: bool | None = None,
-        buckets: BucketConfig | None = None,
+        engine: EngineConfig | None = None,
         allow_pickle: bool = False,
-        schedule: Schedule | str = Schedule.STATIC,
-        prefix_reuse: bool = False,
         quantize: str = "none",
         quant_backend: str = "auto",
     ) -> None:
@@ -89,25 +86,18 @@ class LLM:
         load_device = torch.device("cpu") if self.quant.enabled else self.device
         self.model = load_model(self.model_dir, self.dtype, load_device, allow_pickle=allow_pickle)
         self.quant = quantize_model(self.model, self.quant, self.device)
-        cfg = self.model.cfg
-        self.buckets = buckets or BucketConfig(
-            max_prompt_len=min(1024, cfg.max_position_embeddings // 2)
-        )
-        eos = eos_token_ids(self.model_dir, self.tokenizer)
-        pad = self.tokenizer.pad_token_id
+        self.config = engine or EngineConfig.for_device(self.device.type)
         self.runner = ModelRunner(
-            self.model,
-            kv_capacity_tokens=self.buckets.kv_capacity_tokens,
-            max_seq=cfg.max_position_embeddings,
-            eos_ids=eos,
-            pad_id=pad if pad is not None else (eos[0] if eos else 0),
-            compile=self.compile,
+            self.model, block_size=self.config.block_size, compile=self.compile
         )
         self.engine = Engine(
-            self.runner, self.decode, self.buckets, Schedule(schedule), prefix_reuse
+            self.runner,
+            self.config,
+            self.detokenize,
+            eos_token_ids(self.model_dir, self.tokenizer),
         )
 
-    def decode(self, ids: list[int]) -> str:
+    def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(
@@ -123,7 +113,7 @@ class LLM:
             ids = p if isinstance(p, list) else self.tokenizer(p)["input_ids"]
             requests.append(Request(i, list(ids), sp))
         results: list[Completion | None] = [None] * len(requests)
-        for _, completions in self.engine.generate(requests):
-            for c in completions:
+        for report in self.engine.generate(requests):
+            for c in report.finished:
                 results[c.index] = c
         return results  # type: ignore[return-value]

@@ -1,109 +1,157 @@
-"""The engine loop: the scheduler decides, the runner computes, completions come back
-with their text. Static: one planned batch at a time. Continuous: refill free slots,
-decode a round, report the rows that finished."""
+"""The engine loop: the scheduler plans a step, the runner computes it, the scheduler
+takes the sampled tokens; finished sequences come back as completions with their text.
+
+Requests arrive as one stream. The engine keeps up to `read_ahead` of them waiting (the
+scheduler admits the longest first), pulling more from the stream as sequences are
+admitted, so nothing drains at a window boundary and a 10-million-row input is never held.
+The KV pool is sized and allocated at the first request (engine/config.py) and kept, with
+its prefix cache, across calls.
+Every step's accounting comes back as a value (`StepReport`) for the caller to sum.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.engine.model_runner import ModelRunner, RowOutput
-from batchgen.engine.scheduler import (
-    Action,
-    ContinuousScheduler,
-    RoundReport,
-    Schedule,
-    StaticScheduler,
-)
-from batchgen.engine.sequence import Completion, FinishReason, Request
-from batchgen.engine.slot_runner import SlotRunner
+from batchgen.engine.block_pool import BlockPool
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.scheduler import Scheduler, StepPlan
+from batchgen.engine.sequence import Completion, FinishReason, Request, Sequence
 from batchgen.engine.stopping import tokens_to_keep, trim_at_stop
-from batchgen.planner import BatchPlan, BucketConfig
 
-Decode = Callable[[list[int]], str]
+Detokenize = Callable[[list[int]], str]
+
+
+@dataclass(slots=True)
+class StepReport:
+    """One engine step: what finished and what it cost."""
+
+    finished: list[Completion] = field(default_factory=list)
+    prompt_tokens: int = 0  # prompt (and recomputed) tokens run this step
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache by new admissions
+    decode_rows: int = 0  # sequences that decoded one token
+    padded_rows: int = 0  # decode rows computed only to fill a compiled shape
+    preempted: int = 0
+    seconds: float = 0.0  # model time, compile excluded
+    compile_seconds: float = 0.0  # first run of a new compiled shape
+    prefill: bool = False  # the step ran prompt tokens (else decode only)
 
 
 class Engine:
     def __init__(
         self,
         runner: ModelRunner,
-        decode: Decode,
-        buckets: BucketConfig,
-        schedule: Schedule = Schedule.STATIC,
-        prefix_reuse: bool = False,
+        config: EngineConfig,
+        detokenize: Detokenize,
+        eos_ids: Seq[int] = (),
     ) -> None:
-        self.runner = runner
-        self.decode = decode
-        self.buckets = buckets
-        self.schedule = Schedule(schedule)
-        self.prefix_reuse = prefix_reuse  # continuous only: prefill a shared prefix once
+        self.runner, self.config, self.detokenize = runner, config, detokenize
+        self.eos_ids = tuple(eos_ids)
+        self.scheduler: Scheduler | None = None  # made with the pool, at the first request
 
-    @torch.no_grad()  # (a generator: no_grad holds across its yields)
-    def generate(
-        self, requests: Sequence[Request]
-    ) -> Iterator[tuple[BatchPlan | RoundReport, list[Completion]]]:
-        """Run every request once; yield completions as rows finish (static: per batch;
-        continuous: per decode round), with the batch or round's prefill accounting."""
+    def _start(self, first: list[Request]) -> Scheduler:
+        """Size and allocate the KV pool (from the first requests on the CPU), once."""
+        longest = max((r.prompt_len + r.params.max_new_tokens for r in first), default=1)
+        longest = min(longest, self.runner.max_positions)
+        free = self.runner.free_device_bytes()
+        blocks = self.config.pool_blocks(longest, free, self.runner.kv_bytes_per_block())
+        self.runner.allocate(blocks)
+        pool = BlockPool(blocks, self.config.block_size, self.config.prefix_caching)
+        return Scheduler(
+            pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.eos_ids
+        )
+
+    @torch.inference_mode()  # (a generator: the mode holds across its yields)
+    def generate(self, requests: Iterable[Request]) -> Iterator[StepReport]:
+        """Run every request once; yield each step's report as sequences finish. A request
+        that cannot run (longer than the model's positions or the whole pool) comes back
+        at once as an error completion."""
+        stream = iter(requests)
+        ahead = list(itertools.islice(stream, self.config.read_ahead))
+        if self.scheduler is None:
+            self.scheduler = self._start(ahead)
+        sched = self.scheduler
+        rejected = [c for r in ahead if (c := self._add(r)) is not None]
+        if rejected:
+            yield StepReport(finished=rejected)
+        exhausted = False
+        while True:
+            rejected = []
+            while not exhausted and sched.num_waiting < self.config.read_ahead:
+                r = next(stream, None)
+                if r is None:
+                    exhausted = True
+                elif (c := self._add(r)) is not None:
+                    rejected.append(c)
+            if rejected:
+                yield StepReport(finished=rejected)
+            if not sched.has_unfinished:
+                return
+            plan = sched.schedule()
+            if plan.is_empty:  # cannot happen: every request fits the pool alone
+                raise RuntimeError("the scheduler planned an empty step with work waiting")
+            yield self._step(plan)
+
+    def _add(self, r: Request) -> Completion | None:
         limit = self.runner.max_positions
-        for r in requests:  # checked before any batch runs
-            if r.prompt_len + r.params.max_new_tokens > limit:
-                raise ValueError(
-                    f"request {r.index}: prompt of {r.prompt_len} tokens + max_new_tokens "
-                    f"{r.params.max_new_tokens} exceeds the model's {limit} positions"
-                )
-        if self.schedule is Schedule.CONTINUOUS:
-            yield from self._continuous(requests)
-            return
-        scheduler = StaticScheduler(requests, self.buckets)
-        while (item := scheduler.next_batch()) is not None:
-            batch, reqs = item
-            stop_fn = None
-            if any(r.params.stop for r in reqs):
-
-                def stop_fn(i: int, ids: list[int], reqs=reqs) -> int | None:
-                    return tokens_to_keep(ids, reqs[i].params.stop, self.decode)
-
-            outputs = self.runner.run_batch(reqs, batch, stop_fn)
-            scheduler.finish(batch)
-            yield batch, [self._completion(r, o) for r, o in zip(reqs, outputs, strict=True)]
-
-    def _continuous(self, requests: Sequence[Request]) -> Iterator[tuple[RoundReport, list[Completion]]]:  # fmt: skip
-        if not requests:
-            return
-        scheduler = ContinuousScheduler(requests, self.buckets, self.prefix_reuse)
-        slots = SlotRunner(self.runner, scheduler.shape, all(r.params.greedy for r in requests))
-        if scheduler.prefix_len:
-            slots.prefill_prefix(requests[0].prompt_ids[: scheduler.prefix_len])
-            # every row but the one that pays for it (the prefix's own prefill)
-            self.runner.stats.prefix_tokens_saved -= scheduler.prefix_len
-        stop_fn = None
-        if any(r.params.stop for r in requests):
-
-            def stop_fn(req: Request, ids: list[int]) -> int | None:
-                return tokens_to_keep(ids, req.params.stop, self.decode)
-
-        prefilled = scheduler.prefix_len  # the shared prefix's own prefill, if any
-        while (step := scheduler.schedule()).action is not Action.DONE:
-            if step.action is Action.REFILL:
-                slots.refill(step.refill, [requests[i] for i in step.refill.indices])
-                prefilled += step.refill.computed_prompt_tokens
-                continue
-            finished = slots.decode_round(stop_fn)
-            if finished:
-                done = [(requests[scheduler.finish(slot)], out) for slot, out in finished]
-                yield RoundReport(prefilled), [self._completion(r, o) for r, o in done]
-                prefilled = 0
-
-    def _completion(self, req: Request, out: RowOutput) -> Completion:
-        text = self.decode(out.token_ids)
-        if out.finish_reason == FinishReason.STOP and req.params.stop:
-            text = trim_at_stop(text, req.params.stop)
+        need = r.prompt_len + r.params.max_new_tokens
+        if need > limit:
+            why = f"exceeds the model's {limit} positions"
+        elif not self.scheduler.fits(r):
+            why = f"exceeds the KV cache's {self.scheduler.capacity_tokens} tokens; raise --kv-cache-tokens"
+        else:
+            self.scheduler.add(r)
+            return None
         return Completion(
-            index=req.index,
-            token_ids=out.token_ids,
-            finish_reason=out.finish_reason,
-            prompt_tokens=req.prompt_len,
+            index=r.index,
+            token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            prompt_tokens=r.prompt_len,
+            error=f"prompt ({r.prompt_len} tokens) + max_new_tokens ({r.params.max_new_tokens}) {why}",
+        )
+
+    def _step(self, plan: StepPlan) -> StepReport:
+        sched = self.scheduler
+        sampled, timing = self.runner.execute(plan)
+        finished = sched.update(plan, sampled)
+        for s in plan.scheduled:  # stop strings: on the host, for the rows that have them
+            seq = s.seq
+            if s.samples and seq.params.stop and seq not in finished:
+                keep = tokens_to_keep(seq.output_ids, seq.params.stop, self.detokenize)
+                if keep is not None:
+                    sched.finish(seq, FinishReason.STOP, keep)
+                    finished.append(seq)
+        return StepReport(
+            finished=[self._completion(seq) for seq in finished],
+            prompt_tokens=sum(s.num_tokens for s in plan.prefills),
+            cached_tokens=sum(seq.num_cached_prompt for seq in plan.admitted),
+            decode_rows=len(plan.decodes),
+            padded_rows=timing.padded_rows,
+            preempted=len(plan.preempted),
+            seconds=timing.seconds,
+            compile_seconds=timing.compile_seconds,
+            prefill=bool(plan.prefills),
+        )
+
+    def _completion(self, seq: Sequence) -> Completion:
+        ids, logprobs = seq.output_ids, seq.logprobs
+        if seq.keep is not None:
+            ids, logprobs = ids[: seq.keep], logprobs[: seq.keep]
+        text = self.detokenize(ids)
+        if seq.params.stop and seq.finish_reason is FinishReason.STOP:
+            text = trim_at_stop(text, seq.params.stop)
+        return Completion(
+            index=seq.request.index,
+            token_ids=ids,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.prompt_len,
             text=text,
-            logprobs=out.logprobs,
+            logprobs=logprobs,
+            cached_tokens=seq.num_cached_prompt,
         )

@@ -1,242 +1,245 @@
-"""Schedulers: plain Python, no torch.
+"""The scheduler: which tokens of which sequences run in the next step. Plain Python, no torch.
 
-Each owns the lifecycle of every request of one planning window: WAITING until it is
-handed out, RUNNING while the runner has it, FINISHED once its completion is back.
+Each step is a plan {sequence: tokens this step} under one token budget
+(`max_num_batched_tokens`) and a cap on sequences in flight (`max_num_seqs`):
 
-- StaticScheduler hands out the planner's length-bucketed batches (longest bucket first);
-  a batch runs until its last row finishes.
-- ContinuousScheduler keeps a fixed number of cache slots decoding together and refills
-  the slots of finished rows with waiting prompts (see ContinuousScheduler.schedule).
+1. Running sequences first, oldest first. A decoding sequence needs one token; one still
+   prefilling needs the rest of its prompt, cut to what is left of the budget (chunked
+   prefill). If the block pool cannot hold a sequence's new tokens, the newest running
+   sequence is preempted: its blocks go back and it waits again, to be recomputed later
+   (its full blocks stay in the prefix cache, so recomputing is often a cache hit).
+2. Then waiting sequences are admitted in order while budget, sequence slots and blocks
+   allow: longest prompt first (a preempted sequence before any new one), so sequences
+   decoding together have similar context lengths and the longest work starts early. On
+   admission the longest run of the prompt's full blocks already in the prefix cache is
+   taken instead of computed. A sequence is admitted only if, after its blocks, one free
+   block per running sequence remains for their growth, which keeps preemption rare.
+
+The runner executes the plan and hands back one sampled token per sequence whose last
+known token was computed this step; `update` appends them, ends sequences at EOS or
+max_new_tokens, gives their blocks back, and caches the blocks that became full.
 """
 
 from __future__ import annotations
 
-import enum
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+import heapq
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
-from batchgen.engine.sequence import Request
-from batchgen.planner import BatchPlan, BucketConfig, Plan, next_pow2, plan_batches
-
-
-class Schedule(str, enum.Enum):
-    STATIC = "static"
-    CONTINUOUS = "continuous"
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-class _Lifecycle:
-    """Request statuses of one window, shared by both schedulers."""
-
-    requests: list[Request]
-    status: list[SeqStatus]
-
-    @property
-    def num_finished(self) -> int:
-        return sum(s is SeqStatus.FINISHED for s in self.status)
-
-    @property
-    def is_done(self) -> bool:
-        return self.num_finished == len(self.requests)
-
-
-class StaticScheduler(_Lifecycle):
-    def __init__(self, requests: Sequence[Request], buckets: BucketConfig) -> None:
-        self.requests = list(requests)
-        self.plan: Plan = plan_batches(
-            [r.prompt_len for r in self.requests],
-            [r.params.max_new_tokens for r in self.requests],
-            buckets,
-        )
-        self.status = [SeqStatus.WAITING] * len(self.requests)
-        self._next = 0
-
-    def next_batch(self) -> tuple[BatchPlan, list[Request]] | None:
-        if self._next >= len(self.plan.batches):
-            return None
-        batch = self.plan.batches[self._next]
-        self._next += 1
-        for i in batch.indices:
-            self.status[i] = SeqStatus.RUNNING
-        return batch, [self.requests[i] for i in batch.indices]
-
-    def finish(self, batch: BatchPlan) -> None:
-        for i in batch.indices:
-            if self.status[i] is not SeqStatus.RUNNING:
-                raise RuntimeError(f"request {i} finished while {self.status[i].value}")
-            self.status[i] = SeqStatus.FINISHED
+from batchgen.engine.block_pool import BlockPool, block_hash
+from batchgen.engine.sequence import FinishReason, Request, Sequence, SeqStatus
 
 
 @dataclass(slots=True, frozen=True)
-class SlotShape:
-    """The one decode shape of a continuous window: `slots` rows of row_stride cache slots."""
+class Scheduled:
+    """`num_tokens` tokens of `seq`, from position `start`, run this step."""
 
-    slots: int
-    prompt_len: int  # the longest prompt bucket of the window (of its suffixes, with a prefix)
-    max_new: int  # new-token bucket
-    prefix_len: int = 0  # a prefix every prompt shares, prefilled once (0: none)
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool  # the step computes the sequence's last token: a new token is sampled
 
-    @property
-    def row_stride(self) -> int:
-        return self.prefix_len + self.prompt_len + self.max_new
 
-    @property
-    def extra_rows(self) -> int:
-        """Rows past the slots: a scratch row that a refill's padding rows write to (so they
-        never touch a decoding row), and the shared prefix's row."""
-        return 2 if self.prefix_len else 1
+@dataclass(slots=True)
+class StepPlan:
+    decodes: list[Scheduled] = field(default_factory=list)  # one sampled token each
+    prefills: list[Scheduled] = field(default_factory=list)  # chunks of prompts
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # first admissions (not recomputes)
 
     @property
-    def kv_tokens(self) -> int:
-        return (self.slots + self.extra_rows) * self.row_stride
-
-
-def shared_prefix_len(prompts: Sequence[Sequence[int]], min_len: int, multiple: int) -> int:
-    """The longest common token prefix of `prompts`, cut down to a multiple of `multiple`
-    and leaving every prompt at least one token of its own (its last token's logits start
-    its generation); 0 if that is under min_len or there are fewer than two prompts."""
-    if len(prompts) < 2:
-        return 0
-    first, n = prompts[0], min(len(p) for p in prompts) - 1
-    for p in prompts[1:]:
-        n = next((i for i in range(n) if p[i] != first[i]), n)
-    n -= n % multiple
-    return n if n >= min_len else 0
-
-
-@dataclass(slots=True, frozen=True)
-class Refill:
-    """Prefill `indices` (positions in the window's request list) into the cache rows
-    `slots`, one each, left-padded to prompt_len, as a batch padded to batch_size rows.
-    With a shared prefix, what is prefilled is each prompt's suffix after it."""
-
-    slots: tuple[int, ...]
-    indices: tuple[int, ...]
-    prompt_len: int  # bucket edge
-    batch_size: int  # power of two >= len(indices), <= the window's slots
+    def scheduled(self) -> list[Scheduled]:
+        return self.decodes + self.prefills
 
     @property
-    def computed_prompt_tokens(self) -> int:
-        return self.batch_size * self.prompt_len
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(s.num_tokens for s in self.prefills)
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.decodes) + sum(s.samples for s in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.decodes or self.prefills)
 
 
-MIN_PREFIX = 16  # shortest shared prefix worth reusing; prefixes are cut to multiples of it
-
-
-class Action(enum.Enum):
-    REFILL = "refill"  # prefill waiting prompts into free slots, then decode
-    DECODE = "decode"  # decode the running rows
-    DONE = "done"  # every request finished
-
-
-@dataclass(slots=True, frozen=True)
-class Step:
-    action: Action
-    refill: Refill | None = None  # set exactly when action is REFILL
-
-    def __post_init__(self) -> None:
-        if (self.action is Action.REFILL) != (self.refill is not None):
-            raise ValueError(f"{self.action}: refill must be given exactly for REFILL")
-
-
-@dataclass(slots=True, frozen=True)
-class RoundReport:
-    """What a continuous round yields alongside its finished rows, in place of a BatchPlan."""
-
-    computed_prompt_tokens: int  # prefill tokens (padding included) since the last report
-
-
-class ContinuousScheduler(_Lifecycle):
-    """Slots decode together in one shape; finished rows' slots are refilled.
-
-    The window's requests wait in order of prompt length, longest first (so refills group
-    similar lengths and the largest prefill shape comes first). The decode shape is fixed
-    for the window: its longest prompt bucket plus its new-token bucket per row, and as
-    many slots as the bucket budgets allow for that row length (fewer if the window is
-    small). `schedule()` is called after each decode round: if slots are free and prompts
-    wait, it plans a refill of as many of them as fit into the free slots (lowest slot
-    first) and share the longest one's length bucket, padded to a power-of-two count (it
-    is called again until no slot is free or no prompt waits); otherwise it asks for
-    another decode round while rows run, and says DONE when none run and none wait. The
-    runner reports finished rows with `finish(slot)`, which frees the slot.
-    """
-
+class Scheduler:
     def __init__(
-        self, requests: Sequence[Request], buckets: BucketConfig, prefix_reuse: bool = False
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_ids: Seq[int] = (),
     ) -> None:
-        self.requests = list(requests)
-        self.buckets = buckets
-        self.status = [SeqStatus.WAITING] * len(self.requests)
-        # With prefix reuse, rows are prefilled from the end of the shared prefix on: the
-        # buckets, the order and the refills are about the suffixes.
-        self.prefix_len = (
-            shared_prefix_len([r.prompt_ids for r in self.requests], MIN_PREFIX, MIN_PREFIX)
-            if prefix_reuse
-            else 0
-        )
-        lens = [r.prompt_len - self.prefix_len for r in self.requests]
-        self._lens = lens
-        order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-        self.waiting: deque[int] = deque(order)
-        self.running: dict[int, int] = {}  # slot -> request index
-        prompt_len = buckets.prompt_bucket(max(lens, default=1))
-        max_new = buckets.new_tokens_bucket(
-            max((r.params.max_new_tokens for r in self.requests), default=1)
-        )
-        stride = self.prefix_len + prompt_len + max_new
-        slots = min(buckets.batch_size(stride - max_new, max_new), next_pow2(max(len(lens), 1)))
-        extra = 2 if self.prefix_len else 1
-        while slots > 1 and (slots + extra) * stride > buckets.kv_capacity_tokens:
-            slots //= 2
-        self.shape = SlotShape(slots, prompt_len, max_new, self.prefix_len)
-        if self.shape.kv_tokens > buckets.kv_capacity_tokens:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.pool, self.block_size = pool, pool.block_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.eos = frozenset(eos_ids)
+        self.waiting: list[tuple[tuple, Sequence]] = []  # heap by admission order
+        self.running: list[Sequence] = []  # admission order: the newest is preempted first
+        self._arrivals = 0
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- queue
+
+    def fits(self, request: Request) -> bool:
+        """Could the request run alone in an empty pool?"""
+        need = request.prompt_len + request.params.max_new_tokens
+        return self.pool.blocks_for(need) <= self.pool.num_usable
+
+    def add(self, request: Request) -> Sequence:
+        if not self.fits(request):
             raise ValueError(
-                f"a continuous batch needs {self.shape.kv_tokens} KV cache tokens "
-                f"({1 + extra} rows of {stride}); the cache holds {buckets.kv_capacity_tokens}"
+                f"request {request.index} needs {request.prompt_len + request.params.max_new_tokens}"
+                f" cache slots; the pool holds {self.pool.num_usable * self.block_size}"
             )
+        seq = Sequence(request, self._arrivals)
+        self._arrivals += 1
+        self._push(seq)
+        return seq
+
+    def _push(self, seq: Sequence) -> None:
+        # preempted first (in arrival order), then the longest prompt
+        key = (0, seq.arrival) if seq.num_preemptions else (1, -seq.prompt_len, seq.arrival)
+        heapq.heappush(self.waiting, (key, seq))
 
     @property
-    def prefix_tokens_saved(self) -> int:
-        """Prompt tokens not prefilled thanks to the shared prefix (prefilled once, not per row)."""
-        return self.prefix_len * (len(self.requests) - 1) if self.prefix_len else 0
+    def capacity_tokens(self) -> int:
+        return self.pool.num_usable * self.block_size
 
     @property
-    def free_slots(self) -> list[int]:
-        return [s for s in range(self.shape.slots) if s not in self.running]
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
-    def schedule(self) -> Step:
-        free = self.free_slots
-        if free and self.waiting:
-            # one length bucket per refill: the head's (the longest waiting), so no row is
-            # padded past its own bucket; the next bucket's rows come in the next refill
-            prompt_len = self.buckets.prompt_bucket(self._lens[self.waiting[0]])
-            n = 0
-            while (
-                n < min(len(free), len(self.waiting))
-                and self.buckets.prompt_bucket(self._lens[self.waiting[n]]) == prompt_len
-            ):
-                n += 1
-            indices = tuple(self.waiting.popleft() for _ in range(n))
-            slots = tuple(free[:n])
-            for i, slot in zip(indices, slots, strict=True):
-                self.status[i] = SeqStatus.RUNNING
-                self.running[slot] = i
-            batch = self.buckets.padded_batch(n, self.shape.slots)
-            return Step(Action.REFILL, Refill(slots, indices, prompt_len, batch))
-        if self.running:
-            return Step(Action.DECODE)
-        return Step(Action.DONE)
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
 
-    def finish(self, slot: int) -> int:
-        """Row in `slot` finished: free the slot; returns its request's index."""
-        if slot not in self.running:
-            raise RuntimeError(f"slot {slot} finished but holds no running request")
-        i = self.running.pop(slot)
-        self.status[i] = SeqStatus.FINISHED
-        return i
+    # ---------------------------------------------------------------- planning
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self._grow(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break
+            self._add_to_plan(plan, seq, n)
+            budget -= n
+            i += 1
+        while (
+            not plan.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0][1]
+            if not self._admit(seq, budget):
+                break
+            heapq.heappop(self.waiting)
+            self.running.append(seq)
+            if not seq.num_preemptions:
+                plan.admitted.append(seq)
+            n = min(seq.num_uncomputed, budget)
+            self._add_to_plan(plan, seq, n)
+            budget -= n
+        return plan
+
+    def _add_to_plan(self, plan: StepPlan, seq: Sequence, n: int) -> None:
+        s = Scheduled(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
+        (plan.decodes if n == 1 and s.samples else plan.prefills).append(s)
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Give seq the blocks for n more tokens; False if the pool has too few free."""
+        need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
+        if need > self.pool.num_free:
+            return False
+        if need > 0:
+            seq.block_table += self.pool.allocate(need)
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Take seq's cached prefix and blocks for its first chunk; False (and nothing
+        taken) if that would leave fewer free blocks than the running sequences' reserve."""
+        keys = self._keys(seq, (seq.num_tokens - 1) // self.block_size)  # >= 1 token to compute
+        hit = self.pool.take_cached(keys)
+        n = min(seq.num_tokens - len(hit) * self.block_size, budget)
+        need = self.pool.blocks_for(len(hit) * self.block_size + n) - len(hit)
+        if need + len(self.running) > self.pool.num_free:
+            self.pool.release(hit)
+            return False
+        seq.block_table = hit + self.pool.allocate(need)
+        seq.num_computed = len(hit) * self.block_size
+        seq.num_registered = len(hit)
+        if not seq.num_preemptions:
+            seq.num_cached_prompt = seq.num_computed
+        seq.status = SeqStatus.RUNNING
+        return True
+
+    def _keys(self, seq: Sequence, n_blocks: int) -> list[int]:
+        """Prefix-cache keys of seq's first n_blocks full blocks (computed once, kept)."""
+        keys, bs = seq.block_keys, self.block_size
+        while len(keys) < n_blocks:
+            j = len(keys)
+            keys.append(block_hash(keys[-1] if keys else None, seq.token_ids[j * bs : (j + 1) * bs]))  # fmt: skip
+        return keys[:n_blocks]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_table)
+        seq.block_table, seq.num_computed, seq.num_registered = [], 0, 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push(seq)
+
+    # ---------------------------------------------------------------- results
+
+    def update(self, plan: StepPlan, sampled: Seq[tuple[int, float]]) -> list[Sequence]:
+        """Apply a step's results: sampled (token, logprob) for each scheduled sequence
+        that samples, in plan order. Returns the sequences that finished."""
+        samplers = [s for s in plan.scheduled if s.samples]
+        if len(samplers) != len(sampled):
+            raise ValueError(f"{len(sampled)} sampled tokens for {len(samplers)} sequences")
+        for s in plan.scheduled:
+            s.seq.num_computed += s.num_tokens
+            self._cache_full_blocks(s.seq)
+        finished = []
+        for s, (tok, logprob) in zip(samplers, sampled, strict=True):
+            seq = s.seq
+            seq.token_ids.append(tok)
+            seq.logprobs.append(logprob)
+            if tok in self.eos and not seq.params.ignore_eos:
+                self.finish(seq, FinishReason.STOP)
+            elif seq.num_generated >= seq.params.max_new_tokens:
+                self.finish(seq, FinishReason.LENGTH)
+            else:
+                continue
+            finished.append(seq)
+        return finished
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        n_full = seq.num_computed // self.block_size
+        if n_full > seq.num_registered:
+            keys = self._keys(seq, n_full)
+            for j in range(seq.num_registered, n_full):
+                self.pool.cache(seq.block_table[j], keys[j])
+            seq.num_registered = n_full
+
+    def finish(self, seq: Sequence, reason: FinishReason, keep: int | None = None) -> None:
+        """End a running sequence (keep: generated tokens kept, for a stop string)."""
+        if seq.status is not SeqStatus.RUNNING:
+            raise RuntimeError(f"request {seq.request.index} finished while {seq.status.value}")
+        self.running.remove(seq)
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.status, seq.finish_reason, seq.keep = SeqStatus.FINISHED, reason, keep

@@ -1,4 +1,8 @@
-"""Plain-data types that flow through the engine: no torch here."""
+"""Plain-data types that flow through the engine: no torch here.
+
+A `Request` (prompt ids + `SamplingParams`) comes in; the scheduler wraps it in a
+`Sequence`, its running state (tokens so far, cache blocks, lifecycle); a `Completion`
+goes out."""
 
 from __future__ import annotations
 
@@ -63,7 +67,62 @@ class Completion:
     text: str = ""
     error: str | None = None
     logprobs: list[float] | None = None  # of each generated token
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (its cache blocks given back)
+    RUNNING = "running"  # holds cache blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request in flight: its tokens (prompt, then generated), how many of them have
+    their keys/values in the cache, and the cache blocks that hold them."""
+
+    request: Request
+    arrival: int  # order of arrival, for tie-breaks
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of each generated token
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks
+    num_registered: int = 0  # leading blocks of block_table already in the prefix cache
+    num_cached_prompt: int = 0  # prompt tokens found in the prefix cache at admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    keep: int | None = None  # generated tokens kept when a stop string cut the output
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.request.prompt_ids)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed

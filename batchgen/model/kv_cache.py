@@ -1,9 +1,10 @@
-"""A static KV cache: fixed buffers updated in place at each row's own slots.
+"""The paged KV cache of one layer: a pool of fixed-size blocks, written in place.
 
-The storage is flat, (capacity_tokens, n_kv_heads, head_dim), and each batch shape
-views it as (batch, row_stride, ...) with batch * row_stride <= capacity. So one
-allocation serves a bucket of many short rows and a bucket of few long ones, and the
-compiled graphs always see the same storage, which is what CUDA graphs need.
+Storage is flat, (num_blocks * block_size, n_kv_heads, head_dim): token slot s of block b
+is row b * block_size + s. Which blocks a sequence holds is the engine's business (its
+block table, see engine/block_pool.py); this module only writes a step's keys/values at
+their slots and gathers the blocks a sequence's attention reads. The buffers never move,
+so compiled graphs (and CUDA graphs) always see the same storage.
 """
 
 from __future__ import annotations
@@ -12,50 +13,36 @@ import torch
 from torch import nn
 
 
-class KVCache(nn.Module):
+class PagedKVCache(nn.Module):
     def __init__(
         self,
-        capacity_tokens: int,
+        num_blocks: int,
+        block_size: int,
         n_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
         super().__init__()
-        shape = (capacity_tokens, n_kv_heads, head_dim)
+        self.block_size = block_size
+        shape = (num_blocks * block_size, n_kv_heads, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     @property
-    def capacity_tokens(self) -> int:
-        return self.k.shape[0]
+    def num_blocks(self) -> int:
+        return self.k.shape[0] // self.block_size
 
-    def update(
-        self,
-        index: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        row_stride: int,
-        kv_len: int,
-        rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, T, H, D) at flat positions index (B, T) = row * row_stride + slot;
-        return the first kv_len slots of each of the B rows, (B, kv_len, H, D) each.
-        rows (B,): the cache rows of the batch's rows; None: rows 0..B-1."""
-        self.k.index_put_((index,), k)
-        self.v.index_put_((index,), v)
-        b, _, h, d = k.shape
-        if rows is None:
-            k_rows = self.k[: b * row_stride].view(b, row_stride, h, d)
-            v_rows = self.v[: b * row_stride].view(b, row_stride, h, d)
-            return k_rows[:, :kv_len], v_rows[:, :kv_len]
-        n = self.capacity_tokens // row_stride  # a gather: prefill into some rows of a batch
-        k_rows = self.k[: n * row_stride].view(n, row_stride, h, d)
-        v_rows = self.v[: n * row_stride].view(n, row_stride, h, d)
-        return k_rows[rows, :kv_len], v_rows[rows, :kv_len]
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (T, Hkv, D) go to flat slots (T,)."""
+        self.k.index_copy_(0, slots, k)
+        self.v.index_copy_(0, slots, v)
 
-    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the keys/values at flat positions src (P,) to dst (B, P): a shared prefix
-        into rows. A key carries its position's rotation, so it may sit at any slot."""
-        self.k[dst] = self.k[src]
-        self.v[dst] = self.v[src]
+    def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys/values of blocks (..., n), as (..., n * block_size, Hkv, D) each: whole
+        blocks copied with one index_select, the cheapest gather on the CPU."""
+        h, d = self.k.shape[1:]
+        shape = (*blocks.shape[:-1], blocks.shape[-1] * self.block_size, h, d)
+        k = self.k.view(-1, self.block_size, h, d).index_select(0, blocks.flatten())
+        v = self.v.view(-1, self.block_size, h, d).index_select(0, blocks.flatten())
+        return k.view(shape), v.view(shape)

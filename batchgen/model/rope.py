@@ -48,7 +48,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, H, D); cos, sin: (B, T, D) already gathered at each row's positions."""
-    cos = cos.unsqueeze(2).to(x.dtype)
-    sin = sin.unsqueeze(2).to(x.dtype)
+    """x: (..., H, D); cos, sin: (..., D) already gathered at each token's position."""
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
     return x * cos + _rotate_half(x) * sin

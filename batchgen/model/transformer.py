@@ -1,10 +1,9 @@
 """A compact decoder covering GPT-2, Llama, Mistral, Qwen2 and Qwen3.
 
-Every row of a batch carries its own positions: `input_pos` (B, T) feeds RoPE or the
-learned position table, `slots` (B, T) says where the step's keys/values go in the
-static cache, and `kv_start` (B,) is the first cache slot that belongs to the row
-(left padding sits before it). Attention runs over the first `kv_len` slots, a Python
-int from a bounded set, so each (batch, kv_len) pair is one static graph.
+A forward is one engine step: a flat, packed run of tokens from many sequences, each with
+its own position. Keys/values go to the paged cache and attention reads each sequence's
+own blocks (model/attention.py); only the tokens whose next token is sampled reach the
+final norm and the LM head.
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.model.config import ModelConfig, NormKind, PositionKind
-from batchgen.model.kv_cache import KVCache
+from batchgen.model.attention import StepAttention, step_attention
+from batchgen.model.kv_cache import PagedKVCache
 from batchgen.model.rope import apply_rope, rope_tables
 
 
@@ -57,48 +57,31 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.window = cfg.sliding_window
         self.wqkv = nn.Linear(cfg.dim, cfg.qkv_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.kv_cache: KVCache | None = None
+        self.kv_cache: PagedKVCache | None = None
 
     def forward(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
-        mask: torch.Tensor,
-        cache_index: torch.Tensor,
-        row_stride: int,
-        kv_len: int,
-        rows: torch.Tensor | None,
+        step: StepAttention,
     ) -> torch.Tensor:
-        b, t, _ = x.shape
+        t = x.shape[0]
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(b, t, self.n_heads, self.head_dim)
-        k = k.view(b, t, self.n_kv_heads, self.head_dim)
-        v = v.view(b, t, self.n_kv_heads, self.head_dim)
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv_heads, self.head_dim)
+        v = v.view(t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_all, v_all = self.kv_cache.update(
-            cache_index, k, v, row_stride, kv_len, rows
-        )  # (B, S, Hkv, D)
-        # Grouped-query attention as plain attention: each kv head's group of g query heads
-        # is folded into the query length, (B, Hkv, g*T, D). SDPA then needs no copies of
-        # K/V per query head, and no GQA path (which, with a mask, takes the math kernel).
-        g, hkv, d = self.n_heads // self.n_kv_heads, self.n_kv_heads, self.head_dim
-        q = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-        y = F.scaled_dot_product_attention(
-            q,
-            k_all.transpose(1, 2),  # (B, Hkv, S, D)
-            v_all.transpose(1, 2),
-            attn_mask=mask,  # (B, 1, g*T, S), True = attend
-        )
-        y = y.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4)  # (B, T, Hkv, g, D)
-        return self.wo(y.reshape(b, t, q_size))
+        y = step_attention(q, k, v, self.kv_cache, step, self.window)  # (T, H, D)
+        return self.wo(y.reshape(t, q_size))
 
 
 class MLP(nn.Module):
@@ -125,8 +108,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg, cfg.dim)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, mask, cache_index, row_stride, kv_len, rows) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, mask, cache_index, row_stride, kv_len, rows)
+    def forward(self, x, rope, step: StepAttention) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, step)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -146,66 +129,45 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", None, persistent=False)  # (P, head_dim), float32
         self.register_buffer("rope_sin", None, persistent=False)
 
-    def setup_caches(self, capacity_tokens: int, max_seq: int) -> None:
-        """Allocate the static KV cache (and RoPE tables) on the model's device and dtype:
-        room for capacity_tokens tokens in all, rows of up to max_seq."""
+    def setup_caches(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the paged KV cache (and RoPE tables) on the model's device and dtype:
+        num_blocks blocks of block_size tokens per layer."""
         w = self.embed.weight
         for block in self.layers:
-            block.attn.kv_cache = KVCache(
-                capacity_tokens, self.cfg.n_kv_heads, self.cfg.head_dim, w.dtype, w.device
+            block.attn.kv_cache = PagedKVCache(
+                num_blocks, block_size, self.cfg.n_kv_heads, self.cfg.head_dim, w.dtype, w.device
             )
         if self.cfg.position == PositionKind.ROPE:
-            n_pos = max(max_seq, self.cfg.max_position_embeddings)
             cos, sin = rope_tables(
-                n_pos, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling, w.device
+                self.cfg.max_position_embeddings,
+                self.cfg.head_dim,
+                self.cfg.rope_theta,
+                self.cfg.rope_scaling,
+                w.device,
             )
             self.rope_cos, self.rope_sin = cos, sin
 
     @property
-    def kv_caches(self) -> list[KVCache]:
+    def kv_caches(self) -> list[PagedKVCache]:
         return [block.attn.kv_cache for block in self.layers]
-
-    def attention_mask(
-        self, slots: torch.Tensor, kv_start: torch.Tensor, kv_len: int
-    ) -> torch.Tensor:
-        """(B, 1, g*T, kv_len) boolean: a query at slot q sees slots [kv_start, q] of its
-        row; repeated for the g query heads that share a kv head (see Attention)."""
-        k_slots = torch.arange(kv_len, device=slots.device)  # (S,)
-        q = slots[:, :, None]  # (B, T, 1)
-        visible = (k_slots >= kv_start[:, None, None]) & (k_slots <= q)
-        if self.cfg.sliding_window is not None:
-            visible &= (q - k_slots) < self.cfg.sliding_window
-        # Padding queries (slot < kv_start) see only themselves, so no softmax row is empty.
-        visible |= k_slots == q
-        b, t, s = visible.shape
-        g = self.cfg.n_heads // self.cfg.n_kv_heads
-        return visible[:, None, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
 
     def forward(
         self,
         tokens: torch.Tensor,
-        input_pos: torch.Tensor,
-        slots: torch.Tensor,
-        kv_start: torch.Tensor,
-        kv_len: int,
-        row_stride: int,
-        rows: torch.Tensor | None = None,
+        positions: torch.Tensor,
+        step: StepAttention,
+        logits_index: torch.Tensor,
     ) -> torch.Tensor:
-        """tokens, input_pos, slots: (B, T); kv_start: (B,). Row b owns cache slots
-        [r * row_stride, (r + 1) * row_stride) with r = rows[b] (default r = b: rows is
-        for prefilling some rows of a running batch). Returns the logits of each row's
-        last token, (B, vocab), in float32."""
-        b, t = tokens.shape
-        x = self.embed(tokens)  # (B, T, dim)
+        """tokens, positions (T,): a step's tokens, packed; step: where their keys/values go
+        and what each attends to. Returns the float32 logits (S, vocab) of the tokens at
+        logits_index (S,): those whose next token is sampled."""
+        x = self.embed(tokens)  # (T, dim)
         rope = None
         if self.pos_embed is not None:
-            x = x + self.pos_embed(input_pos)
+            x = x + self.pos_embed(positions)
         else:
-            rope = (self.rope_cos[input_pos], self.rope_sin[input_pos])  # (B, T, D) each
-        mask = self.attention_mask(slots, kv_start, kv_len)
-        row = torch.arange(b, device=tokens.device) if rows is None else rows  # (B,)
-        cache_index = row[:, None] * row_stride + slots  # (B, T)
+            rope = (self.rope_cos[positions], self.rope_sin[positions])  # (T, D) each
         for block in self.layers:
-            x = block(x, rope, mask, cache_index, row_stride, kv_len, rows)
-        x = self.norm(x[:, -1])  # (B, dim): left padding puts every row's last token at T-1
+            x = block(x, rope, step)
+        x = self.norm(x.index_select(0, logits_index))  # (S, dim)
         return self.lm_head(x).float()

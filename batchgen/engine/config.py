@@ -1,0 +1,51 @@
+"""The engine's knobs, with the names vLLM users know, and the KV pool's sizing rule.
+Plain Python: no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64  # sequences in flight (the largest decode batch)
+    max_num_batched_tokens: int = 2048  # tokens one step may run (decodes + prefill chunks)
+    block_size: int = 16  # token slots per KV cache block
+    kv_cache_tokens: int | None = None  # None: sized from the job (CPU) or free memory (GPU)
+    gpu_memory_utilization: float = 0.8  # share of free GPU memory the KV pool may take
+    prefix_caching: bool = True  # reuse full blocks of earlier prompts with the same tokens
+    read_ahead: int = 1024  # tokenized requests kept waiting; admitted longest first
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "read_ahead"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2 * self.block_size:
+            raise ValueError(
+                f"kv_cache_tokens must hold at least 2 blocks ({2 * self.block_size}), "
+                f"got {self.kv_cache_tokens}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+    @classmethod
+    def for_device(cls, device_type: str, **overrides) -> EngineConfig:
+        """Defaults per device, then the caller's values (None values are skipped)."""
+        base = {"max_num_seqs": 256, "max_num_batched_tokens": 8192} if device_type == "cuda" else {}
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+    def pool_blocks(self, longest_row: int, free_bytes: int | None, bytes_per_block: int) -> int:
+        """Blocks in the KV pool, the scratch block included.
+
+        The flag wins. On a GPU (free_bytes given): a share of the free memory. On the CPU:
+        what the job needs, its longest row (prompt + max_new_tokens) at full concurrency,
+        so memory follows the work instead of a fixed size."""
+        bs = self.block_size
+        if self.kv_cache_tokens is not None:
+            return -(-self.kv_cache_tokens // bs)
+        if free_bytes is not None:
+            return max(2, int(free_bytes * self.gpu_memory_utilization) // bytes_per_block)
+        return 1 + self.max_num_seqs * -(-longest_row // bs)
