@@ -1,4 +1,4 @@
-"""batchgen: offline batch LLM inference with a compiled, statically cached decoder.
+"""batchgen: offline batch LLM inference on a paged KV cache with continuous batching.
 
 from batchgen import LLM, SamplingParams
 llm = LLM("path/to/model")            # a local save_pretrained directory
@@ -25,7 +25,7 @@ def run(config: RunConfig):
 
 def __getattr__(name: str) -> Any:
     # LLM pulls in torch; importing it lazily keeps `batchgen merge`/`slurm` and the
-    # plain-Python planner quick to start.
+    # plain-Python scheduler quick to start.
     if name == "LLM":
         from batchgen.llm import LLM
 

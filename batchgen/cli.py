@@ -42,12 +42,12 @@ def data_options(f):
         _opt("--max-new-tokens", type=int, help="Tokens to generate per row (a max_new_tokens column overrides per row)."),
         _opt("--max-prompt-len", type=int, help="Longest prompt in tokens (the largest length bucket)."),
         _opt("--truncate", type=click.Choice([t.value for t in Truncate]), help="Prompts over --max-prompt-len: skip (error record), error (stop the job), left/right (cut)."),
-        _opt("--max-batch", type=int, help="Largest batch. Default: 64 on CPU, 256 on GPU."),
-        _opt("--prefill-token-budget", type=int, help="Max prompt tokens (batch x bucket length) in one prefill."),
-        _opt("--kv-cache-tokens", type=int, help="KV cache capacity in tokens. Default: 80% of free GPU memory, 2 GiB on CPU."),
-        _opt("--window-rows", type=int, help="Rows tokenized, sorted and bucketed together."),
-        _opt("--prefix-reuse", is_flag=True, help="With --schedule continuous: prefill the longest token prefix all prompts of a window share (16+ tokens) once, and copy its KV into each row."),
-        _opt("--schedule", type=click.Choice(["static", "continuous"]), help="static: length-bucketed batches, each run to its longest row; continuous: fixed slots, refilled as rows finish."),
+        _opt("--max-num-seqs", type=int, help="Sequences in flight at once (the largest decode batch). Default: 64 on CPU, 256 on GPU."),
+        _opt("--max-num-batched-tokens", type=int, help="Tokens one engine step may run: decodes plus prompt chunks (long prompts are prefilled in chunks). Default: 2048 on CPU, 8192 on GPU."),
+        _opt("--block-size", type=int, help="KV cache block size in tokens (the paging and prefix-caching unit)."),
+        _opt("--kv-cache-tokens", type=int, help="KV cache capacity in tokens. Default: on the CPU what the job needs (longest row x max-num-seqs); on a GPU 80% of free memory."),
+        _opt("--prefix-caching/--no-prefix-caching", help="Reuse the KV cache blocks of prompt prefixes already computed (shared instructions, few-shot examples, templates)."),
+        _opt("--window-rows", type=int, help="Rows read and tokenized ahead of the engine; it admits the longest of them first."),
     ]):  # fmt: skip
         f = o(f)
     return f
@@ -138,8 +138,9 @@ def _fail(msg: str, code: int) -> None:
 def main() -> None:
     """batchgen: offline batch LLM inference.
 
-    Reads prompts from Parquet/JSONL/datasets, sorts them into length buckets, runs a
-    compiled decoder with a static KV cache, and streams results back to Parquet.
+    Reads prompts from Parquet/JSONL/datasets, tokenizes them, runs them through one
+    continuous-batching engine on a paged KV cache (prefix caching, chunked prefill,
+    compiled decode and CUDA graphs on a GPU) and streams results back to Parquet.
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
@@ -193,8 +194,8 @@ def run_cmd(ctx: click.Context, source: str, **flags) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.pass_context
 def plan_cmd(ctx: click.Context, source: str, as_json: bool, **flags) -> None:
-    """Show how SOURCE would be bucketed and batched, without running the model:
-    length histogram, buckets, batch sizes, padding efficiency, KV cache memory."""
+    """Show what SOURCE would run, without loading the weights: rows, prompt length
+    histogram, the engine's budgets and the KV cache it would allocate."""
     import json
 
     from batchgen.data import InputError

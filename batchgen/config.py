@@ -27,7 +27,6 @@ _CHOICES = {
     "quantize": ("none", "int8", "int4", "fp8"),
     "quant_backend": ("auto", "torchao", "quanto"),
     "truncate": tuple(t.value for t in Truncate),
-    "schedule": ("static", "continuous"),
 }
 
 
@@ -60,12 +59,12 @@ class RunConfig:
     quant_backend: str = "auto"
     max_prompt_len: int = 1024
     truncate: Truncate = Truncate.SKIP
-    max_batch: int | None = None  # None: 64 on CPU, 256 on GPU
-    prefill_token_budget: int = 16384
-    kv_cache_tokens: int | None = None  # None: sized from free memory
-    window_rows: int = 8192  # rows tokenized, sorted and bucketed together
-    schedule: str = "static"  # static length-bucketed batches, or continuous slot refills
-    prefix_reuse: bool = False  # continuous: prefill the prompts' shared prefix once
+    max_num_seqs: int | None = None  # sequences in flight; None: 64 on CPU, 256 on GPU
+    max_num_batched_tokens: int | None = None  # tokens a step runs; None: 2048 CPU, 8192 GPU
+    block_size: int = 16  # KV cache block, in tokens
+    kv_cache_tokens: int | None = None  # None: the job's need (CPU), 80% of free memory (GPU)
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    window_rows: int = 8192  # rows read and tokenized ahead of the engine (its admission window)
     # output
     rows_per_part: int = 4096
     flush_seconds: float = 60.0  # write a part at least this often, bounding work lost to a kill
@@ -89,14 +88,14 @@ class RunConfig:
         positive = (
             "max_new_tokens",
             "max_prompt_len",
-            "prefill_token_budget",
+            "block_size",
             "window_rows",
             "rows_per_part",
         )
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("max_batch", "kv_cache_tokens", "limit", "threads"):
+        for key in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "limit", "threads"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         try:
@@ -113,8 +112,6 @@ class RunConfig:
             raise ConfigError(
                 "use either shard or workers, not both (workers shard the input itself)"
             )
-        if self.prefix_reuse and self.schedule != "continuous":
-            raise ConfigError("prefix_reuse needs schedule continuous")
         if self.messages_column and self.template:
             raise ConfigError("use either messages_column or template, not both")
 
@@ -146,9 +143,9 @@ class RunConfig:
 
     def fingerprint(self) -> dict[str, Any]:
         """What makes two runs the same job: a rerun with a different one is refused."""
-        skip = {"overwrite", "quiet", "rows_per_part", "flush_seconds", "window_rows", "max_batch",
-                "prefill_token_budget", "kv_cache_tokens", "compile", "workers", "threads",
-                "schedule", "prefix_reuse"}  # fmt: skip
+        skip = {"overwrite", "quiet", "rows_per_part", "flush_seconds", "window_rows", "max_num_seqs",
+                "max_num_batched_tokens", "block_size", "kv_cache_tokens", "prefix_caching",
+                "compile", "workers", "threads"}  # fmt: skip
         out = {k: getattr(self, k) for k in self.keys() if k not in skip}
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())

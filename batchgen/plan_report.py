@@ -1,4 +1,5 @@
-"""`batchgen plan`: the bucketing of a whole input, without loading the weights."""
+"""`batchgen plan`: what a job would run, without loading the weights: its rows and prompt
+lengths, the engine's budgets and the KV pool it would allocate."""
 
 from __future__ import annotations
 
@@ -6,45 +7,47 @@ from collections import Counter
 from typing import Any
 
 from batchgen.config import RunConfig
-from batchgen.planner import plan_batches
 from batchgen.run import open_job
+
+
+def _edge(n: int) -> int:
+    """The power of two at or above n (the histogram's bins)."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def make_plan(cfg: RunConfig) -> dict[str, Any]:
     job = open_job(cfg)
+    eng = job.engine
     hist: Counter = Counter()
-    batches: Counter = Counter()  # (bucket, batch size, new-token bucket) -> count
-    rows = errors = real = computed = max_kv = 0
+    rows = errors = prompt_tokens = output_tokens = longest = 0
     for _, window in job.prep.windows(done=set()):
         rows += len(window.rows)
         errors += len(window.errors)
-        reqs = window.requests
-        plan = plan_batches(
-            [r.prompt_len for r in reqs], [r.params.max_new_tokens for r in reqs], job.buckets
-        )
-        hist.update(plan.histogram)
-        batches.update((b.prompt_len, b.batch_size, b.max_new) for b in plan.batches)
-        real += plan.real_prompt_tokens
-        computed += plan.computed_prompt_tokens
-        max_kv = max(max_kv, plan.max_kv_tokens)
-    kv_bytes = job.model_cfg.kv_bytes_per_token(job.dtype.itemsize)
+        for r in window.requests:
+            hist[_edge(r.prompt_len)] += 1
+            prompt_tokens += r.prompt_len
+            output_tokens += r.params.max_new_tokens
+            longest = max(longest, r.prompt_len + r.params.max_new_tokens)
+    kv_per_token = job.model_cfg.kv_bytes_per_token(job.dtype.itemsize)
+    blocks = None if job.device.type == "cuda" and eng.kv_cache_tokens is None else (
+        eng.pool_blocks(longest, None, kv_per_token * eng.block_size)
+    )  # fmt: skip
     return {
         "input": cfg.input,
         "model": str(job.model_dir),
+        "dtype": str(job.dtype).removeprefix("torch."),
         "rows": rows,
         "rows_error": errors,
-        "prompt_tokens": real,
-        "padding_efficiency": real / computed if computed else 1.0,
+        "prompt_tokens": prompt_tokens,
+        "max_output_tokens": output_tokens,
+        "longest_row_tokens": longest,
         "length_histogram": {str(k): v for k, v in sorted(hist.items())},
-        "batches": [
-            {"bucket": L, "batch_size": b, "max_new": m, "count": n}
-            for (L, b, m), n in sorted(batches.items())
-        ],
-        "compiled_shapes": len(batches),
-        "kv_cache_tokens_max_batch": max_kv,
-        "kv_cache_bytes_max_batch": max_kv * kv_bytes,
-        "kv_cache_capacity_tokens": job.buckets.kv_capacity_tokens,
-        "dtype": str(job.dtype).removeprefix("torch."),
+        "max_num_seqs": eng.max_num_seqs,
+        "max_num_batched_tokens": eng.max_num_batched_tokens,
+        "block_size": eng.block_size,
+        "prefix_caching": eng.prefix_caching,
+        "kv_cache_blocks": blocks,
+        "kv_cache_bytes": None if blocks is None else blocks * eng.block_size * kv_per_token,
     }
 
 
@@ -53,22 +56,24 @@ def format_plan(p: dict[str, Any]) -> str:
         f"input   {p['input']}",
         f"model   {p['model']} ({p['dtype']})",
         f"rows    {p['rows']} ({p['rows_error']} would get an error record)",
+        f"tokens  {p['prompt_tokens']} prompt, up to {p['max_output_tokens']} output; "
+        f"longest row {p['longest_row_tokens']}",
         "",
-        "prompt length histogram (bucket edge: rows)",
+        "prompt length histogram (tokens, up to: rows)",
     ]
     peak = max(p["length_histogram"].values(), default=1)
     for edge, n in p["length_histogram"].items():
         lines.append(f"  <= {edge:>6}  {n:>8}  {'#' * max(1, round(40 * n / peak))}")
-    lines += ["", "batches (bucket x batch size, new-token bucket: count)"]
-    for b in p["batches"]:
-        lines.append(
-            f"  {b['bucket']:>6} x {b['batch_size']:<4} new {b['max_new']:<5} {b['count']:>6}"
-        )
+    kv = (
+        "sized from free GPU memory at start"
+        if p["kv_cache_blocks"] is None
+        else f"{p['kv_cache_blocks']} blocks of {p['block_size']} tokens = "
+        f"{p['kv_cache_bytes'] / 2**20:.1f} MiB"
+    )
     lines += [
         "",
-        f"padding efficiency   {p['padding_efficiency']:.1%} (real prompt tokens / computed)",
-        f"compiled shapes      {p['compiled_shapes']} prefill (+ as many decode)",
-        f"KV cache, largest batch  {p['kv_cache_tokens_max_batch']} tokens = "
-        f"{p['kv_cache_bytes_max_batch'] / 2**20:.1f} MiB (capacity {p['kv_cache_capacity_tokens']} tokens)",
+        f"engine   up to {p['max_num_seqs']} sequences, {p['max_num_batched_tokens']} tokens a step, "
+        f"prefix caching {'on' if p['prefix_caching'] else 'off'}",
+        f"KV cache {kv}",
     ]
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""run(config): reader -> prepare/planner -> engine -> writer, with stats alongside."""
+"""run(config): reader -> prepare -> engine -> writer, with stats alongside."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +18,12 @@ import torch
 
 from batchgen.config import ConfigError, RunConfig
 from batchgen.data import InputSource, OutputDir, PartBuffer, open_input, output_schema
-from batchgen.engine.sequence import Completion, FinishReason
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.sequence import Completion, FinishReason, Request
 from batchgen.llm import DEFAULT_MODEL, LLM, load_tokenizer, resolve_device, resolve_dtype
 from batchgen.model.config import ModelConfig
 from batchgen.model.loader import config_from_hf, read_hf_config
 from batchgen.nvml import NvmlSampler
-from batchgen.planner import BucketConfig
 from batchgen.prepare import Preparer, Row
 from batchgen.stats import RunStats, peak_memory_bytes
 
@@ -61,36 +62,21 @@ def _stop_on_signals():
             signal.signal(s, h)
 
 
-def default_max_batch(device: torch.device) -> int:
-    return 256 if device.type == "cuda" else 64
-
-
-def kv_cache_tokens(cfg: RunConfig, model_cfg, dtype: torch.dtype, device: torch.device) -> int:
-    """KV cache capacity in tokens: the flag; on a GPU, 80% of the memory left free once
-    the (unquantized) weights are in; on the CPU, 2 GiB."""
-    if cfg.kv_cache_tokens:
-        return cfg.kv_cache_tokens
-    per_token = model_cfg.kv_bytes_per_token(dtype.itemsize)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        free -= model_cfg.num_params * dtype.itemsize
-        return max(4096, int(free * 0.8) // per_token)
-    return min(262144, (2 << 30) // per_token)
-
-
 def _row_record(row: Row, c: Completion | None, cfg: RunConfig) -> dict[str, Any]:
+    """The output record of a row: its completion, or its error (c None or c.error set)."""
+    ok = c is not None and c.error is None
     rec = {"id": row.id, **row.passthrough}
     rec.update(
-        text=c.text if c else None,
-        finish_reason=c.finish_reason.value if c else FinishReason.ERROR.value,
+        text=c.text if ok else None,
+        finish_reason=c.finish_reason.value if ok else FinishReason.ERROR.value,
         prompt_tokens=row.prompt_tokens,
-        completion_tokens=c.completion_tokens if c else 0,
-        error=row.error if c is None else None,
+        completion_tokens=c.completion_tokens if ok else 0,
+        error=None if ok else (c.error if c is not None else row.error),
     )
     if cfg.with_token_ids:
-        rec["token_ids"] = c.token_ids if c else None
+        rec["token_ids"] = c.token_ids if ok else None
     if cfg.with_logprobs:
-        rec["logprobs"] = c.logprobs if c else None
+        rec["logprobs"] = c.logprobs if ok else None
     return rec
 
 
@@ -106,7 +92,7 @@ class Job:
     device: torch.device
     dtype: torch.dtype
     prep: Preparer
-    buckets: BucketConfig
+    engine: EngineConfig
 
 
 def open_job(cfg: RunConfig) -> Job:
@@ -122,22 +108,26 @@ def open_job(cfg: RunConfig) -> Job:
     except ValueError as e:  # e.g. --device cuda on a machine without one
         raise ConfigError(str(e)) from None
     max_seq = model_cfg.max_position_embeddings
-    max_prompt = min(
-        cfg.max_prompt_len, max_seq - BucketConfig().new_tokens_bucket(cfg.max_new_tokens)
-    )
+    max_prompt = min(cfg.max_prompt_len, max_seq - cfg.max_new_tokens)
     if max_prompt < 1:
         raise ConfigError(
             f"max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in the model's "
             f"{max_seq} positions"
         )
-    buckets = BucketConfig(
-        max_prompt_len=max_prompt,
-        max_batch=cfg.max_batch or default_max_batch(device),
-        prefill_token_budget=cfg.prefill_token_budget,
-        kv_capacity_tokens=kv_cache_tokens(cfg, model_cfg, dtype, device),
-    )
+    try:
+        engine = EngineConfig.for_device(
+            device.type,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            block_size=cfg.block_size,
+            kv_cache_tokens=cfg.kv_cache_tokens,
+            prefix_caching=cfg.prefix_caching,
+            read_ahead=cfg.window_rows,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     prep = Preparer(cfg, source, tokenizer, max_prompt, max_seq)
-    return Job(cfg, model_dir, model_cfg, source, tokenizer, device, dtype, prep, buckets)
+    return Job(cfg, model_dir, model_cfg, source, tokenizer, device, dtype, prep, engine)
 
 
 def run(cfg: RunConfig) -> RunStats:
@@ -167,16 +157,13 @@ def run(cfg: RunConfig) -> RunStats:
         return stats
 
     t0 = time.perf_counter()
-    buckets = job.buckets
     llm = LLM(
         model_dir,
         dtype=cfg.dtype,
         device=cfg.device,
         compile=cfg.compile,
-        buckets=buckets,
+        engine=job.engine,
         allow_pickle=cfg.allow_pickle,
-        schedule=cfg.schedule,
-        prefix_reuse=cfg.prefix_reuse,
         quantize=cfg.quantize,
         quant_backend=cfg.quant_backend,
     )
@@ -187,8 +174,10 @@ def run(cfg: RunConfig) -> RunStats:
         device=str(device),
         dtype=str(llm.dtype).removeprefix("torch."),
         compiled=llm.compile,
-        kv_cache_tokens=buckets.kv_capacity_tokens,
-        schedule=cfg.schedule,
+        max_num_seqs=job.engine.max_num_seqs,
+        max_num_batched_tokens=job.engine.max_num_batched_tokens,
+        block_size=job.engine.block_size,
+        prefix_caching=job.engine.prefix_caching,
     )
     # The model and quantization scheme travel with every part file, not only _stats.json.
     meta = {
@@ -200,32 +189,42 @@ def run(cfg: RunConfig) -> RunStats:
     nvml = NvmlSampler(device.index or 0).start() if device.type == "cuda" else None
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
     progress = _progress(cfg, source.num_rows)
+    rows: dict[int, Row] = {}  # rows in flight, by request index
+
+    def requests() -> Iterator[Request]:
+        """Every row not done yet, as one stream; error rows are written as read."""
+        n = 0
+        for n_read, window in prep.windows(done):
+            errors = [_row_record(r, None, cfg) for r in window.errors]
+            buffer.add(errors)
+            stats.rows += len(errors)
+            stats.rows_error += len(errors)
+            progress.update(n_read - len(window.rows) + len(errors))
+            for r in window.requests:
+                rows[n] = window.rows[r.index]
+                yield Request(n, r.prompt_ids, r.params)
+                n += 1
+
     last_flush = time.monotonic()
     complete = False
     # Signals stay deferred until the results are flushed and marked: a SIGTERM during the
     # last writes cannot leave a finished job looking unfinished.
     with _stop_on_signals() as signals:
         try:
-            for n_read, window in prep.windows(done):
-                errors = [_row_record(r, None, cfg) for r in window.errors]
-                buffer.add(errors)
-                stats.rows += len(errors)
-                stats.rows_error += len(errors)
-                progress.update(n_read - len(window.rows) + len(errors))
-                for batch, completions in llm.engine.generate(window.requests):
-                    buffer.add(_row_record(window.rows[c.index], c, cfg) for c in completions)
-                    stats.rows += len(completions)
-                    stats.batches += 1
-                    stats.prompt_tokens += sum(c.prompt_tokens for c in completions)
-                    stats.computed_prompt_tokens += batch.computed_prompt_tokens
-                    stats.output_tokens += sum(c.completion_tokens for c in completions)
-                    progress.update(len(completions))
+            for report in llm.engine.generate(requests()):
+                stats.add_step(report)
+                if report.finished:
+                    done_now = report.finished
+                    buffer.add(_row_record(rows.pop(c.index), c, cfg) for c in done_now)
+                    stats.rows += len(done_now)
+                    stats.rows_error += sum(c.error is not None for c in done_now)
+                    stats.prompt_tokens += sum(c.prompt_tokens for c in done_now)
+                    stats.output_tokens += sum(c.completion_tokens for c in done_now)
+                    progress.update(len(done_now))
                     progress.set_postfix_str(f"{stats.rate(stats.output_tokens):.0f} out tok/s")
-                    if time.monotonic() - last_flush > cfg.flush_seconds:
-                        buffer.flush()
-                        last_flush = time.monotonic()
-                    if signals:
-                        raise JobInterrupted(signals[0])
+                if time.monotonic() - last_flush > cfg.flush_seconds:
+                    buffer.flush()
+                    last_flush = time.monotonic()
                 if signals:
                     raise JobInterrupted(signals[0])
             complete = True
@@ -242,12 +241,16 @@ def run(cfg: RunConfig) -> RunStats:
 def _finish_stats(
     stats: RunStats, llm: LLM, device: torch.device, nvml: NvmlSampler | None
 ) -> None:
-    rs = llm.runner.stats
-    stats.prefill_s, stats.decode_s, stats.compile_s = rs.prefill_s, rs.decode_s, rs.compile_s
-    stats.decode_steps = rs.decode_steps
     stats.peak_memory_bytes = peak_memory_bytes(device)
-    stats.extra["compiled_shapes"] = len(rs.shapes)
-    stats.extra["prefix_tokens_saved"] = rs.prefix_tokens_saved
+    sched = llm.engine.scheduler
+    if sched is not None:
+        pool = sched.pool
+        stats.extra.update(
+            kv_cache_tokens=pool.num_usable * pool.block_size,
+            kv_cache_bytes=pool.num_blocks * llm.runner.kv_bytes_per_block(),
+            prefix_cache_hit_rate=pool.hits / pool.queries if pool.queries else 0.0,
+        )
+    stats.extra["compiled_shapes"] = len(llm.runner.shapes)
     stats.extra["quantization"] = llm.quant.to_dict()
     if nvml is not None:
         stats.extra.update(nvml.stop() or {})

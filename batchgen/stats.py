@@ -1,5 +1,5 @@
-"""Run statistics: counted as the job goes, derived rates as properties, printed as a
-table and written to stats.json."""
+"""Run statistics: the sum of the engine's step reports and the job's row counts, derived
+rates as properties, printed as a table and written to _stats.json."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+from batchgen.engine.engine import StepReport
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -23,18 +25,38 @@ class RunStats:
     rows_error: int = 0
     rows_skipped_done: int = 0  # already in the output from an earlier run
     prompt_tokens: int = 0  # real prompt tokens of the rows run
-    computed_prompt_tokens: int = 0  # including bucket and batch padding
+    computed_prompt_tokens: int = 0  # prompt tokens run through the model (recomputes included)
+    cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
     output_tokens: int = 0
-    batches: int = 0
+    steps: int = 0
+    decode_steps: int = 0  # steps with no prompt tokens
+    decode_rows: int = 0  # sequence-steps that decoded a token
+    padded_rows: int = 0  # decode rows computed only to fill a compiled shape
+    preemptions: int = 0
     load_s: float = 0.0
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # steps with prompt tokens (decodes riding along included)
     decode_s: float = 0.0
     compile_s: float = 0.0
-    decode_steps: int = 0
     peak_memory_bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # model, device, quantization, gpu, ...
+
+    def add_step(self, r: StepReport) -> None:
+        if not (r.prompt_tokens or r.decode_rows):  # only rows rejected before running
+            return
+        self.steps += 1
+        self.decode_steps += not r.prefill
+        self.computed_prompt_tokens += r.prompt_tokens
+        self.cached_prompt_tokens += r.cached_tokens
+        self.decode_rows += r.decode_rows
+        self.padded_rows += r.padded_rows
+        self.preemptions += r.preempted
+        self.compile_s += r.compile_seconds
+        if r.prefill:
+            self.prefill_s += r.seconds
+        else:
+            self.decode_s += r.seconds
 
     def finish(self) -> None:
         self.wall_s = time.perf_counter() - self.started
@@ -44,10 +66,16 @@ class RunStats:
         return self.wall_s or time.perf_counter() - self.started
 
     @property
-    def padding_efficiency(self) -> float:
-        return (
-            self.prompt_tokens / self.computed_prompt_tokens if self.computed_prompt_tokens else 1.0
-        )
+    def prompt_compute_ratio(self) -> float:
+        """Prompt tokens computed / real: below 1 with prefix-cache hits, above with padding
+        or recomputes after preemption."""
+        return self.computed_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def decode_live_share(self) -> float:
+        """Decode rows that were live sequences, not shape padding."""
+        total = self.decode_rows + self.padded_rows
+        return self.decode_rows / total if total else 1.0
 
     def rate(self, n: float) -> float:
         return n / self.elapsed if self.elapsed > 0 else 0.0
@@ -61,7 +89,8 @@ class RunStats:
             prompt_tokens_per_s=self.rate(self.prompt_tokens),
             output_tokens_per_s=self.rate(self.output_tokens),
             decode_tokens_per_s=self.output_tokens / self.decode_s if self.decode_s else 0.0,
-            padding_efficiency=self.padding_efficiency,
+            prompt_compute_ratio=self.prompt_compute_ratio,
+            decode_live_share=self.decode_live_share,
         )
         return {**d, **extra}
 
@@ -79,7 +108,8 @@ class RunStats:
             ("prefill / decode", f"{self.prefill_s:.2f} s / {self.decode_s:.2f} s"),
             ("compile + warm-up", f"{self.compile_s:.2f} s"),
             ("model load", f"{self.load_s:.2f} s"),
-            ("padding efficiency", f"{self.padding_efficiency:.1%}"),
+            ("prompt tokens computed", f"{self.prompt_compute_ratio:.1%} of real ({self.cached_prompt_tokens} from the prefix cache)"),
+            ("decode rows live", f"{self.decode_live_share:.1%} ({self.preemptions} preemptions)"),
             ("peak memory", f"{self.peak_memory_bytes / 2**20:.0f} MiB"),
         ]
         if d.get("gpu_util_mean_pct") is not None:

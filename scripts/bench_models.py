@@ -61,6 +61,20 @@ SHAPES: dict[str, Shape] = {
         ),
         "Llama-shaped, 34M parameters (25M of them embeddings and head), GQA 6/2",
     ),  # fmt: skip
+    "llama-55m": Shape(
+        "llama",
+        dict(
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+        ),
+        "Llama-shaped, 57M parameters (33M of them embeddings and head), GQA 8/2: the "
+        "engine issue's CPU benchmark shape",
+    ),  # fmt: skip
     "gpt2-124m": Shape(
         "gpt2",
         dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=2048),
@@ -90,6 +104,21 @@ SHAPES: dict[str, Shape] = {
             ),
         ),
         "Llama-3.2-1B shape (1.24B, tied embeddings, Llama 3 RoPE scaling)",
+    ),  # fmt: skip
+    "qwen-0.5b": Shape(
+        "llama",
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+        "Qwen2.5-0.5B's shape as a Llama (0.49B, tied embeddings, GQA 14/2; no qkv bias)",
     ),  # fmt: skip
     "llama-8b": Shape(
         "llama",
