@@ -41,7 +41,7 @@ format: install
 	$(BIN)/ruff format batchgen tests scripts
 
 bench: install
-	$(BIN)/python scripts/bench.py --out out/bench-cpu.json
+	$(BIN)/python scripts/bench.py --workload mixed,labeling,long-tail --pairs 2 --out out/bench-cpu.json --markdown out/bench-cpu.md
 
 gpu-check: install
 	bash scripts/gpu_check.sh

@@ -9,7 +9,7 @@ engine does the same work):
 
 1. every transformers baseline of scripts/hf_baseline.py (`generate` in input order,
    `generate` on rows sorted by length, the continuous batching manager) runs once at each
-   batch size of --batch-sizes, and the fastest (mode, batch size) is the baseline;
+   batch size of --baselines (default 8, 16 and 32 for each), and the fastest is the baseline;
 2. then `batchgen run` and that baseline alternate, A B A B, --pairs times: the machine is
    shared, so the headline is the ratio of the medians, with each pair's ratio beside it.
 
@@ -111,7 +111,7 @@ def batchgen_cmd(a, model: Path, data: Path, out: Path) -> list[str]:
 
 def hf_cmd(a, model: Path, data: Path, out: Path, mode: str, batch: int) -> list[str]:
     cmd = [sys.executable, str(HERE / "hf_baseline.py"), str(model), str(data), str(out),
-           "--mode", mode, "--batch-size", str(batch)]  # fmt: skip
+           "--mode", mode, "--batch-size", str(batch), "--dtype", a.dtype, "--device", a.device]  # fmt: skip
     return cmd + (["--threads", str(a.threads)] if a.threads else [])
 
 
@@ -162,7 +162,7 @@ def bench_workload(a, name: str, model: Path, root: Path, matmul_flops: float) -
         runs.append(r)
         return r
 
-    explore = [run_hf(m, b, 0) for m in a.hf_modes.split(",") for b in a.batch_sizes]
+    explore = [run_hf(m, int(b), 0) for m, b in (x.split(":") for x in a.baselines.split(","))]
     best = min(explore, key=lambda r: r["wall_s"])
     bg, hf = [], [best]
     for k in range(a.pairs):
@@ -231,9 +231,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="llama-55m", choices=sorted(bench_models.SHAPES))
     p.add_argument("--rows", type=int, default=192)
     p.add_argument("--pairs", type=int, default=2, help="batchgen/baseline pairs (A B A B)")
-    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[8, 16, 32], help="transformers batch sizes to try")  # fmt: skip
-    p.add_argument("--hf-modes", default=",".join(HF_MODES))
+    p.add_argument("--baselines", default=",".join(f"{m}:{b}" for m in HF_MODES for b in (8, 16, 32)),
+                   help="transformers runs to try, MODE:BATCH comma-separated; the fastest is "
+                   "the baseline")  # fmt: skip
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
@@ -250,7 +250,7 @@ def main(argv=None) -> dict:
     import torch
 
     a.workdir.mkdir(parents=True, exist_ok=True)
-    model = bench_models.cached(a.model, a.dtype, "cpu")
+    model = bench_models.cached(a.model, a.dtype, a.device)
     ceilings = roofline.measure(a.device, getattr(torch, a.dtype))
     report = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -4,19 +4,18 @@
 #      install: wheels carried in .whl/ (if any), then this repo (`pip install --no-deps -e .`);
 #   2. the GPU-marked tests (`pytest -m gpu`: CUDA graphs and no recompiles, NVML stats,
 #      bf16 agreement with transformers, quantized paths);
-#   3. the GPU benchmark, bf16, random weights: Llama-3-8B shape at batch 1 (decode against
-#      the bandwidth bound), then the Llama-3.2-1B shape offline (throughput against
-#      transformers' batched generate, dynamic and static cache).
+#   3. the GPU benchmark, bf16, random weights: scripts/bench.py on a 0.5B shape, whole
+#      processes, batchgen against transformers (sorted generate, continuous batching).
 # Every step runs under `timeout`, none past the overall budget; a step that fails or
 # times out is recorded and the next one still runs.
 #
 #   bash scripts/gpu_check.sh            # writes under $OUT if set, else ./gpu-out
 #   GPU_CHECK_BUDGET=480 bash scripts/gpu_check.sh
-#   GPU_CHECK_STEPS="setup bench1b" bash scripts/gpu_check.sh   # only some steps (a rerun)
+#   GPU_CHECK_STEPS="setup bench" bash scripts/gpu_check.sh   # only some steps (a rerun)
 #
-# Files written (7, flat, within what the device tool brings back): summary.md (steps,
-# timings, test results, benchmark tables), setup.log, tests.log, bench-8b-b1.{log,json},
-# bench-1b.{log,json}. docs/benchmarks.md says how to prepare .whl/ and call this.
+# Files written (5, flat, within what the device tool brings back): summary.md (steps,
+# timings, test results, benchmark tables), setup.log, tests.log, bench.{log,json}.
+# docs/benchmarks.md says how to prepare .whl/ and call this.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -29,7 +28,7 @@ export PY PYTHONUNBUFFERED=1
 export BATCHGEN_BENCH_CACHE="${BATCHGEN_BENCH_CACHE:-/tmp/batchgen-bench}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=" ${GPU_CHECK_STEPS:-setup tests bench8b bench1b} "
+STEPS=" ${GPU_CHECK_STEPS:-setup tests bench} "
 T0=$(date +%s)
 SUMMARY="$OUT/summary.md"
 
@@ -116,28 +115,20 @@ selected tests && step "pytest -m gpu" 160 "$OUT/tests.log" \
     "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" tests/test_gpu.py tests/test_quant.py
 
 # ---------------------------------------------------------------- 3. benchmark
-# Batch-1 decode of the 8B shape: one prompt of 128 tokens, 256 new tokens; batchgen
-# (cold = compile, warm = measured), then transformers at batch 1 if time is left (the
-# goal here is batchgen against the bandwidth bound; results are saved engine by engine).
-selected bench8b && step "bench llama-8b batch 1" 160 "$OUT/bench-8b-b1.log" \
-    "$PY" scripts/bench.py --model llama-8b --dtype bfloat16 --device cuda \
-    --n-prompts 1 --prompt-len 128 --out-len 256 --max-batch 1 --hf-batch-size 1 \
-    --engines batchgen,hf --out "$OUT/bench-8b-b1.json" --markdown "$TMP/bench-8b-b1.md"
-# Offline throughput of the 1B shape: 64 prompts, 16..1024 prompt tokens, 16..256 new
-# tokens. Prompt buckets from 256 keep batchgen to 3 batch shapes (6 compiled graphs) within
-# the budget.
-selected bench1b && step "bench llama-1b offline" 400 "$OUT/bench-1b.log" \
-    "$PY" scripts/bench.py --model llama-1b --dtype bfloat16 --device cuda \
-    --n-prompts 64 --prompt-len 16:1024:128 --out-len 16:256:64 --min-bucket 256 \
-    --max-batch 64 --hf-batch-size 32 --engines batchgen,hf,hf-static \
-    --out "$OUT/bench-1b.json" --markdown "$TMP/bench-1b.md"
+# The engine against the best transformers baseline on a 0.5B shape (Qwen2.5-0.5B's, random
+# weights), bf16: the mixed workload of 512 rows; baselines: sorted generate and the
+# continuous batching manager at batch 32; one A B pair (the device time is short).
+selected bench && step "bench qwen-0.5b mixed" 330 "$OUT/bench.log" \
+    "$PY" scripts/bench.py --model qwen-0.5b --dtype bfloat16 --device cuda --workload mixed \
+    --rows 512 --pairs 1 --baselines sorted:32,cb:32 --workdir "$TMP/bench" \
+    --out "$OUT/bench.json" --markdown "$TMP/bench.md"
 
 # ---------------------------------------------------------------- summary
 {
     echo
     echo "tests: $(grep -E '^=+ .*(passed|failed|error|skipped).* in ' "$OUT/tests.log" 2>/dev/null | tail -1 | tr -d '=')"
     grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests.log" 2>/dev/null | sed 's/^/    /'
-    for md in "$TMP/bench-8b-b1.md" "$TMP/bench-1b.md"; do
+    for md in "$TMP/bench.md"; do
         [ -f "$md" ] && {
             echo
             cat "$md"

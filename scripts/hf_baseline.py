@@ -26,9 +26,9 @@ import torch
 import transformers
 
 
-def load(model_dir: str):
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
+def load(model_dir: str, dtype: str = "float32", device: str = "cpu"):
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model.to(device).eval()
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     return model, tok
@@ -39,8 +39,9 @@ def chunked(model, prompts: list[list[int]], news: list[int], order: list[int], 
     for s in range(0, len(order), batch):
         rows = order[s : s + batch]
         width = max(len(prompts[i]) for i in rows)
-        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in rows])
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows])
+        dev = model.device
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in rows], device=dev)
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device=dev)
         m = max(news[i] for i in rows)
         with torch.inference_mode():
             gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=m,
@@ -76,11 +77,13 @@ def main() -> None:
     p.add_argument("--mode", choices=("input", "sorted", "cb"), default="sorted")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    model, tok = load(a.model_dir)
+    model, tok = load(a.model_dir, a.dtype, a.device)
     table = pq.read_table(a.input)
     texts = table.column("prompt").to_pylist()
     news = table.column("max_new_tokens").to_pylist()

@@ -27,12 +27,23 @@ import torch
 from batchgen.engine.block_pool import NULL_BLOCK
 from batchgen.engine.sampler import SamplingTensors, sample
 from batchgen.engine.scheduler import Scheduled, StepPlan
-from batchgen.model.attention import PrefillSpan, StepAttention
+from batchgen.model.attention import DecodeGroup, PrefillSpan, StepAttention
 from batchgen.model.transformer import Transformer
 
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _width_groups(widths: list[int], max_groups: int = 4, keep: float = 0.6) -> list[tuple[int, int]]:  # fmt: skip
+    """Cut widths (sorted descending) into at most max_groups ranges [lo, hi): a new group
+    starts where a width falls below keep x its group's first, so padding stays small."""
+    groups, lo = [], 0
+    for i, w in enumerate(widths):
+        if i > lo and w < keep * widths[lo] and len(groups) < max_groups - 1:
+            groups.append((lo, i))
+            lo = i
+    return [*groups, (lo, len(widths))] if widths else []
 
 
 @dataclass(slots=True)
@@ -154,7 +165,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode-only step as one graph: (B,) tokens at (B,) positions, tables (B, n)."""
         b = tokens.shape[0]
-        step = StepAttention(slots, b, blocks, positions + 1)
+        step = StepAttention(slots, b, (DecodeGroup(0, blocks, positions + 1),))
         index = torch.arange(b, device=tokens.device)
         return self._forward(tokens, positions, step, index, sampling, steps, greedy_only)
 
@@ -168,12 +179,20 @@ class ModelRunner:
         slots: list[int] = []
         sampling = _Sampling()
         index: list[int] = []
-        for s in plan.decodes:
-            self._add_tokens(s, tokens, positions, slots)
-            sampling.add(s)
-            index.append(len(tokens) - 1)
-        width = max((len(s.seq.block_table) for s in plan.decodes), default=0)
-        tables = [s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)) for s in plan.decodes]  # fmt: skip
+        # Decodes packed longest table first, in groups of similar width (see attention.py).
+        order = sorted(range(len(plan.decodes)), key=lambda i: -len(plan.decodes[i].seq.block_table))  # fmt: skip
+        groups = []
+        for lo, hi in _width_groups([len(plan.decodes[i].seq.block_table) for i in order]):
+            width = len(plan.decodes[order[lo]].seq.block_table)
+            tables, lens = [], []
+            for i in order[lo:hi]:
+                s = plan.decodes[i]
+                self._add_tokens(s, tokens, positions, slots)
+                sampling.add(s)
+                index.append(len(tokens) - 1)
+                tables.append(s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)))
+                lens.append(s.start + 1)
+            groups.append(DecodeGroup(lo, torch.tensor(tables, device=dev), torch.tensor(lens, device=dev)))  # fmt: skip
         spans = []
         for s in plan.prefills:
             q_start = len(tokens)
@@ -186,12 +205,10 @@ class ModelRunner:
             if s.samples:
                 sampling.add(s)
                 index.append(len(tokens) - 1)
-        nd = len(plan.decodes)
         step = StepAttention(
             slots=torch.tensor(slots, device=dev),
-            num_decodes=nd,
-            decode_blocks=torch.tensor(tables, device=dev) if nd else None,
-            decode_lens=torch.tensor([s.start + 1 for s in plan.decodes], device=dev) if nd else None,
+            num_decodes=len(plan.decodes),
+            decodes=tuple(groups),
             prefills=tuple(spans),
         )
         t0 = time.perf_counter()
@@ -215,7 +232,11 @@ class ModelRunner:
             sampling.greedy_only,
         )
         out = list(zip(tok.tolist(), lp.tolist(), strict=True))
-        return out, StepTiming(time.perf_counter() - t0)
+        nd = len(order)
+        decoded = [None] * nd  # back to plan order
+        for j, i in enumerate(order):
+            decoded[i] = out[j]
+        return decoded + out[nd:], StepTiming(time.perf_counter() - t0)
 
     def _add_tokens(self, s: Scheduled, tokens: list, positions: list, slots: list) -> None:
         bs, table = self.block_size, s.seq.block_table

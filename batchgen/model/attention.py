@@ -4,9 +4,11 @@ A step is a flat run of T tokens from several sequences: first `num_decodes` sin
 (one per decoding sequence), then each prefilling sequence's chunk of prompt tokens, packed
 with no padding. Every token's key/value is written at its own cache slot first; then
 
-- decodes attend together: each sequence's blocks are gathered into a (B, n_blocks *
-  block_size) batch (n_blocks: the longest table of the step, padded with the scratch
-  block) and one SDPA call runs with a length mask, so only the step's live blocks are read;
+- decodes attend in a few groups of similar context length: each group's blocks are
+  gathered into a (B, n_blocks * block_size) batch (n_blocks: the group's longest table,
+  padded with the scratch block) and one SDPA call runs with a length mask. Grouping keeps
+  the padded blocks few (the gather is the costly part on the CPU: it copies the KV once
+  more), while each group stays one batched call;
 - each prefill chunk attends on its own: to its own fresh keys/values with a causal SDPA
   when nothing of the sequence is cached yet, else to its blocks (cached prefix or earlier
   chunks + this chunk) with an offset causal mask.
@@ -35,13 +37,22 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decoding sequences q_start.. q_start + B - 1 of a step, attended in one call."""
+
+    q_start: int
+    blocks: torch.Tensor  # (B, n) block tables, padded with the scratch block
+    lens: torch.Tensor  # (B,) context lengths, this token included
+
+
+@dataclass(slots=True)
 class StepAttention:
-    """What the attention layers need to know about a step, shared by all layers."""
+    """What the attention layers need to know about a step, shared by all layers. The
+    decodes are tokens 0..num_decodes - 1, covered by the groups in order."""
 
     slots: torch.Tensor  # (T,) flat cache slot of each token's key/value
     num_decodes: int
-    decode_blocks: torch.Tensor | None  # (B, n) block tables of the decoding sequences
-    decode_lens: torch.Tensor | None  # (B,) their context lengths, this token included
+    decodes: tuple[DecodeGroup, ...] = ()
     prefills: tuple[PrefillSpan, ...] = ()
 
 
@@ -112,9 +123,9 @@ def step_attention(
     """q (T, H, D), k, v (T, Hkv, D) of a whole step -> (T, H, D)."""
     cache.write(step.slots, k, v)
     parts = []
-    nd = step.num_decodes
-    if nd:
-        parts.append(decode_attention(q[:nd], cache, step.decode_blocks, step.decode_lens, window))
+    for g in step.decodes:
+        qg = q[g.q_start : g.q_start + g.lens.shape[0]]
+        parts.append(decode_attention(qg, cache, g.blocks, g.lens, window))
     for s in step.prefills:
         sl = slice(s.q_start, s.q_start + s.q_len)
         parts.append(prefill_attention(q[sl], k[sl], v[sl], cache, s, window))
