@@ -5,13 +5,15 @@
     python scripts/bench_quant.py --device cuda --dtype bfloat16 --random-llama 2048 --out q.json
 
 Each configuration (none, then every backend x method asked for and available on the
-device) is built once with `LLM(..., compile=True)` and warmed at every batch size, so
-all graphs are compiled before timing. Timing then runs in rounds, each round visiting
-every (configuration, batch size) once, and reports the median round: on a shared
-machine, load that comes and goes then hits every configuration alike. A cell is decode
-tokens/s (rows x decode steps / decode seconds, from the runner's own counters, which
-exclude compilation), and its ratio to `none` at the same batch size. `recompiles` counts
-graphs compiled during the timed rounds; it should be 0.
+device) is built once with `LLM(..., compile=True)`, its KV pool allocated (a one-token
+generate: allocating resets dynamo, so every pool exists before any graph is compiled),
+then warmed at every batch size, so all decode graphs are compiled before timing. Timing
+then runs in rounds, each round visiting every (configuration, batch size) once, and
+reports the median round: on a shared machine, load that comes and goes then hits every
+configuration alike. A cell is decode tokens/s (rows decoded in the decode-only steps /
+those steps' seconds, from the engine's step reports, which exclude compilation), and its
+ratio to `none` at the same batch size. `recompiles` counts graphs compiled during the
+timed rounds; it should be 0.
 
 Prints a markdown table; --out writes JSON.
 """
@@ -32,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from batchgen.engine.sequence import SamplingParams  # noqa: E402
+from batchgen.engine.config import EngineConfig  # noqa: E402
+from batchgen.engine.sequence import Request, SamplingParams  # noqa: E402
 from batchgen.llm import DEFAULT_MODEL, LLM  # noqa: E402
-from batchgen.planner import BucketConfig  # noqa: E402
 from batchgen.quant import QuantUnavailableError, weight_bytes  # noqa: E402
 
 
@@ -54,19 +56,42 @@ def prompts(batch: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(2, 500, (batch, length), generator=g).tolist()
 
 
+def engine_config(args, batches: list[int]) -> EngineConfig:
+    """The largest batch decodes as one batch, after a single prefill step, in a pool that
+    holds it (without the prefix cache: every call's work is the same)."""
+    bs = 16
+    row_blocks = -(-(args.prompt_len + args.new_tokens) // bs)
+    return EngineConfig(
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=max(2048, max(batches) * args.prompt_len),
+        block_size=bs,
+        kv_cache_tokens=(max(batches) * row_blocks + 1) * bs,  # + the scratch block
+        prefix_caching=False,
+    )
+
+
+def generate(llm: LLM, batch: int, prompt_len: int, new_tokens: int, seed: int) -> list:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    requests = [Request(i, p, params) for i, p in enumerate(prompts(batch, prompt_len, seed))]
+    reports = list(llm.engine.generate(requests))
+    errors = [c.error for r in reports for c in r.finished if c.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} rows failed, e.g. {errors[0]}")
+    return reports
+
+
 def decode_rate(llm: LLM, batch: int, args, seed: int) -> tuple[float, int]:
     """Decode tokens/s of one generate call of `batch` rows; and graphs compiled during it."""
     from torch._dynamo.utils import counters
 
-    stats = llm.runner.stats
-    s0, t0, g0 = stats.decode_steps, stats.decode_s, counters["stats"]["unique_graphs"]
-    llm.generate(prompts(batch, args.prompt_len, seed),
-                 SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))  # fmt: skip
-    steps, secs = stats.decode_steps - s0, stats.decode_s - t0
-    return batch * steps / secs, counters["stats"]["unique_graphs"] - g0
+    g0 = counters["stats"]["unique_graphs"]
+    decode = [r for r in generate(llm, batch, args.prompt_len, args.new_tokens, seed)
+              if not r.prefill and r.decode_rows]  # fmt: skip
+    rows, secs = sum(r.decode_rows for r in decode), sum(r.seconds for r in decode)
+    return rows / secs if secs else 0.0, counters["stats"]["unique_graphs"] - g0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--random-llama", type=int, metavar="HIDDEN",
@@ -82,7 +107,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", help="write the results as JSON here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -99,29 +124,33 @@ def main() -> None:
         if args.random_llama
         else Path(args.model)
     )
-    buckets = BucketConfig(
-        max_prompt_len=args.prompt_len, min_bucket=args.prompt_len, max_batch=max(batches),
-        kv_capacity_tokens=max(batches) * (args.prompt_len + max(16, args.new_tokens)) * 2,
-    )  # fmt: skip
+    engine = engine_config(args, batches)
     configs = [("none", "auto")] + [
         (m, b) for b in args.backends.split(",") for m in args.methods.split(",")
     ]
     llms: dict[tuple[str, str], LLM] = {}
     info: dict[tuple[str, str], dict] = {}
+    built: dict[tuple[str, str], float] = {}
     for method, backend in configs:
         t0 = time.perf_counter()
         try:
-            llm = LLM(model, dtype=args.dtype, device=args.device, compile=True, buckets=buckets,
+            llm = LLM(model, dtype=args.dtype, device=args.device, compile=True, engine=engine,
                       quantize=method, quant_backend=backend)  # fmt: skip
         except QuantUnavailableError as e:
             print(f"skip {backend} {method}: {e}", file=sys.stderr)
             continue
-        for b in batches:  # warm-up: compiles prefill and decode at each batch size
-            decode_rate(llm, b, args, seed=0)
+        # Allocates the KV pool (which resets dynamo) with a prefill-only call: no graph yet.
+        generate(llm, 1, args.prompt_len, 1, seed=0)
         key = (method, llm.quant.backend.value if llm.quant.enabled else "-")
         llms[key] = llm
+        built[key] = time.perf_counter() - t0
+    for key, llm in llms.items():
+        t0 = time.perf_counter()
+        for b in batches:  # warm-up: compiles decode at each batch size
+            decode_rate(llm, b, args, seed=0)
         info[key] = dict(scheme=llm.quant.to_dict(), weight_bytes=weight_bytes(llm.model),
-                         warmup_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+                         warmup_s=round(built[key] + time.perf_counter() - t0, 1),
+                         graphs=len(llm.runner.shapes))  # fmt: skip
         print(f"built {key} in {info[key]['warmup_s']} s", file=sys.stderr, flush=True)
 
     rates: dict[tuple, list[float]] = {}
@@ -157,6 +186,7 @@ def main() -> None:
                     prompt_len=args.prompt_len, new_tokens=args.new_tokens, rounds=args.rounds,
                     threads=torch.get_num_threads(), torch=torch.__version__)  # fmt: skip
         Path(args.out).write_text(json.dumps(dict(meta=meta, results=rows), indent=2))
+    return rows
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 For none and each available (backend, method), on one fixed text and one prompt set:
 
 - ppl: perplexity of the fixed text, fed token by token through the decode path (the
-  static KV cache, one token per step), and its change relative to the float model;
+  paged KV cache, one token per row per step, all rows decoding together), and its change
+  relative to the float model;
 - top1: teacher-forced greedy agreement, the share of the text's positions where the
   quantized model's argmax equals the float model's;
 - greedy: free-running agreement, the share of generated tokens (greedy, EOS ignored)
@@ -35,10 +36,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from batchgen.engine.config import EngineConfig  # noqa: E402
 from batchgen.engine.sequence import SamplingParams  # noqa: E402
 from batchgen.llm import DEFAULT_MODEL, LLM, load_tokenizer  # noqa: E402
+from batchgen.model.attention import DecodeGroup, StepAttention  # noqa: E402
 from batchgen.model.transformer import Transformer  # noqa: E402
-from batchgen.planner import BucketConfig  # noqa: E402
 from batchgen.quant import QuantUnavailableError, available, tensor_bytes  # noqa: E402
 from batchgen.quant.scheme import TARGETS  # noqa: E402
 
@@ -68,19 +70,31 @@ def text_rows(tokenizer, row_len: int) -> torch.Tensor:
     return torch.tensor(ids[: n * row_len]).view(n, row_len)
 
 
-@torch.no_grad()
-def teacher_forced(model: Transformer, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed rows (B, T) one token per step through the static cache; return the log-prob
-    of each next token (B, T-1) and the argmax at each step (B, T-1)."""
+@torch.inference_mode()
+def teacher_forced(
+    model: Transformer, rows: torch.Tensor, block_size: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed rows (B, T) one token per step through the paged cache, the B rows as one
+    batch of decodes; return the log-prob of each next token (B, T-1) and the argmax at
+    each step (B, T-1). Replaces the model's caches: run it before the LLM's engine
+    allocates its own (its first generate)."""
     device = model.embed.weight.device
     rows = rows.to(device)
     b, t = rows.shape
-    model.setup_caches(b * t, t)
-    kv_start = torch.zeros(b, dtype=torch.long, device=device)
+    n_blocks = -(-t // block_size)
+    model.setup_caches(b * n_blocks, block_size)
+    tables = torch.arange(b * n_blocks, device=device).view(b, n_blocks)  # row r: its own blocks
+    index = torch.arange(b, device=device)
     logps, argmax = [], []
     for i in range(t - 1):
-        pos = torch.full((b, 1), i, dtype=torch.long, device=device)
-        logits = model(rows[:, i : i + 1], pos, pos, kv_start, i + 1, t).log_softmax(-1)  # (B, V)
+        pos = torch.full((b,), i, dtype=torch.long, device=device)
+        blk, off = divmod(i, block_size)
+        step = StepAttention(
+            slots=tables[:, blk] * block_size + off,
+            num_decodes=b,
+            decodes=(DecodeGroup(0, tables[:, : blk + 1], pos + 1),),
+        )
+        logits = model(rows[:, i], pos, step, index).log_softmax(-1)  # (B, V)
         logps.append(logits.gather(-1, rows[:, i + 1, None])[:, 0])
         argmax.append(logits.argmax(-1))
     return torch.stack(logps, 1), torch.stack(argmax, 1)
@@ -92,14 +106,27 @@ def target_bytes(model: Transformer) -> int:
     )
 
 
-def measure(args, method: str, backend: str, rows, prompts) -> dict:
+def engine_config(prompts: list[list[int]], new_tokens: int, block_size: int = 16) -> EngineConfig:
+    """All prompts in flight at once, in a KV pool of exactly what they need (on a GPU the
+    default pool would take most of the free memory, once per scheme)."""
+    blocks = sum(-(-(len(p) + new_tokens) // block_size) for p in prompts)
+    return EngineConfig(
+        max_num_seqs=max(1, len(prompts)),
+        block_size=block_size,
+        kv_cache_tokens=(blocks + 2) * block_size,  # + the scratch block, + 1 to spare
+    )
+
+
+def measure(args, method: str, backend: str, rows, prompts: list[list[int]]) -> dict:
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, compile=False,
-              buckets=BucketConfig(max_prompt_len=128, max_batch=32, kv_capacity_tokens=8192),
+              engine=engine_config(prompts, args.new_tokens),
               quantize=method, quant_backend=backend)  # fmt: skip
+    # Teacher-forced first: it sets up its own caches, which the engine's first generate
+    # then replaces with its pool.
+    logp, top1 = teacher_forced(llm.model, rows, llm.config.block_size)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     gen = [c.token_ids for c in llm.generate(prompts, params)]
-    logp, top1 = teacher_forced(llm.model, rows)
     # All parameters, tied ones once: the LLM's model is the one the runner uses.
     total = sum(tensor_bytes(p) for p in llm.model.parameters())
     return dict(
@@ -115,7 +142,7 @@ def measure(args, method: str, backend: str, rows, prompts) -> dict:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--model", default=str(DEFAULT_MODEL), help="model directory (default: embedded)"
@@ -128,11 +155,12 @@ def main() -> None:
     p.add_argument("--n-prompts", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--out", help="write the results as JSON here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.manual_seed(0)
 
-    rows = text_rows(load_tokenizer(Path(args.model)), args.row_len)
-    prompts = prompt_set(args.n_prompts)
+    tokenizer = load_tokenizer(Path(args.model))
+    rows = text_rows(tokenizer, args.row_len)
+    prompts = [tokenizer(t)["input_ids"] for t in prompt_set(args.n_prompts)]
 
     ref = measure(args, "none", "auto", rows, prompts)
     results = []
@@ -179,6 +207,7 @@ def main() -> None:
                     text_tokens=text_tokens, prompts=len(prompts), new_tokens=args.new_tokens,
                     torch=torch.__version__)  # fmt: skip
         Path(args.out).write_text(json.dumps(dict(meta=meta, results=out), indent=2))
+    return out
 
 
 if __name__ == "__main__":

@@ -20,6 +20,12 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     return {f: save_tiny_model(f, root / f) for f in FAMILIES}
 
 
+@pytest.fixture(scope="session")
+def window_dir(tmp_path_factory) -> Path:
+    """Mistral with a 4-token sliding window, so short rows exercise the window masks."""
+    return save_tiny_model("mistral", tmp_path_factory.mktemp("sw") / "m", sliding_window=4)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,7 +1,10 @@
-"""Compiled decoding: no recompilation in steady state, and compiled == eager.
+"""Compiled decoding: compiled == eager, and no recompilation in steady state.
 
-Each test compiles one prefill and one decode graph (one bucket, one batch size), so
-both are marked slow; the inductor FX cache in /tmp makes reruns fast.
+Decode-only steps run through one torch.compile'd graph per (batch, table width,
+greedy-only) shape, the batch padded to a power of two. A warm-up pass compiles the
+workload's shapes; the same workload again compiles nothing. Compiling costs seconds a
+shape on the CPU, so the test is marked slow; the inductor FX cache in /tmp makes reruns
+faster.
 """
 
 import pytest
@@ -10,31 +13,34 @@ import torch._dynamo
 from torch._dynamo.callback import callback_handler
 from torch._dynamo.utils import counters
 
-from batchgen.engine.sequence import FinishReason, SamplingParams
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.model_runner import next_pow2
+from batchgen.engine.sequence import FinishReason, Request, SamplingParams
 from batchgen.llm import LLM
-from batchgen.planner import BucketConfig, plan_batches
 
-# One prompt bucket (32), batch size 8 for any 5..8 rows, new-token bucket 16: stride 48.
-BUCKETS = BucketConfig(max_prompt_len=32, min_bucket=32, max_batch=8)
+# Rows of up to 32 + 16 tokens in one 64-token block: every table is 1 block wide, so the
+# shapes are at most 4 batch sizes (1, 2, 4, 8) x greedy-only or not, within dynamo's
+# recompile limit of 8 for one function. 15 usable blocks: all 7 rows start at once.
+ENGINE = EngineConfig(max_num_seqs=8, block_size=64, kv_cache_tokens=1024)
 
 
-def _batch(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """5-8 rows of 1-32 tokens, 1-16 new tokens, greedy and seeded sampled rows mixed."""
+def _workload(seed: int) -> list[Request]:
+    """7 rows of 1-32 tokens, 1-16 new tokens, greedy and seeded sampled rows mixed."""
     g = torch.Generator().manual_seed(seed)
-    n = int(torch.randint(5, 9, (1,), generator=g))
-    prompts, params = [], []
-    for i in range(n):
+    reqs = []
+    for i in range(7):
         length = int(torch.randint(1, 33, (1,), generator=g))
-        prompts.append(torch.randint(2, 500, (length,), generator=g).tolist())
+        prompt = torch.randint(2, 500, (length,), generator=g).tolist()
         max_new = int(torch.randint(1, 17, (1,), generator=g))
         temperature = 0.0 if i % 3 == 2 else 0.9
-        params.append(SamplingParams(max_new_tokens=max_new, temperature=temperature,
-                                     top_k=40, top_p=0.95, seed=seed * 100 + i))  # fmt: skip
-    return prompts, params
+        reqs.append(Request(i, prompt, SamplingParams(max_new_tokens=max_new, temperature=temperature,
+                                                      top_k=40, top_p=0.95, seed=seed * 100 + i)))  # fmt: skip
+    return reqs
 
 
 class CompileEvents:
-    """Counts dynamo compilation starts while installed."""
+    """Counts dynamo compilation starts while installed (torch._dynamo.reset() removes
+    it, so install it after the engine has allocated its cache)."""
 
     def __init__(self) -> None:
         self.n = 0
@@ -58,35 +64,45 @@ def _snapshot() -> dict:
     }
 
 
-@pytest.mark.slow
-def test_no_recompilation_in_steady_state(tiny_dirs):
-    path = tiny_dirs["llama"]
-    llm = LLM(path, dtype="float32", device="cpu", compile=True,
-              buckets=BUCKETS)  # fmt: skip
-    eager = LLM(path, dtype="float32", device="cpu", compile=False, buckets=BUCKETS)
+def _run(llm: LLM, reqs: list[Request]):
+    reports = list(llm.engine.generate(reqs))
+    done = sorted((c for r in reports for c in r.finished), key=lambda c: c.index)
+    assert [c.index for c in done] == list(range(len(reqs)))  # each request once
+    for c in done:
+        assert len(c.token_ids) == reqs[c.index].params.max_new_tokens or c.finish_reason == FinishReason.STOP  # fmt: skip
+    return reports, [c.token_ids for c in done]
 
-    with CompileEvents() as warmup:
-        before = _snapshot()
-        prompts, params = _batch(0)
-        first = llm.generate(prompts, params)
-    # the instruments see compiles: warm-up made exactly one prefill and one decode graph
-    assert warmup.n >= 2
-    assert _snapshot()["unique_graphs"] - before["unique_graphs"] == 2
-    shapes = set(llm.runner.stats.shapes)
-    assert shapes == {("prefill", 8, 32, False), ("decode", 8, 48, 48, False)}
-    assert [c.token_ids for c in first] == [c.token_ids for c in eager.generate(prompts, params)]
+
+@pytest.mark.slow
+def test_compiled_equals_eager_and_steady_state_compiles_nothing(tiny_dirs):
+    path = tiny_dirs["llama"]
+    llm = LLM(path, dtype="float32", device="cpu", compile=True, engine=ENGINE)
+    eager = LLM(path, dtype="float32", device="cpu", compile=False, engine=ENGINE)
+    reqs = _workload(0)
+    _, want = _run(eager, reqs)
+
+    before = _snapshot()
+    warm, first = _run(llm, reqs)
+    assert first == want
+    shapes = set(llm.runner.shapes)
+    assert shapes and all(k[0] == "decode" and k[2] == 1 for k in shapes)
+    # really compiled: one dynamo graph per shape, not a silent eager fallback
+    assert _snapshot()["unique_graphs"] - before["unique_graphs"] == len(shapes)
+    decode_only = [r for r in warm if r.decode_rows and not r.prefill]
+    assert decode_only
+    for r in decode_only:  # the batch padded to a power of two with scratch rows
+        assert r.decode_rows + r.padded_rows == next_pow2(r.decode_rows)
+    assert sum(r.padded_rows for r in warm) > 0
+    assert sum(r.compile_seconds > 0 for r in warm) == len(shapes)  # one first call a shape
 
     steady = _snapshot()
+    graphs = counters["stats"]["unique_graphs"]
     with CompileEvents() as events, torch._dynamo.config.patch(error_on_recompile=True):
-        for seed in (1, 2, 3, 4):
-            prompts, params = _batch(seed)
-            # precondition: the batch maps onto the warmed-up shape
-            lens, max_new = [len(p) for p in prompts], [p.max_new_tokens for p in params]
-            assert plan_batches(lens, max_new, BUCKETS).shapes == {(8, 32, 16)}
-            got = llm.generate(prompts, params)
-            assert [c.token_ids for c in got] == [c.token_ids for c in eager.generate(prompts, params)]  # fmt: skip
-            for c, p in zip(got, params, strict=True):
-                assert len(c.token_ids) == p.max_new_tokens or c.finish_reason == FinishReason.STOP
+        again, second = _run(llm, reqs)
+    assert second == first
     assert events.n == 0
+    assert counters["stats"]["unique_graphs"] == graphs
     assert _snapshot() == steady
-    assert llm.runner.stats.shapes == shapes
+    assert llm.runner.shapes == shapes
+    assert all(r.compile_seconds == 0 for r in again)
+    assert sum(r.seconds for r in again if not r.prefill) > 0  # timed as model time

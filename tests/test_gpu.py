@@ -1,7 +1,7 @@
 """Checks that need an NVIDIA GPU; scripts/gpu_check.sh runs them (`pytest -m gpu`).
 
-- the decode step runs as a CUDA graph, and a second pass over the same shapes
-  compiles nothing (zero recompiles in steady state);
+- decode-only steps run as CUDA graphs, one per padded decode batch size, and a second
+  pass over the same shapes compiles nothing (zero recompiles in steady state);
 - a run's stats carry NVML samples (GPU name, utilisation, memory);
 - greedy bf16 output agrees with transformers' bf16 generate within bf16's tolerance;
 - every quantized path the support table lists for CUDA produces output and does
@@ -13,7 +13,6 @@ be tried on the CPU too (see `agreement_report`).
 
 from __future__ import annotations
 
-import inspect
 import json
 
 import pytest
@@ -21,17 +20,19 @@ import torch
 import transformers
 from tiny_models import save_tiny_model
 
-from batchgen.engine.sequence import Completion, SamplingParams
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.model_runner import next_pow2
+from batchgen.engine.sequence import Completion, Request, SamplingParams
 from batchgen.llm import LLM
-from batchgen.planner import BucketConfig
 
 pytestmark = pytest.mark.gpu
 
-# One prompt bucket (17..32 tokens -> 32) and one batch shape, so a compiled LLM has one
-# prefill and one decode graph: the tests stay within seconds of compile each.
+# Rows of up to 32 + 24 tokens in one 64-token block: every block table is 1 wide, so a
+# compiled LLM has one decode graph per padded batch size (1, 2, 4, 8), well within
+# dynamo's recompile limit of 8 for the decode function.
 PROMPT_LENS = [17, 20, 25, 32, 30, 18]
 NEW_TOKENS = 24
-BUCKETS = BucketConfig(max_prompt_len=64, min_bucket=16, max_batch=8, kv_capacity_tokens=4096)
+ENGINE = EngineConfig(max_num_seqs=8, block_size=64, kv_cache_tokens=4096)
 # hidden 128 so int4's group size 128 divides every quantized layer; a wider init than
 # transformers' 0.02 makes the logits peaked, so greedy choices are not decided by
 # differences below bf16's resolution.
@@ -54,7 +55,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(model_dir, dtype="bfloat16", device="cuda", compile=True, buckets=BUCKETS)
+    return LLM(model_dir, dtype="bfloat16", device="cuda", compile=True, engine=ENGINE)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -123,32 +124,50 @@ def graph_launches(fn) -> int:
 # --------------------------------------------------------------------------- tests
 
 
+def _engine_run(llm: LLM, rows: list[list[int]], params: SamplingParams):
+    """The rows through the engine: (completions in order, step reports)."""
+    reports = list(llm.engine.generate(Request(i, r, params) for i, r in enumerate(rows)))
+    done = sorted((c for r in reports for c in r.finished), key=lambda c: c.index)
+    assert [c.index for c in done] == list(range(len(rows)))
+    return done, reports
+
+
 def test_decode_is_cuda_graphed_and_steady(llm):
     from torch._dynamo.utils import counters
     from torch._inductor import cudagraph_trees
 
     counters.clear()
-    first = llm.generate(prompts(), greedy())
+    # decode batches of 1, 3, 6 and 8 rows: padded to 1, 4, 8 and 8
+    workloads = [prompts(1)[:1], prompts(2)[:3], prompts(0), prompts(3) + prompts(4)[:2]]
+    first = [_engine_run(llm, rows, greedy()) for rows in workloads]
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     assert manager is not None, "no CUDA graph tree was created: decode is not CUDA-graphed"
     assert sum(len(nodes) for nodes in manager.roots.values()) >= 1, "no CUDA graph recorded"
-    shapes = set(llm.runner.stats.shapes)
+    shapes = set(llm.runner.shapes)
+    assert {k[1] for k in shapes} == {1, 4, 8}  # one graph per padded decode batch size
+    assert all(k[2] == 1 and k[3] for k in shapes)  # 1-block tables, greedy
+    assert counters["stats"]["unique_graphs"] == len(shapes)
+    for _, reports in first:
+        for r in reports:
+            if r.decode_rows and not r.prefill:
+                assert r.decode_rows + r.padded_rows == next_pow2(r.decode_rows)
     graphs = counters["stats"]["unique_graphs"]
-    steps = llm.runner.stats.decode_steps
 
     def again():
         with torch._dynamo.config.patch(error_on_recompile=True):
-            again.out = llm.generate(prompts(), greedy())
+            again.out = [_engine_run(llm, rows, greedy()) for rows in workloads]
 
     launches = graph_launches(again)
-    assert llm.runner.stats.shapes == shapes
+    assert llm.runner.shapes == shapes
     assert counters["stats"]["unique_graphs"] == graphs, "steady state compiled a new graph"
-    decode_steps = llm.runner.stats.decode_steps - steps
+    decode_steps = sum(1 for _, reps in again.out for r in reps if r.decode_rows and not r.prefill)
     assert launches >= decode_steps > 0, (
         f"{launches} graph launches for {decode_steps} decode steps"
     )
-    assert [c.token_ids for c in again.out] == [c.token_ids for c in first]
+    assert all(r.compile_seconds == 0 for _, reps in again.out for r in reps)
+    for (a, _), (b, _) in zip(first, again.out, strict=True):
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
 def test_run_stats_have_nvml_samples(model_dir, tmp_path):
@@ -169,6 +188,10 @@ def test_run_stats_have_nvml_samples(model_dir, tmp_path):
     assert stats["gpu_util_mean_pct"] is not None
     assert stats["gpu_mem_used_max_bytes"] > 0
     assert stats["peak_memory_bytes"] > 0
+    # the KV pool sized from free GPU memory, and its figures recorded
+    assert stats["kv_cache_bytes"] > 0 and stats["kv_cache_tokens"] > 16 * 8
+    assert stats["max_num_seqs"] == 256 and stats["max_num_batched_tokens"] == 8192  # GPU defaults
+    assert stats["rows"] == 16 and stats["decode_live_share"] == 1.0  # eager: no padded rows
     written = json.loads(next((tmp_path / "out").glob("*stats*.json")).read_text())
     assert written["gpu_name"] == stats["gpu_name"]
 
@@ -194,18 +217,12 @@ QUANT_PATHS = [
 
 @pytest.mark.parametrize(("backend", "method"), QUANT_PATHS)
 def test_quantized_path_generates_without_recompiles(model_dir, backend, method):
-    quantize = pytest.importorskip("batchgen.quant.quantize")
     pytest.importorskip("torchao" if backend == "torchao" else "optimum.quanto")
     from torch._dynamo.utils import counters
 
-    if "quantize" in inspect.signature(LLM).parameters:
-        llm = LLM(model_dir, dtype="bfloat16", device="cuda", compile=True, buckets=BUCKETS,
-                  quantize=method, quant_backend=backend)  # fmt: skip
-        scheme = llm.quant
-    else:  # the pass on a built model; compile is lazy, so the graphs see the quantized one
-        llm = LLM(model_dir, dtype="bfloat16", device="cuda", compile=True, buckets=BUCKETS)
-        scheme = quantize.make_scheme(method, backend, "cuda", torch.bfloat16)
-        scheme = quantize.quantize_model(llm.model, scheme, "cuda")
+    llm = LLM(model_dir, dtype="bfloat16", device="cuda", compile=True, engine=ENGINE,
+              quantize=method, quant_backend=backend)  # fmt: skip
+    scheme = llm.quant
     assert scheme.weight_format not in (None, "Tensor", "Parameter"), scheme
     first = llm.generate(prompts(), greedy())
     assert all(len(c.token_ids) == NEW_TOKENS for c in first)

@@ -6,9 +6,11 @@ import shutil
 import pytest
 import torch
 import transformers
+from paged import last_logits
 from test_exactness import hf_greedy
 from tiny_models import save_tiny_model
 
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
 from batchgen.model.config import RopeScaling
@@ -19,9 +21,8 @@ from batchgen.model.loader import (
     config_from_hf,
     load_model,
 )
-from batchgen.planner import BucketConfig
 
-BUCKETS = BucketConfig(max_prompt_len=32, min_bucket=32, max_batch=4)
+ENGINE = EngineConfig(max_num_seqs=4)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -38,7 +39,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _greedy(path, dtype="float32") -> list[list[int]]:
-    llm = LLM(path, dtype=dtype, device="cpu", compile=False, buckets=BUCKETS)
+    llm = LLM(path, dtype=dtype, device="cpu", compile=False, engine=ENGINE)
     return [c.token_ids for c in llm.generate(_prompts(), SamplingParams(max_new_tokens=10))]
 
 
@@ -170,12 +171,7 @@ def test_llama31_rope_scaling_matches_transformers_greedy(llama31_dir, tmp_path)
     (plain_dir / "config.json").write_text(json.dumps(cfg))
     plain = load_model(plain_dir)
     assert plain.cfg.rope_scaling == RopeScaling()
-    ids = torch.tensor([_prompts()[1]])
-    outs = []
-    for m in (model, plain):
-        m.setup_caches(32, 32)
-        slots = torch.arange(ids.shape[1])[None]
-        outs.append(m(ids, slots, slots, torch.zeros(1, dtype=torch.long), ids.shape[1], 32))
+    outs = [last_logits(m, [_prompts()[1]]) for m in (model, plain)]
     assert not torch.allclose(outs[0], outs[1], atol=1e-4)
 
 
@@ -234,10 +230,10 @@ def test_half_precision_load_dtype_honoured(dtype, family, tiny_dirs):
     for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
         assert torch.equal(p, q.to(torch_dtype)), name  # cast once, straight from the file
 
-    llm = LLM(tiny_dirs[family], dtype=dtype, device="cpu", compile=False, buckets=BUCKETS)
+    llm = LLM(tiny_dirs[family], dtype=dtype, device="cpu", compile=False, engine=ENGINE)
     assert llm.model.embed.weight.dtype == torch_dtype
-    assert {kv.k.dtype for kv in llm.model.kv_caches} == {torch_dtype}
     outs = llm.generate(_prompts(), SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert {kv.k.dtype for kv in llm.model.kv_caches} == {torch_dtype}  # allocated at the first run
     assert all(len(o.token_ids) == 10 for o in outs)
     assert all(0 <= t < model.cfg.vocab_size for o in outs for t in o.token_ids)
     assert all(torch.isfinite(torch.tensor(o.logprobs)).all() for o in outs)

@@ -8,21 +8,21 @@ five families, with the largest value seen:
     fp8  <= 4%   (measured max 2.0%, qwen3)
     int4 <= 12%  (measured max 7.1%, qwen3)
 
-The compiled tests build a decode graph (and, on GPU, a prefill graph) each and are
-marked slow.
+The compiled tests build a decode graph per decode shape (two here) and are marked slow.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from paged import last_logits
 from tiny_models import FAMILIES, save_tiny_model
 from torch._dynamo.utils import counters
 
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
 from batchgen.model.loader import load_model
-from batchgen.planner import BucketConfig
 from batchgen.quant import (
     QuantScheme,
     QuantUnavailableError,
@@ -36,15 +36,14 @@ from batchgen.quant.scheme import TARGETS
 
 BOUNDS = {"int8": 0.01, "fp8": 0.04, "int4": 0.12}
 CPU_PATHS = [(b, m) for b in ("torchao", "quanto") for m in ("int8", "int4", "fp8")]
-BUCKETS = BucketConfig(max_prompt_len=16, min_bucket=16, max_batch=4, kv_capacity_tokens=512)
+# the paths through LLM.generate (the engine)
+LLM_PATHS = CPU_PATHS
+ENGINE = EngineConfig(max_num_seqs=4, kv_cache_tokens=512)
 
 
 def logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Last-position logits of a full forward over tokens (B, T), no padding."""
-    b, t = tokens.shape
-    model.setup_caches(b * t, t)
-    pos = torch.arange(t).expand(b, t)
-    return model(tokens, pos, pos, torch.zeros(b, dtype=torch.long), t, t)
+    """Last-position logits of a full forward over tokens (B, T): one packed prefill step."""
+    return last_logits(model, tokens.tolist())
 
 
 def rel_err(q: torch.Tensor, f: torch.Tensor) -> float:
@@ -140,9 +139,9 @@ def test_quantized_weights_are_smaller_and_tie_kept(tiny_dirs, backend, method):
     assert not any(p.requires_grad for p in model.parameters())
 
 
-@pytest.mark.parametrize(("backend", "method"), CPU_PATHS)
+@pytest.mark.parametrize(("backend", "method"), LLM_PATHS)
 def test_llm_records_the_scheme(wide_dir, backend, method):
-    llm = LLM(wide_dir, dtype="float32", device="cpu", compile=False, buckets=BUCKETS,
+    llm = LLM(wide_dir, dtype="float32", device="cpu", compile=False, engine=ENGINE,
               quantize=method, quant_backend=backend)  # fmt: skip
     d = llm.quant.to_dict()
     assert (d["method"], d["backend"]) == (method, backend)
@@ -153,7 +152,7 @@ def test_llm_records_the_scheme(wide_dir, backend, method):
 
 
 def test_llm_unquantized_records_none(wide_dir):
-    llm = LLM(wide_dir, dtype="float32", device="cpu", compile=False, buckets=BUCKETS)
+    llm = LLM(wide_dir, dtype="float32", device="cpu", compile=False, engine=ENGINE)
     assert llm.quant.to_dict() == {"method": "none"}
 
 
@@ -161,24 +160,25 @@ def test_llm_unquantized_records_none(wide_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("backend", "method"), CPU_PATHS)
+@pytest.mark.parametrize(("backend", "method"), LLM_PATHS)
 def test_compiled_generation_has_no_recompiles(wide_dir, backend, method):
     """fullgraph=True compile (the runner's setting) of the quantized model: warm-up makes
-    one decode graph (and one prefill graph where the runner compiles prefill: not on
-    the CPU), and later same-shape batches compile nothing."""
-    llm = LLM(wide_dir, dtype="float32", device="cpu", compile=True, buckets=BUCKETS,
+    one graph per decode shape (prefill steps run eagerly), and later same-shape batches
+    compile nothing."""
+    llm = LLM(wide_dir, dtype="float32", device="cpu", compile=True, engine=ENGINE,
               quantize=method, quant_backend=backend)  # fmt: skip
-    eager = LLM(wide_dir, dtype="float32", device="cpu", compile=False, buckets=BUCKETS,
+    eager = LLM(wide_dir, dtype="float32", device="cpu", compile=False, engine=ENGINE,
                 quantize=method, quant_backend=backend)  # fmt: skip
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     before = counters["stats"]["unique_graphs"]
     first = llm.generate(prompts(0), params)
-    assert counters["stats"]["unique_graphs"] - before == 2  # prefill + decode
+    shapes = set(llm.runner.shapes)
+    assert counters["stats"]["unique_graphs"] - before == len(shapes) >= 1
     warm = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in (1, 2, 3):
             llm.generate(prompts(seed), params)
-    assert counters["stats"]["unique_graphs"] == warm
+    assert counters["stats"]["unique_graphs"] == warm and llm.runner.shapes == shapes
     # Compiled and eager run the same quantized kernels: greedy tokens agree.
     ref = eager.generate(prompts(0), params)
     same = sum(a == b for c, r in zip(first, ref, strict=True)
@@ -196,7 +196,7 @@ def test_gpu_quantized_decode_keeps_cuda_graphs(wide_dir):
     from torch._inductor import cudagraph_trees
 
     counters.clear()
-    llm = LLM(wide_dir, dtype="bfloat16", device="cuda", compile=True, buckets=BUCKETS,
+    llm = LLM(wide_dir, dtype="bfloat16", device="cuda", compile=True, engine=ENGINE,
               quantize="int8")  # fmt: skip
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     llm.generate(prompts(0), params)
@@ -239,7 +239,7 @@ def test_gpu_quantizing_never_holds_the_float_model(tmp_path):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    llm = LLM(path, dtype="bfloat16", device="cuda", compile=False, buckets=BUCKETS,
+    llm = LLM(path, dtype="bfloat16", device="cuda", compile=False, engine=ENGINE,
               quantize="int8")  # fmt: skip
     kv = sum(c.k.numel() * c.k.element_size() * 2 for c in llm.model.kv_caches)
     peak = torch.cuda.max_memory_allocated() - base - kv

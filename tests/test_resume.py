@@ -22,8 +22,9 @@ from helpers import (
 )
 
 N = 24
-# One part per batch of 4, flushed at once: a job of 6 parts that runs for several seconds.
-FLAGS = (*FAST, "--max-new-tokens", 16, "--ignore-eos", "--max-batch", 4,
+# 4 sequences at a time, a part per 4 rows flushed at once: a job of 6+ parts that runs for
+# several seconds.
+FLAGS = (*FAST, "--max-new-tokens", 16, "--ignore-eos", "--max-num-seqs", 4,
          "--rows-per-part", 4, "--flush-seconds", 0)  # fmt: skip
 
 

@@ -7,10 +7,10 @@ deterministic: the statistical checks either always pass or always fail.
 import pytest
 import torch
 
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.sampler import SamplingTensors, row_uniforms, sample
 from batchgen.engine.sequence import FinishReason, SamplingParams
 from batchgen.llm import LLM
-from batchgen.planner import BucketConfig
 
 
 def _params(b: int, temperature=1.0, top_k=0, top_p=1.0, seed=0) -> SamplingTensors:
@@ -159,14 +159,14 @@ def model_dir(request, tiny_dirs):
 def test_seeded_row_same_alone_and_in_a_mixed_batch(model_dir):
     prompt = _prompt(5, seed=0)
     alone_llm = LLM(model_dir, dtype="float32", device="cpu", compile=False,
-                    buckets=BucketConfig(max_prompt_len=32, min_bucket=8, max_batch=1))  # fmt: skip
+                    engine=EngineConfig(max_num_seqs=1))  # fmt: skip
     (alone,) = alone_llm.generate([prompt], SEEDED)
     assert len(alone.token_ids) == 20 and alone.finish_reason == FinishReason.LENGTH
 
-    # Another bucket (32 vs 8), batch size (8 vs 1), new-token bucket (64 vs 32), position,
+    # Another block size, batch size (5 vs 1), step budget (prefills in chunks), position,
     # and neighbours that are greedy or sampled with other seeds and settings.
     mixed_llm = LLM(model_dir, dtype="float32", device="cpu", compile=False,
-                    buckets=BucketConfig(max_prompt_len=32, min_bucket=32, max_batch=8))  # fmt: skip
+                    engine=EngineConfig(block_size=4, max_num_batched_tokens=8))  # fmt: skip
     neighbours = [_prompt(n, seed=n) for n in (9, 2, 30, 14)]
     params = [
         SamplingParams(max_new_tokens=20),
@@ -186,8 +186,7 @@ def test_seeded_row_same_alone_and_in_a_mixed_batch(model_dir):
 
 
 def test_different_seeds_differ_same_seeds_agree(tiny_dirs):
-    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", compile=False,
-              buckets=BucketConfig(max_prompt_len=32, min_bucket=8, max_batch=4))  # fmt: skip
+    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", compile=False)
     prompt = _prompt(6, seed=1)
     params = [
         SamplingParams(max_new_tokens=16, temperature=1.0, seed=s, ignore_eos=True)

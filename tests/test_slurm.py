@@ -102,9 +102,9 @@ def test_slurm_refuses_unknown_spec_keys(tmp_path):
 def test_script_saves_requeues_and_resumes_on_usr1(tmp_path, tiny_gpt2):
     """The time-limit path, without Slurm: USR1 to the batch shell stops batchgen (which saves
     its rows) and requeues the task; the rerun resumes and completes."""
-    # Long enough (100 rows of a shard in batches of 2) that USR1 lands mid-job.
+    # Long enough (100 rows of a shard, 2 sequences at a time) that USR1 lands mid-job.
     spec = make_job(tmp_path, tiny_gpt2, n_rows=200, max_new_tokens=32, ignore_eos=True,
-                    max_batch=2, rows_per_part=2, flush_seconds=0)  # fmt: skip
+                    max_num_seqs=2, rows_per_part=2, flush_seconds=0)  # fmt: skip
     script = tmp_path / "job.sbatch"
     script.write_text(dry_run(str(spec), "--shards", "2"))
     bin_dir = tmp_path / "bin"  # a fake scontrol that records how it was called
@@ -203,9 +203,9 @@ def test_array_job_on_slurm_then_merge(slurm, tmp_path, tiny_gpt2):
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_time_limit_signal_requeues_and_resumes_on_slurm(slurm, tmp_path, tiny_gpt2):
-    # Long enough (200 rows in batches of 2) that the signal lands mid-job.
+    # Long enough (200 rows, 2 sequences at a time) that the signal lands mid-job.
     spec = make_job(tmp_path, tiny_gpt2, n_rows=200, max_new_tokens=32, ignore_eos=True,
-                    max_batch=2, rows_per_part=2, flush_seconds=0)  # fmt: skip
+                    max_num_seqs=2, rows_per_part=2, flush_seconds=0)  # fmt: skip
     job = submit(spec, "--shards", "1")
     shard_dir = tmp_path / "out" / "shard-00000-of-00001"
     wait_for(job, 120, until=lambda: list(shard_dir.glob("part-*.parquet")))

@@ -6,13 +6,13 @@ import shutil
 import pytest
 import torch
 
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import FinishReason, SamplingParams
 from batchgen.engine.stopping import first_stop, tokens_to_keep, trim_at_stop
 from batchgen.llm import LLM
-from batchgen.planner import BucketConfig
 
-BUCKETS = BucketConfig(max_prompt_len=32, min_bucket=16, max_batch=8)
-MAX_NEW = 24  # > the runner's sync_every (8), so stops are seen mid-generation
+ENGINE = EngineConfig(max_num_seqs=8, block_size=4)
+MAX_NEW = 24
 
 # --- the host-side helpers, on a toy detokenizer ------------------------------------------
 
@@ -75,7 +75,7 @@ def llama_dir(tiny_dirs):
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    return LLM(llama_dir, dtype="float32", device="cpu", compile=False, buckets=BUCKETS)
+    return LLM(llama_dir, dtype="float32", device="cpu", compile=False, engine=ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_eos_from_generation_config_stops_a_row(llama_dir, free_runs, tmp_path):
     )
     eos = full[0][k]
     model_dir = _with_eos(llama_dir, tmp_path / "m", [3, eos])  # a list, as Llama 3 has
-    llm = LLM(model_dir, dtype="float32", device="cpu", compile=False, buckets=BUCKETS)
+    llm = LLM(model_dir, dtype="float32", device="cpu", compile=False, engine=ENGINE)
 
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
     assert outs[0].token_ids == full[0][: k + 1]  # EOS included
@@ -149,9 +149,9 @@ def test_per_row_max_new_tokens_in_a_mixed_batch(llm, free_runs):
 def _ascii_stop(llm, ids: list[int], min_k: int) -> tuple[str, int]:
     """A stop string: the text of a plain-ASCII token at step k >= min_k, not seen before it."""
     for k in range(min_k, len(ids)):
-        piece = llm.decode([ids[k]])
+        piece = llm.detokenize([ids[k]])
         plain = len(piece) >= 2 and piece.isascii() and piece.strip().isalnum()
-        if plain and tokens_to_keep(ids, [piece], llm.decode) == k + 1:
+        if plain and tokens_to_keep(ids, [piece], llm.detokenize) == k + 1:
             return piece, k
     raise AssertionError("no usable stop string in the reference output")
 
@@ -167,12 +167,12 @@ def test_stop_string_trims_text_and_tokens(llm, free_runs):
     row = outs[0]
     assert row.finish_reason == FinishReason.STOP
     assert row.token_ids == full[0][: k + 1]  # up to the token that completes the stop string
-    full_text = llm.decode(full[0])
+    full_text = llm.detokenize(full[0])
     assert row.text == full_text[: full_text.index(stop)]
     assert stop not in row.text
     # the neighbour without stop strings is untouched
     assert outs[1].token_ids == full[1] and outs[1].finish_reason == FinishReason.LENGTH
-    assert outs[1].text == llm.decode(full[1])
+    assert outs[1].text == llm.detokenize(full[1])
 
 
 def test_stop_string_that_never_matches_runs_to_length(llm, free_runs):
@@ -186,8 +186,8 @@ def test_stop_string_that_never_matches_runs_to_length(llm, free_runs):
 def test_rows_that_each_fit_the_context_run_together(family, tiny_dirs):
     """Regression: a long prompt with few new tokens next to a short prompt with many, each
     within the 256 positions; the finished row kept stepping past position 255 (IndexError)."""
-    buckets = BucketConfig(max_prompt_len=128, min_bucket=128, max_batch=2)
-    llm = LLM(tiny_dirs[family], dtype="float32", device="cpu", compile=False, buckets=buckets)
+    llm = LLM(tiny_dirs[family], dtype="float32", device="cpu", compile=False,
+              engine=EngineConfig(max_num_seqs=2))  # fmt: skip
     long_prompt, short_prompt = list(range(2, 122)), [5, 6, 7]
     params = [
         SamplingParams(max_new_tokens=10, ignore_eos=True),
@@ -198,5 +198,9 @@ def test_rows_that_each_fit_the_context_run_together(family, tiny_dirs):
     for prompt, p, c in zip([long_prompt, short_prompt], params, both, strict=True):
         assert c.token_ids == llm.generate([prompt], p)[0].token_ids
 
-    with pytest.raises(ValueError, match="exceeds the model's 256 positions"):
-        llm.generate([long_prompt], SamplingParams(max_new_tokens=256 - len(long_prompt) + 1))
+    # one token more than the positions left: an error completion, not an exception
+    (over,) = llm.generate([long_prompt], SamplingParams(max_new_tokens=256 - len(long_prompt) + 1))
+    assert over.finish_reason == FinishReason.ERROR and over.token_ids == []
+    assert "exceeds the model's 256 positions" in over.error
+    (fits,) = llm.generate([long_prompt], SamplingParams(max_new_tokens=256 - len(long_prompt), ignore_eos=True))  # fmt: skip
+    assert len(fits.token_ids) == 256 - len(long_prompt)

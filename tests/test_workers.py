@@ -71,7 +71,7 @@ def test_sigterm_stops_the_workers_and_a_rerun_resumes(tmp_path, tiny_gpt2):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "batchgen.cli", "run", _data(tmp_path / "in.parquet", N_SLOW),
            "-m", str(tiny_gpt2), "-o", str(out), "--workers", "2", "--device", "cpu",
-           "--no-compile", "--max-new-tokens", "16", "--ignore-eos", "--max-batch", "2",
+           "--no-compile", "--max-new-tokens", "16", "--ignore-eos", "--max-num-seqs", "2",
            "--rows-per-part", "2", "--flush-seconds", "0"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120

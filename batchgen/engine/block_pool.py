@@ -98,9 +98,13 @@ class BlockPool:
                 del self.free[b]
             self.ref_count[b] += 1
             ids.append(b)
-        self.queries += len(keys)
-        self.hits += len(ids)
         return ids
+
+    def record_lookup(self, queried: int, found: int) -> None:
+        """Count one admission's prefix-cache lookup (retries of a failed admission are not
+        counted: they would inflate the hit rate)."""
+        self.queries += queried
+        self.hits += found
 
     def cache(self, block: int, key: int) -> None:
         """Block's keys/values are computed and it is full: make it findable under key. If

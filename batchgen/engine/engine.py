@@ -67,7 +67,8 @@ class Engine:
             pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.eos_ids
         )
 
-    @torch.inference_mode()  # (a generator: the mode holds across its yields)
+    # no_grad, not inference_mode: quanto's int4 weights refuse inference tensors.
+    @torch.no_grad()  # (a generator: the mode holds across its yields)
     def generate(self, requests: Iterable[Request]) -> Iterator[StepReport]:
         """Run every request once; yield each step's report as sequences finish. A request
         that cannot run (longer than the model's positions or the whole pool) comes back

@@ -109,6 +109,14 @@ class ModelRunner:
         self.compiled = compile
         self.shapes: set[tuple] = set()  # compiled shapes seen
         if compile:
+            import torch._dynamo.config as dynamo_config
+
+            # Each (batch, width, greedy) decode shape is one specialisation of the graph:
+            # room for the bounded set (batch sizes x power-of-two widths x 2), not dynamo's 8.
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 128)
+            dynamo_config.accumulated_recompile_limit = max(
+                dynamo_config.accumulated_recompile_limit, 1024
+            )
             cuda = self.device.type == "cuda"
             self._decode = torch.compile(
                 self._decode_step,
@@ -118,13 +126,12 @@ class ModelRunner:
             )
 
     def allocate(self, num_blocks: int) -> None:
-        """(Re)allocate the paged cache: num_blocks blocks per layer, block 0 scratch."""
-        if num_blocks != self.num_blocks:
-            self.model.setup_caches(num_blocks, self.block_size)
-            self.num_blocks = num_blocks
-            self.shapes.clear()  # graphs hold the old buffers
-            if self.compiled:
-                torch._dynamo.reset()
+        """Allocate the paged cache once: num_blocks blocks per layer, block 0 scratch.
+        (Compiled graphs hold its buffers, so it is never reallocated.)"""
+        if self.num_blocks:
+            raise RuntimeError("the KV cache is already allocated")
+        self.model.setup_caches(num_blocks, self.block_size)
+        self.num_blocks = num_blocks
 
     def free_device_bytes(self) -> int | None:
         """Free accelerator memory (None on the CPU, where the pool is sized from the job)."""

@@ -12,8 +12,8 @@ Each step is a plan {sequence: tokens this step} under one token budget
    allow: longest prompt first (a preempted sequence before any new one), so sequences
    decoding together have similar context lengths and the longest work starts early. On
    admission the longest run of the prompt's full blocks already in the prefix cache is
-   taken instead of computed. A sequence is admitted only if, after its blocks, one free
-   block per running sequence remains for their growth, which keeps preemption rare.
+   taken instead of computed. A sequence is admitted only if, after its blocks, a
+   watermark of 1% of the pool stays free for the running sequences' growth.
 
 The runner executes the plan and hands back one sampled token per sequence whose last
 known token was computed this step; `update` appends them, ends sequences at EOS or
@@ -81,6 +81,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: the newest is preempted first
         self._arrivals = 0
         self.num_preemptions = 0
+        # Blocks kept free at admission for the running sequences' growth, vLLM's 1%
+        # watermark: a preemption costs little (its blocks stay in the prefix cache).
+        self.watermark = max(1, pool.num_usable // 100)
 
     # ---------------------------------------------------------------- queue
 
@@ -157,7 +160,10 @@ class Scheduler:
 
     def _add_to_plan(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         s = Scheduled(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
-        (plan.decodes if n == 1 and s.samples else plan.prefills).append(s)
+        # A decode: one token that samples, of a sequence past its prompt (a 1-token prompt
+        # or chunk remainder is prefill, and counted as prompt tokens).
+        decode = n == 1 and s.samples and seq.num_computed >= seq.prompt_len
+        (plan.decodes if decode else plan.prefills).append(s)
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Give seq the blocks for n more tokens; False if the pool has too few free."""
@@ -170,14 +176,15 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Take seq's cached prefix and blocks for its first chunk; False (and nothing
-        taken) if that would leave fewer free blocks than the running sequences' reserve."""
+        taken) if that would leave fewer free blocks than the watermark."""
         keys = self._keys(seq, (seq.num_tokens - 1) // self.block_size)  # >= 1 token to compute
         hit = self.pool.take_cached(keys)
         n = min(seq.num_tokens - len(hit) * self.block_size, budget)
         need = self.pool.blocks_for(len(hit) * self.block_size + n) - len(hit)
-        if need + len(self.running) > self.pool.num_free:
+        if need + self.watermark > self.pool.num_free:
             self.pool.release(hit)
             return False
+        self.pool.record_lookup(len(keys), len(hit))
         seq.block_table = hit + self.pool.allocate(need)
         seq.num_computed = len(hit) * self.block_size
         seq.num_registered = len(hit)
