@@ -60,7 +60,7 @@ def run_options(f):
         _opt("--temperature", type=float, help="0 = greedy (a temperature column overrides per row)."),
         _opt("--top-k", type=int, help="Sample from the k most likely tokens (0 = off)."),
         _opt("--top-p", type=float, help="Nucleus sampling mass (1 = off; a top_p column overrides per row)."),
-        _opt("--seed", type=int, help="Sampling seed; each row's output depends only on its seed (a seed column overrides)."),
+        _opt("--seed", type=int, help="Job sampling seed: each row samples with its own seed, derived from this and its id, so rows are independent and a row's output does not depend on its batch, order or --limit (a seed column sets a row's seed itself)."),
         _opt("--stop", multiple=True, default=(), help="Stop string (repeatable)."),
         _opt("--ignore-eos", is_flag=True, help="Generate max_new_tokens even past EOS."),
         _opt("--device", help="auto, cpu, cuda, cuda:N."),

@@ -96,6 +96,8 @@ class RunConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
+            raise ConfigError(f"seed must be an integer in [0, 2**31), got {self.seed!r}")
         for key in ("max_batch", "kv_cache_tokens", "limit", "threads"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
