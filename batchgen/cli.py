@@ -67,6 +67,7 @@ def run_options(f):
         _opt("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="auto = bfloat16 on GPU, float32 on CPU."),
         _opt("--compile/--no-compile", help="torch.compile prefill and decode (decode as CUDA graphs). Default: on with a GPU, off on the CPU, where compiling costs 10-70 s a shape and measured no faster."),
         _opt("--quantize", type=click.Choice(["none", "int8", "int4", "fp8"]), help="Weight-only quantization."),
+        _opt("--lora", help="PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), merged into the model's weights at load, before --quantize."),
         _opt("--quant-backend", type=click.Choice(["auto", "torchao", "quanto"]), help="Quantization library (auto picks per device)."),
         _opt("--rows-per-part", type=int, help="Rows per output Parquet part file."),
         _opt("--flush-seconds", type=float, help="Write a part at least this often."),

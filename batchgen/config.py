@@ -36,6 +36,7 @@ class RunConfig:
     input: str
     output: str
     model: str | None = None  # None: the embedded default model
+    lora: str | None = None  # a PEFT LoRA adapter directory, merged into the weights at load
     # what to read
     prompt_column: str = "prompt"
     messages_column: str | None = None
@@ -155,6 +156,15 @@ class RunConfig:
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())
         out["truncate"] = self.truncate.value
+        if self.lora is None:  # runs without an adapter keep the fingerprint they had before
+            del out["lora"]
+        else:  # the adapter's content, too: retraining it in place makes another job
+            from batchgen.model.lora import adapter_sha256
+
+            out["lora"] = {
+                "path": str(Path(self.lora).resolve()),
+                "sha256": adapter_sha256(self.lora),
+            }
         # Unsharded runs keep the fingerprint they had before shards existed.
         if self.shard:
             out["shard"] = str(self.shard)

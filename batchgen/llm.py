@@ -13,6 +13,7 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import Schedule
 from batchgen.engine.sequence import Completion, Request, SamplingParams
 from batchgen.model.loader import load_model
+from batchgen.model.lora import merge_lora
 from batchgen.planner import BucketConfig
 from batchgen.quant import make_scheme, quantize_model
 
@@ -76,6 +77,7 @@ class LLM:
         prefix_reuse: bool = False,
         quantize: str = "none",
         quant_backend: str = "auto",
+        lora: str | Path | None = None,
     ) -> None:
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = resolve_device(device)
@@ -88,6 +90,7 @@ class LLM:
         # device and quantizes it there, so the device never holds the float model.
         load_device = torch.device("cpu") if self.quant.enabled else self.device
         self.model = load_model(self.model_dir, self.dtype, load_device, allow_pickle=allow_pickle)
+        self.lora = merge_lora(self.model, lora) if lora is not None else None  # before quantizing
         self.quant = quantize_model(self.model, self.quant, self.device)
         cfg = self.model.cfg
         self.buckets = buckets or BucketConfig(

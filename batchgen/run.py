@@ -21,6 +21,7 @@ from batchgen.engine.sequence import Completion, FinishReason
 from batchgen.llm import DEFAULT_MODEL, LLM, load_tokenizer, resolve_device, resolve_dtype
 from batchgen.model.config import ModelConfig
 from batchgen.model.loader import config_from_hf, read_hf_config
+from batchgen.model.lora import check_adapter
 from batchgen.nvml import NvmlSampler
 from batchgen.planner import BucketConfig
 from batchgen.prepare import Preparer, Row
@@ -114,6 +115,8 @@ def open_job(cfg: RunConfig) -> Job:
     and columns, prompt template, length limits."""
     model_dir = Path(cfg.model) if cfg.model else DEFAULT_MODEL
     model_cfg = config_from_hf(read_hf_config(model_dir))
+    if cfg.lora is not None:  # before the output is claimed: a bad adapter leaves no trace
+        check_adapter(cfg.lora, model_cfg)
     source = open_input(cfg.input)
     tokenizer = load_tokenizer(model_dir)
     try:
@@ -179,6 +182,7 @@ def run(cfg: RunConfig) -> RunStats:
         prefix_reuse=cfg.prefix_reuse,
         quantize=cfg.quantize,
         quant_backend=cfg.quant_backend,
+        lora=cfg.lora,
     )
     stats.load_s = time.perf_counter() - t0
     stats.extra.update(
@@ -190,12 +194,14 @@ def run(cfg: RunConfig) -> RunStats:
         kv_cache_tokens=buckets.kv_capacity_tokens,
         schedule=cfg.schedule,
     )
-    # The model and quantization scheme travel with every part file, not only _stats.json.
+    # The model, quantization scheme and adapter travel with every part file, not only _stats.json.
     meta = {
         "model": str(model_dir),
         "dtype": stats.extra["dtype"],
         "quantization": llm.quant.to_dict(),
     }
+    if llm.lora is not None:
+        stats.extra["lora"] = meta["lora"] = llm.lora.to_dict()
     schema = schema.with_metadata({"batchgen": json.dumps(meta)})
     nvml = NvmlSampler(device.index or 0).start() if device.type == "cuda" else None
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
