@@ -35,6 +35,7 @@ class RunConfig:
     input: str
     output: str
     model: str | None = None  # None: the embedded default model
+    lora: str | None = None  # a PEFT LoRA adapter directory, merged into the weights at load
     # what to read
     prompt_column: str = "prompt"
     messages_column: str | None = None
@@ -95,7 +96,15 @@ class RunConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "limit", "threads"):
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
+            raise ConfigError(f"seed must be an integer in [0, 2**31), got {self.seed!r}")
+        for key in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "kv_cache_tokens",
+            "limit",
+            "threads",
+        ):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         try:
@@ -150,6 +159,15 @@ class RunConfig:
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())
         out["truncate"] = self.truncate.value
+        if self.lora is None:  # runs without an adapter keep the fingerprint they had before
+            del out["lora"]
+        else:  # the adapter's content, too: retraining it in place makes another job
+            from batchgen.model.lora import adapter_sha256
+
+            out["lora"] = {
+                "path": str(Path(self.lora).resolve()),
+                "sha256": adapter_sha256(self.lora),
+            }
         # Unsharded runs keep the fingerprint they had before shards existed.
         if self.shard:
             out["shard"] = str(self.shard)

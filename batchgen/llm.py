@@ -13,6 +13,7 @@ from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Completion, Request, SamplingParams
 from batchgen.model.loader import load_model
+from batchgen.model.lora import merge_lora
 from batchgen.quant import make_scheme, quantize_model
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default-model"
@@ -73,6 +74,7 @@ class LLM:
         allow_pickle: bool = False,
         quantize: str = "none",
         quant_backend: str = "auto",
+        lora: str | Path | None = None,
     ) -> None:
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = resolve_device(device)
@@ -85,6 +87,7 @@ class LLM:
         # device and quantizes it there, so the device never holds the float model.
         load_device = torch.device("cpu") if self.quant.enabled else self.device
         self.model = load_model(self.model_dir, self.dtype, load_device, allow_pickle=allow_pickle)
+        self.lora = merge_lora(self.model, lora) if lora is not None else None  # before quantizing
         self.quant = quantize_model(self.model, self.quant, self.device)
         self.config = engine or EngineConfig.for_device(self.device.type)
         self.runner = ModelRunner(

@@ -19,11 +19,13 @@ from batchgen.config import RunConfig
 from batchgen.data import InputError, InputSource, PromptBuilder, RowError, default_ids
 from batchgen.data.writer import RESERVED_COLUMNS
 from batchgen.engine.sequence import Request, SamplingParams
+from batchgen.seeds import row_seed
 from batchgen.tokenize import fit_length, tokenize
 
 log = logging.getLogger(__name__)
 
-# Optional input columns that override the job's sampling defaults for their row.
+# Optional input columns that override the job's sampling defaults for their row. Without a
+# seed column, each row's seed is derived from the job's seed and the row's id (seeds.py).
 OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "seed")
 
 
@@ -85,7 +87,6 @@ class Preparer:
             temperature=cfg.temperature,
             top_k=cfg.top_k,
             top_p=cfg.top_p,
-            seed=cfg.seed,
             stop=tuple(cfg.stop),
             ignore_eos=cfg.ignore_eos,
         )
@@ -160,7 +161,7 @@ class Preparer:
             row = rows[pos]
             try:
                 ids_ = fit_length(ids_, self.max_prompt_len, self.cfg.truncate)
-                params = self._params(rec)
+                params = self._params(rec, row.id)
                 if len(ids_) + params.max_new_tokens > self.max_seq:
                     raise RowError(
                         f"prompt ({len(ids_)} tokens) + max_new_tokens ({params.max_new_tokens}) "
@@ -183,15 +184,14 @@ class Preparer:
             )
         self._seen_ids.add(rid)
 
-    def _params(self, rec: dict) -> SamplingParams:
+    def _params(self, rec: dict, row_id: Any) -> SamplingParams:
         values = {c: rec[c] for c in self.overrides if rec.get(c) is not None}
-        if not values:
-            return self.defaults
         try:
             for c, v in values.items():
                 if isinstance(v, bool) or not isinstance(v, int | float):
                     raise ValueError(f"{c} is {v!r}, not a number")
                 values[c] = int(v) if c in ("max_new_tokens", "seed") else float(v)
+            values.setdefault("seed", row_seed(self.cfg.seed, row_id))
             return dataclasses.replace(self.defaults, **values)
         except (ValueError, TypeError) as e:
             raise RowError(f"bad per-row sampling value: {e}") from e

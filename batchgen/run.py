@@ -23,6 +23,7 @@ from batchgen.engine.sequence import Completion, FinishReason, Request
 from batchgen.llm import DEFAULT_MODEL, LLM, load_tokenizer, resolve_device, resolve_dtype
 from batchgen.model.config import ModelConfig
 from batchgen.model.loader import config_from_hf, read_hf_config
+from batchgen.model.lora import check_adapter
 from batchgen.nvml import NvmlSampler
 from batchgen.prepare import Preparer, Row
 from batchgen.stats import RunStats, peak_memory_bytes
@@ -100,6 +101,8 @@ def open_job(cfg: RunConfig) -> Job:
     and columns, prompt template, length limits."""
     model_dir = Path(cfg.model) if cfg.model else DEFAULT_MODEL
     model_cfg = config_from_hf(read_hf_config(model_dir))
+    if cfg.lora is not None:  # before the output is claimed: a bad adapter leaves no trace
+        check_adapter(cfg.lora, model_cfg)
     source = open_input(cfg.input)
     tokenizer = load_tokenizer(model_dir)
     try:
@@ -166,6 +169,7 @@ def run(cfg: RunConfig) -> RunStats:
         allow_pickle=cfg.allow_pickle,
         quantize=cfg.quantize,
         quant_backend=cfg.quant_backend,
+        lora=cfg.lora,
     )
     stats.load_s = time.perf_counter() - t0
     stats.extra.update(
@@ -179,12 +183,14 @@ def run(cfg: RunConfig) -> RunStats:
         block_size=job.engine.block_size,
         prefix_caching=job.engine.prefix_caching,
     )
-    # The model and quantization scheme travel with every part file, not only _stats.json.
+    # The model, quantization scheme and adapter travel with every part file, not only _stats.json.
     meta = {
         "model": str(model_dir),
         "dtype": stats.extra["dtype"],
         "quantization": llm.quant.to_dict(),
     }
+    if llm.lora is not None:
+        stats.extra["lora"] = meta["lora"] = llm.lora.to_dict()
     schema = schema.with_metadata({"batchgen": json.dumps(meta)})
     nvml = NvmlSampler(device.index or 0).start() if device.type == "cuda" else None
     buffer = PartBuffer(out, cfg.rows_per_part, schema)

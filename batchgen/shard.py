@@ -72,15 +72,16 @@ class Shard:
 
 def shard_of(row_id: Any, count: int) -> int:
     """The shard (0..count-1) a row id belongs to; the same in every process."""
-    digest = hashlib.blake2b(_id_bytes(row_id), digest_size=8).digest()
+    if isinstance(row_id, bool):
+        raise ShardError(f"cannot shard by a boolean id ({row_id!r}); ids must be unique")
+    digest = hashlib.blake2b(id_bytes(row_id), digest_size=8).digest()
     return int.from_bytes(digest, "little") % count
 
 
-def _id_bytes(row_id: Any) -> bytes:
+def id_bytes(row_id: Any) -> bytes:
+    """A canonical encoding of a row id, the same in every process (unlike hash())."""
     # Typed prefixes keep 1 and "1" apart; an int has one encoding whatever its Arrow width.
-    if isinstance(row_id, bool):
-        raise ShardError(f"cannot shard by a boolean id ({row_id!r}); ids must be unique")
-    if isinstance(row_id, int):
+    if isinstance(row_id, int) and not isinstance(row_id, bool):
         return b"i" + str(row_id).encode()
     if isinstance(row_id, str):
         return b"s" + row_id.encode()

@@ -108,7 +108,10 @@ class RunStats:
             ("prefill / decode", f"{self.prefill_s:.2f} s / {self.decode_s:.2f} s"),
             ("compile + warm-up", f"{self.compile_s:.2f} s"),
             ("model load", f"{self.load_s:.2f} s"),
-            ("prompt tokens computed", f"{self.prompt_compute_ratio:.1%} of real ({self.cached_prompt_tokens} from the prefix cache)"),
+            (
+                "prompt tokens computed",
+                f"{self.prompt_compute_ratio:.1%} of real ({self.cached_prompt_tokens} from the prefix cache)",
+            ),
             ("decode rows live", f"{self.decode_live_share:.1%} ({self.preemptions} preemptions)"),
             ("peak memory", f"{self.peak_memory_bytes / 2**20:.0f} MiB"),
         ]

@@ -256,7 +256,8 @@ def main(argv=None) -> dict:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, load "
         f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, {a.device} {a.dtype}",
-        "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python scripts/bench.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": a.model,
         "matmul_flops": ceilings.matmul_flops,
         "workloads": [],

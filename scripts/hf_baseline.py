@@ -27,7 +27,9 @@ import transformers
 
 
 def load(model_dir: str, dtype: str = "float32", device: str = "cpu"):
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype)
+    )
     model.to(device).eval()
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -40,8 +42,12 @@ def chunked(model, prompts: list[list[int]], news: list[int], order: list[int], 
         rows = order[s : s + batch]
         width = max(len(prompts[i]) for i in rows)
         dev = model.device
-        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in rows], device=dev)
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device=dev)
+        ids = torch.tensor(
+            [[pad] * (width - len(prompts[i])) + prompts[i] for i in rows], device=dev
+        )
+        mask = torch.tensor(
+            [[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device=dev
+        )
         m = max(news[i] for i in rows)
         with torch.inference_mode():
             gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=m,

@@ -227,7 +227,8 @@ def test_per_row_max_new_tokens(tmp_path, model):
 
 
 def test_per_row_sampling_columns(tmp_path, model):
-    """temperature, top_p and seed columns act like the same values given as flags."""
+    """temperature and top_p columns act like the same values given as flags; a seed column
+    sets the row's seed (a --seed flag is the job's seed, from which rows derive their own)."""
     n = 4
     groups = {  # (temperature, top_p, seed) per group of n rows
         "greedy": (0.0, 1.0, 0),
@@ -244,9 +245,10 @@ def test_per_row_sampling_columns(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", cols)
     run_cli("run", src, "-o", tmp_path / "mixed", "--model", model, *FAST, "--max-new-tokens", 8)
     plain = write_parquet(tmp_path / "plain.parquet", {"prompt": prompts(n)})
+    seeded = write_parquet(tmp_path / "seeded.parquet", {"prompt": prompts(n), "seed": [3] * n})
 
-    def flags_run(name, *flags):
-        run_cli("run", plain, "-o", tmp_path / name, "--model", model, *FAST,
+    def flags_run(name, *flags, src=plain):
+        run_cli("run", src, "-o", tmp_path / name, "--model", model, *FAST,
                 "--max-new-tokens", 8, *flags)  # fmt: skip
         rows = rows_by_id(tmp_path / name)
         return [rows[i]["text"] for i in sorted(rows)]
@@ -257,7 +259,7 @@ def test_per_row_sampling_columns(tmp_path, model):
     greedy = flags_run("greedy")
     assert by_group["greedy"] == greedy
     assert by_group["top_p_tiny"] == greedy
-    assert by_group["seed3"] == flags_run("seed3", "--temperature", 1.0, "--seed", 3)
+    assert by_group["seed3"] == flags_run("seed3", "--temperature", 1.0, src=seeded)
     assert by_group["seed3"] != by_group["seed4"]
     assert by_group["seed3"] != greedy
 

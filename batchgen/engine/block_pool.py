@@ -41,8 +41,14 @@ def chain_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         if num_blocks < 2:
-            raise ValueError(f"a KV pool needs at least 2 blocks (one is scratch), got {num_blocks}")
-        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+            raise ValueError(
+                f"a KV pool needs at least 2 blocks (one is scratch), got {num_blocks}"
+            )
+        self.num_blocks, self.block_size, self.prefix_caching = (
+            num_blocks,
+            block_size,
+            prefix_caching,
+        )
         self.ref_count = [0] * num_blocks
         self.key: list[int | None] = [None] * num_blocks  # the prefix key a block is cached under
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))

@@ -33,7 +33,9 @@ class EngineConfig:
     @classmethod
     def for_device(cls, device_type: str, **overrides) -> EngineConfig:
         """Defaults per device, then the caller's values (None values are skipped)."""
-        base = {"max_num_seqs": 256, "max_num_batched_tokens": 8192} if device_type == "cuda" else {}
+        base = (
+            {"max_num_seqs": 256, "max_num_batched_tokens": 8192} if device_type == "cuda" else {}
+        )
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 

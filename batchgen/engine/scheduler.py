@@ -27,7 +27,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from batchgen.engine.block_pool import BlockPool, block_hash
-from batchgen.engine.sequence import FinishReason, Request, Sequence, SeqStatus
+from batchgen.engine.sequence import FinishReason, Request, SeqStatus, Sequence
 
 
 @dataclass(slots=True, frozen=True)

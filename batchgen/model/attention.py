@@ -33,7 +33,9 @@ class PrefillSpan:
     q_start: int  # index of the chunk's first token in the step's flat tokens
     q_len: int
     ctx_start: int  # the sequence's tokens already cached: the chunk sits at positions ctx_start..
-    blocks: torch.Tensor | None  # (n,) blocks of positions [0, ctx_start + q_len); None if ctx_start == 0
+    blocks: (
+        torch.Tensor | None
+    )  # (n,) blocks of positions [0, ctx_start + q_len); None if ctx_start == 0
 
 
 @dataclass(slots=True)
@@ -61,7 +63,11 @@ def _window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> 
 
 
 def decode_attention(
-    q: torch.Tensor, cache: PagedKVCache, blocks: torch.Tensor, lens: torch.Tensor, window: int | None
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    blocks: torch.Tensor,
+    lens: torch.Tensor,
+    window: int | None,
 ) -> torch.Tensor:
     """q (B, H, D), one query per sequence at position lens - 1 -> (B, H, D)."""
     b, h, d = q.shape

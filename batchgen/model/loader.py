@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -238,6 +239,32 @@ def _map_llama(name: str) -> tuple[str | None, tuple[str, int, int] | None]:
         if mod in parts:
             return None, (f"layers.{i}.{fused}.{kind}", parts.index(mod), len(parts))
     return None, None
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSlot:
+    """Where one checkpoint weight lives in our model: a parameter, or rows of a fused one."""
+
+    name: str  # our parameter, e.g. "layers.0.attn.wqkv.weight"
+    rows: slice | None = None  # the rows of a fused matrix this checkpoint tensor fills
+    transposed: bool = False  # GPT-2's Conv1D stores (in, out); we store (out, in)
+
+
+def weight_slot(cfg: ModelConfig, name: str) -> WeightSlot | None:
+    """Our parameter (and rows) for a checkpoint tensor name; None for one we do not load."""
+    if cfg.family == Family.GPT2:
+        ours, conv = _map_gpt2(name)
+        return WeightSlot(ours, transposed=conv) if ours is not None else None
+    ours, piece = _map_llama(name)
+    if ours is not None:
+        return WeightSlot(ours)
+    if piece is None:
+        return None
+    fused, idx, _ = piece
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    sizes = (q, kv, kv) if ".attn.wqkv." in fused else (cfg.intermediate_size,) * 2
+    start = sum(sizes[:idx])
+    return WeightSlot(fused, slice(start, start + sizes[idx]))
 
 
 def load_state_dict(

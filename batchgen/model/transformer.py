@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.model.config import ModelConfig, NormKind, PositionKind
 from batchgen.model.attention import StepAttention, step_attention
+from batchgen.model.config import ModelConfig, NormKind, PositionKind
 from batchgen.model.kv_cache import PagedKVCache
 from batchgen.model.rope import apply_rope, rope_tables
 
