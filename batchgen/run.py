@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,9 @@ import torch
 from batchgen.config import ConfigError, RunConfig
 from batchgen.data import InputSource, OutputDir, PartBuffer, open_input, output_schema
 from batchgen.engine.sequence import Completion, FinishReason
+from batchgen.fingerprint import content_fingerprint
 from batchgen.llm import DEFAULT_MODEL, LLM, load_tokenizer, resolve_device, resolve_dtype
+from batchgen.memory import check_allocation
 from batchgen.model.config import ModelConfig
 from batchgen.model.loader import config_from_hf, read_hf_config
 from batchgen.nvml import NvmlSampler
@@ -68,9 +70,11 @@ def default_max_batch(device: torch.device) -> int:
 def kv_cache_tokens(cfg: RunConfig, model_cfg, dtype: torch.dtype, device: torch.device) -> int:
     """KV cache capacity in tokens: the flag; on a GPU, 80% of the memory left free once
     the (unquantized) weights are in; on the CPU, 2 GiB."""
-    if cfg.kv_cache_tokens:
-        return cfg.kv_cache_tokens
     per_token = model_cfg.kv_bytes_per_token(dtype.itemsize)
+    if cfg.kv_cache_tokens:
+        what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
+        check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", device)
+        return cfg.kv_cache_tokens
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         free -= model_cfg.num_params * dtype.itemsize
@@ -113,6 +117,8 @@ def open_job(cfg: RunConfig) -> Job:
     """Check everything that can fail before the model loads: model config, input file
     and columns, prompt template, length limits."""
     model_dir = Path(cfg.model) if cfg.model else DEFAULT_MODEL
+    if cfg.quant_group_size is not None:  # TODO(lead): pass it to LLM -> make_scheme(group_size=)
+        raise ConfigError("--quant-group-size is not wired into the engine yet; leave it out")
     model_cfg = config_from_hf(read_hf_config(model_dir))
     source = open_input(cfg.input)
     tokenizer = load_tokenizer(model_dir)
@@ -142,6 +148,12 @@ def open_job(cfg: RunConfig) -> Job:
 
 def run(cfg: RunConfig) -> RunStats:
     """Run one job to completion (or to a signal); returns its statistics."""
+    # The output directory stays locked from its opening to the job's end, however it ends.
+    with ExitStack() as job_scope:
+        return _run(cfg, job_scope)
+
+
+def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
     stats = RunStats()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -155,7 +167,8 @@ def run(cfg: RunConfig) -> RunStats:
     )
     passthrough = pa.schema([source.schema.field(c) for c in prep.passthrough])
     schema = output_schema(prep.id_type, passthrough, cfg.with_token_ids, cfg.with_logprobs)
-    out = OutputDir(cfg.output_dir, cfg.fingerprint(), cfg.overwrite)
+    fingerprint = {**cfg.fingerprint(), **content_fingerprint(model_dir, source)}
+    out = job_scope.enter_context(OutputDir(cfg.output_dir, fingerprint, cfg.overwrite))
     done = out.done_ids()
     stats.rows_skipped_done = len(done)
     if out.is_complete:
