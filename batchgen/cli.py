@@ -7,10 +7,19 @@ import sys
 
 import click
 
-from batchgen.config import ConfigError, RunConfig, Truncate
+from batchgen.config import BOUNDS, ConfigError, RunConfig, Truncate
 from batchgen.jobspec import is_job_spec, load_job_spec, resolve_path
 
 EXIT_USAGE = 2
+EXIT_CODES = """\b
+Exit codes:
+  0    done (or already complete)
+  1    a runtime failure: a full disk, another run holding OUTPUT, a too-long prompt under
+       --truncate error, a failed worker; what is finished is kept, rerun to resume
+  2    a usage or input error, reported before the model loads where it can be: a bad flag
+       or job spec value, an unreadable input, model or config.json, another job's OUTPUT
+  128+N  stopped by signal N (143: SIGTERM, 130: SIGINT); finished rows are saved, rerun to resume
+"""
 
 
 def _default(name: str):
@@ -25,6 +34,11 @@ def _default(name: str):
 def _opt(*decls: str, **kw):
     """An option whose default and help come from RunConfig, so there is one source."""
     name = decls[0].lstrip("-").split("/")[0].replace("-", "_")
+    if name in BOUNDS and kw.get("type") in (int, float):  # RunConfig's range, checked by click
+        b = BOUNDS[name]
+        kw["type"] = (click.IntRange if kw["type"] is int else click.FloatRange)(
+            min=b.low, max=b.high, min_open=b.low_open
+        )
     kw.setdefault("default", _default(name))
     kw.setdefault("show_default", kw["default"] not in (None, False, ()))
     return click.option(*decls, name, **kw)
@@ -69,6 +83,7 @@ def run_options(f):
         _opt("--lora", help="PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), merged into the model's weights at load, before --quantize."),
         _opt("--quantize", type=click.Choice(["none", "int8", "int4", "fp8"]), help="Weight-only quantization."),
         _opt("--quant-backend", type=click.Choice(["auto", "torchao", "quanto"]), help="Quantization library (auto picks per device)."),
+        _opt("--quant-group-size", type=int, help="int4: the largest group of input channels (32, 64, 128, 256); a layer it does not divide gets the largest one that does. Default: 128."),
         _opt("--rows-per-part", type=int, help="Rows per output Parquet part file."),
         _opt("--flush-seconds", type=float, help="Write a part at least this often."),
         _opt("--with-token-ids", is_flag=True, help="Add a token_ids column."),
@@ -146,7 +161,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
-@main.command("run")
+@main.command("run", epilog=EXIT_CODES)
 @click.argument("source")
 @data_options
 @run_options
@@ -162,10 +177,11 @@ def run_cmd(ctx: click.Context, source: str, **flags) -> None:
       batchgen run jobs/label_sentiment.yaml --limit 100
     A killed or preempted job resumes when the same command runs again.
     """
-    from batchgen.data import InputError
+    from batchgen.data import InputError, OutputError
     from batchgen.merge import MergeError
     from batchgen.model.loader import ModelLoadError
     from batchgen.multigpu import WorkersFailed, run_workers
+    from batchgen.quant import QuantUnavailableError
     from batchgen.run import JobInterrupted, run
     from batchgen.tokenize import PromptTooLong
 
@@ -175,9 +191,9 @@ def run_cmd(ctx: click.Context, source: str, **flags) -> None:
             click.echo(run_workers(cfg).table())
             return
         stats = run(cfg)
-    except (ConfigError, InputError, ModelLoadError) as e:
+    except (ConfigError, InputError, ModelLoadError, QuantUnavailableError) as e:
         _fail(str(e), EXIT_USAGE)
-    except (PromptTooLong, WorkersFailed, MergeError) as e:
+    except (PromptTooLong, WorkersFailed, MergeError, OutputError) as e:
         _fail(str(e), 1)
     except JobInterrupted as e:
         _fail(str(e), 128 + e.signum)
@@ -298,11 +314,12 @@ def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
     Missing, unfinished or mismatched shards are listed by number and nothing is merged."""
     import json
 
+    from batchgen.data import OutputError
     from batchgen.merge import MergeError, merge
 
     try:
         summary = merge(output, write_data=not stats_only)
-    except MergeError as e:
+    except (MergeError, OutputError) as e:
         _fail(str(e), 1)
     click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else summary.table())
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,38 @@ _CHOICES = {
     "quant_backend": ("auto", "torchao", "quanto"),
     "truncate": tuple(t.value for t in Truncate),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """The range of a numeric option: low (excluded if low_open) up to high (None: no limit)."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return above and (self.high is None or value <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}]"
+
+
+# Numeric options' ranges, checked in RunConfig and given to click as IntRange/FloatRange, so a
+# flag and a job spec value are refused alike. The sampling ones are SamplingParams' checks.
+BOUNDS = {
+    **dict.fromkeys(("max_new_tokens", "max_prompt_len", "max_num_batched_tokens", "window_rows",
+                     "rows_per_part", "max_num_seqs", "block_size", "kv_cache_tokens", "limit",
+                     "threads"), Bound(1)),
+    "temperature": Bound(0),
+    "top_k": Bound(0),
+    "top_p": Bound(0, 1, low_open=True),
+    "seed": Bound(0, 2**31 - 1),
+    "flush_seconds": Bound(0),
+}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -58,6 +92,7 @@ class RunConfig:
     compile: bool | None = None  # None: on a GPU yes, on the CPU no (measured: no faster there)
     quantize: str = "none"
     quant_backend: str = "auto"
+    quant_group_size: int | None = None  # int4's largest group; None: 128 (smaller where it must)
     max_prompt_len: int = 1024
     truncate: Truncate = Truncate.SKIP
     max_num_seqs: int | None = None  # sequences in flight; None: 64 on CPU, 256 on GPU
@@ -78,35 +113,32 @@ class RunConfig:
     workers: int | str = 1  # processes over shards of the input; "auto": one per visible GPU
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check_types(self)
+        for key in ("input", "output"):
+            if not getattr(self, key).strip():
+                raise ConfigError(f"{key} is empty; pass a path")
         for key, allowed in _CHOICES.items():
             value = getattr(self, key)
             value = value.value if isinstance(value, enum.Enum) else value
             if value not in allowed:
                 raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
         self.truncate = Truncate(self.truncate)
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        positive = (
-            "max_new_tokens",
-            "max_prompt_len",
-            "block_size",
-            "window_rows",
-            "rows_per_part",
-        )
-        for key in positive:
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**31:
-            raise ConfigError(f"seed must be an integer in [0, 2**31), got {self.seed!r}")
-        for key in (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "kv_cache_tokens",
-            "limit",
-            "threads",
-        ):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for key, bound in BOUNDS.items():
+            value = getattr(self, key)
+            if value is not None and value not in bound:
+                raise ConfigError(f"{key} must be {bound}, got {value}")
+        if self.quant_group_size is not None:
+            from batchgen.quant.scheme import INT4_GROUP_SIZES
+
+            if self.quantize != "int4":
+                raise ConfigError("quant_group_size applies to quantize int4 only")
+            if self.quant_group_size not in INT4_GROUP_SIZES:
+                raise ConfigError(
+                    f"quant_group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
+                    f"got {self.quant_group_size}"
+                )
         try:
             self.shard = Shard.parse(self.shard) if self.shard is not None else None
         except ShardError as e:
@@ -174,3 +206,58 @@ class RunConfig:
         else:
             del out["shard"]
         return out
+
+
+def _check_types(cfg: RunConfig) -> None:
+    """Every option's value against its field's type hint: a job spec's `overwrite: "false"`
+    (a string) must not count as true, nor `max_new_tokens: 3.5` as 3. Ints pass as floats."""
+    hints = typing.get_type_hints(RunConfig)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        ok, value = _conform(value, hints[f.name])
+        if not ok:
+            raise ConfigError(
+                f"{f.name}: got {value!r} ({type(value).__name__}), expected "
+                f"{_describe(hints[f.name])}"
+            )
+        setattr(cfg, f.name, value)
+
+
+def _conform(value: Any, hint: Any) -> tuple[bool, Any]:
+    """(whether value is a `hint`, value converted where that loses nothing)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            ok, converted = _conform(value, arg)
+            if ok:
+                return True, converted
+        return False, value
+    if hint is type(None):
+        return value is None, value
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list | tuple):
+            return False, value
+        items = [_conform(v, item) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False, value
+        return True, float(value)
+    if hint in (str, Truncate, Shard):  # enums and shards also come as strings, checked later
+        return isinstance(value, str | hint), value
+    raise TypeError(f"RunConfig has no type check for {hint}; add one to _conform")
+
+
+def _describe(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return f"a list of {_describe(typing.get_args(hint)[0])}"
+    names = {type(None): "null", bool: "bool (true or false, unquoted)", int: "int",
+             float: "float", str: "str", Truncate: "str", Shard: "str I/N"}  # fmt: skip
+    return names[hint]

@@ -75,6 +75,7 @@ class LLM:
         quantize: str = "none",
         quant_backend: str = "auto",
         lora: str | Path | None = None,
+        quant_group_size: int | None = None,
     ) -> None:
         self.model_dir = Path(model) if model is not None else DEFAULT_MODEL
         self.device = resolve_device(device)
@@ -82,7 +83,9 @@ class LLM:
         self.compile = resolve_compile(compile, self.device)
         self.tokenizer = load_tokenizer(self.model_dir)
         # Resolved and checked before loading, so an unavailable combination fails fast.
-        self.quant = make_scheme(quantize, quant_backend, self.device, self.dtype)
+        self.quant = make_scheme(
+            quantize, quant_backend, self.device, self.dtype, group_size=quant_group_size
+        )
         # When quantizing, load on the host: the pass moves one block at a time to the
         # device and quantizes it there, so the device never holds the float model.
         load_device = torch.device("cpu") if self.quant.enabled else self.device

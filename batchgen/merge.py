@@ -24,17 +24,15 @@ from __future__ import annotations
 import enum
 import json
 import os
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE
+from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE, write_atomic
 from batchgen.shard import Shard
 
 MERGED_FILE = "merged.parquet"
@@ -254,23 +252,15 @@ def merge(out: str | os.PathLike[str], write_data: bool = True) -> MergeSummary:
         todo = sorted({r.shard.index for r in reports if r.state is not ShardState.COMPLETE})
         raise IncompleteOutput(str(root), problems, todo)
     _check_row_count(reports)
-
-    writer: _MergedWriter | None = _MergedWriter(root / MERGED_FILE) if write_data else None
-    try:
-        for r in reports:
-            for name in r.parts:
-                part = r.path / name
-                table = pq.read_table(part) if writer else pq.read_table(part, columns=_COUNTED)
-                _count(r, table)
-                if writer:
-                    writer.write(table)
-        merged = writer.commit() if writer else None
-    finally:
-        if writer:
-            writer.abort()
-    summary = MergeSummary(root, reports, merged)
-    _write_atomic(root / STATS_FILE, lambda f: f.write(_json(summary.to_dict())))
-    _write_atomic(root / SUCCESS_FILE, lambda f: None)
+    # The same durable atomic writes as the part files: complete or absent, fsynced, and
+    # with the modes any new file gets.
+    if write_data:
+        write_atomic(root, MERGED_FILE, lambda f: _merge_parts(reports, f))
+    else:
+        _merge_parts(reports, None)
+    summary = MergeSummary(root, reports, root / MERGED_FILE if write_data else None)
+    write_atomic(root, STATS_FILE, lambda f: f.write(_json(summary.to_dict())))
+    write_atomic(root, SUCCESS_FILE, lambda f: None)
     return summary
 
 
@@ -304,34 +294,28 @@ def _check_row_count(reports: list[ShardReport]) -> None:
         )
 
 
-class _MergedWriter:
-    """One Parquet file, written to a temp name and renamed into place only when complete."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        fd, self.tmp = tempfile.mkstemp(prefix=".tmp-merged-", suffix=".parquet", dir=path.parent)
-        os.close(fd)
-        self._writer: pq.ParquetWriter | None = None
-
-    def write(self, table: pa.Table) -> None:
-        if self._writer is None:
-            self._writer = pq.ParquetWriter(self.tmp, table.schema)
-        elif not table.schema.equals(self._writer.schema):
-            table = table.cast(self._writer.schema)
-        self._writer.write_table(table)
-
-    def commit(self) -> Path:
-        if self._writer is None:  # no rows at all: an empty file would have no columns
-            self._writer = pq.ParquetWriter(self.tmp, pa.schema([("id", pa.int64())]))
-        self._writer.close()
-        os.replace(self.tmp, self.path)
-        return self.path
-
-    def abort(self) -> None:
-        if os.path.exists(self.tmp):
-            if self._writer is not None:
-                self._writer.close()
-            os.remove(self.tmp)
+def _merge_parts(reports: list[ShardReport], f: BinaryIO | None) -> None:
+    """Count every shard's rows from its parts and, given a file, write them all into it as
+    one Parquet file (shard 0's parts first)."""
+    writer: pq.ParquetWriter | None = None
+    try:
+        for r in reports:
+            for name in r.parts:
+                part = r.path / name
+                table = pq.read_table(part) if f else pq.read_table(part, columns=_COUNTED)
+                _count(r, table)
+                if f is None:
+                    continue
+                if writer is None:
+                    writer = pq.ParquetWriter(f, table.schema)
+                elif not table.schema.equals(writer.schema):
+                    table = table.cast(writer.schema)
+                writer.write_table(table)
+        if f is not None and writer is None:  # no rows at all: an empty file has no columns
+            writer = pq.ParquetWriter(f, pa.schema([("id", pa.int64())]))
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -343,15 +327,3 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _json(obj: Any) -> bytes:
     return json.dumps(obj, indent=2, sort_keys=True).encode() + b"\n"
-
-
-def _write_atomic(path: Path, write: Callable) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise

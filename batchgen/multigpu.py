@@ -82,6 +82,26 @@ def _remove_other_splits(out: Path, n: int) -> None:
             shutil.rmtree(p)
 
 
+def _check_split(out: Path, n: int) -> None:
+    """The worker count decides which rows go into which shard directory: refuse to add an
+    N-way split to an output that holds another split (or an unsharded run), which merge would
+    refuse only after all the work."""
+    if (out / "_job.json").exists():
+        raise ConfigError(
+            f"output {out} holds the results of a run without --workers; rerun it that way to "
+            "resume, or pick another output directory"
+        )
+    counts = sorted(
+        {s.count for p in out.glob("shard-*-of-*") if (s := Shard.from_dirname(p.name))}
+    )
+    other = [c for c in counts if c != n]
+    if other:
+        raise ConfigError(
+            f"output {out} holds shards of a {other[0]}-way split, and --workers {n} would split "
+            f"the rows {n} ways; rerun with --workers {other[0]} to resume, or pass --overwrite"
+        )
+
+
 def run_workers(cfg: RunConfig) -> MergeSummary:
     """Run cfg over N worker processes, then merge their shards; see the module docstring."""
     envs = plan_workers(cfg)
@@ -95,6 +115,7 @@ def run_workers(cfg: RunConfig) -> MergeSummary:
     out.mkdir(parents=True, exist_ok=True)
     if cfg.overwrite:
         _remove_other_splits(out, n)
+    _check_split(out, n)
     received: list[int] = []
     procs: list[subprocess.Popen] = []
 

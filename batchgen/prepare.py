@@ -81,6 +81,13 @@ class Preparer:
         if cfg.id_column:
             needed.add(cfg.id_column)
         source.require_columns(sorted(needed))
+        if cfg.id_column and pa.types.is_floating(source.schema.field(cfg.id_column).type):
+            # NaN equals nothing, not even itself: a NaN-id row would never count as done.
+            raise InputError(
+                f"id column {cfg.id_column!r} is {source.schema.field(cfg.id_column).type}, and "
+                "floating-point ids (NaN never equals itself) break exactly-once output; cast it "
+                "to int or string, or omit --id-column to use row numbers"
+            )
         self.columns = [c for c in source.columns if c in needed]
         self.defaults = SamplingParams(
             max_new_tokens=cfg.max_new_tokens,
@@ -126,27 +133,40 @@ class Preparer:
                 batch = batch.slice(0, limit - read)
             read += batch.num_rows
             n_read = batch.num_rows
-            ids = (
-                batch.column(self.cfg.id_column).to_pylist()
-                if self.cfg.id_column
-                else default_ids(offset, batch.num_rows).to_pylist()
-            )
+            row_numbers = list(range(offset, offset + batch.num_rows))
+            if self.cfg.id_column:
+                ids, bad = _decode(batch.select([self.cfg.id_column]), row_numbers)
+                if bad:
+                    raise InputError(
+                        f"id column {self.cfg.id_column!r}: {next(iter(bad.values()))}"
+                    )
+                ids = [r[self.cfg.id_column] for r in ids]
+            else:
+                ids = default_ids(offset, batch.num_rows).to_pylist()
             if self.cfg.shard is not None:  # other shards' rows are neither rendered nor checked
                 keep = self.cfg.shard.mask(ids)
                 batch = batch.filter(pa.array(keep, pa.bool_()))
                 ids = list(itertools.compress(ids, keep))
-            yield n_read, self._window(batch.to_pylist(), ids, done)
+                row_numbers = list(itertools.compress(row_numbers, keep))
+            records, bad = _decode(batch, row_numbers)
+            yield n_read, self._window(records, ids, done, bad)
 
-    def _window(self, records: list[dict], ids: list[Any], done: set[Any]) -> Window:
+    def _window(
+        self, records: list[dict], ids: list[Any], done: set[Any], bad: dict[int, str]
+    ) -> Window:
+        """bad: {position: error} of rows that could not be decoded (see _decode)."""
         rows: list[Row] = []
         texts: list[str] = []
         pending: list[tuple[int, dict]] = []  # (position in rows, record) of rendered rows
-        for rec, rid in zip(records, ids, strict=True):
+        for i, (rec, rid) in enumerate(zip(records, ids, strict=True)):
             self._check_id(rid)
             if rid in done:
                 continue
             row = Row(rid, {c: rec[c] for c in self.passthrough})
             rows.append(row)
+            if i in bad:
+                row.error = bad[i]
+                continue
             try:
                 texts.append(self.builder.render(rec))
                 pending.append((len(rows) - 1, rec))
@@ -195,3 +215,33 @@ class Preparer:
             return dataclasses.replace(self.defaults, **values)
         except (ValueError, TypeError) as e:
             raise RowError(f"bad per-row sampling value: {e}") from e
+
+
+def _decode(batch: pa.RecordBatch, row_numbers: list[int]) -> tuple[list[dict], dict[int, str]]:
+    """The batch's rows as dicts, and {position: error} for rows holding a string that is not
+    valid UTF-8 (pyarrow's JSON reader passes such bytes through; decoding them fails).
+
+    Those values become None and the row an error record, so that one bad line does not stop
+    a job; the message names the row (its number in the input, 0-based: line N+1 of a JSON
+    Lines file without blank lines)."""
+    try:
+        return batch.to_pylist(), {}
+    except UnicodeDecodeError:
+        pass  # find the rows, value by value
+    records: list[dict] = []
+    bad: dict[int, str] = {}
+    for i in range(batch.num_rows):
+        rec, cols = {}, []
+        for name, column in zip(batch.schema.names, batch.columns, strict=True):
+            try:
+                rec[name] = column[i].as_py()
+            except UnicodeDecodeError:
+                rec[name] = None
+                cols.append(repr(name))
+        records.append(rec)
+        if cols:
+            bad[i] = (
+                f"invalid UTF-8 in column {', '.join(cols)} of input row {row_numbers[i]}; "
+                "fix the file's encoding (e.g. iconv -f <its encoding> -t utf-8)"
+            )
+    return records, bad

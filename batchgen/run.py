@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,9 @@ from batchgen.config import ConfigError, RunConfig
 from batchgen.data import InputSource, OutputDir, PartBuffer, open_input, output_schema
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import Completion, FinishReason, Request
+from batchgen.fingerprint import content_fingerprint
 from batchgen.llm import DEFAULT_MODEL, LLM, load_tokenizer, resolve_device, resolve_dtype
+from batchgen.memory import check_allocation
 from batchgen.model.config import ModelConfig
 from batchgen.model.loader import config_from_hf, read_hf_config
 from batchgen.model.lora import check_adapter
@@ -129,12 +131,22 @@ def open_job(cfg: RunConfig) -> Job:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.kv_cache_tokens:  # an explicit size is checked against memory before allocating
+        per_token = model_cfg.kv_bytes_per_token(dtype.itemsize)
+        what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
+        check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", device)
     prep = Preparer(cfg, source, tokenizer, max_prompt, max_seq)
     return Job(cfg, model_dir, model_cfg, source, tokenizer, device, dtype, prep, engine)
 
 
 def run(cfg: RunConfig) -> RunStats:
     """Run one job to completion (or to a signal); returns its statistics."""
+    # The output directory stays locked from its opening to the job's end, however it ends.
+    with ExitStack() as job_scope:
+        return _run(cfg, job_scope)
+
+
+def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
     stats = RunStats()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -148,7 +160,8 @@ def run(cfg: RunConfig) -> RunStats:
     )
     passthrough = pa.schema([source.schema.field(c) for c in prep.passthrough])
     schema = output_schema(prep.id_type, passthrough, cfg.with_token_ids, cfg.with_logprobs)
-    out = OutputDir(cfg.output_dir, cfg.fingerprint(), cfg.overwrite)
+    fingerprint = {**cfg.fingerprint(), **content_fingerprint(model_dir, source)}
+    out = job_scope.enter_context(OutputDir(cfg.output_dir, fingerprint, cfg.overwrite))
     done = out.done_ids()
     stats.rows_skipped_done = len(done)
     if out.is_complete:
@@ -170,6 +183,7 @@ def run(cfg: RunConfig) -> RunStats:
         quantize=cfg.quantize,
         quant_backend=cfg.quant_backend,
         lora=cfg.lora,
+        quant_group_size=cfg.quant_group_size,
     )
     stats.load_s = time.perf_counter() - t0
     stats.extra.update(

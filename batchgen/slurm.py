@@ -71,16 +71,21 @@ def sbatch_script(source: str, cfg: RunConfig, run_args: list[str], opts: Sbatch
             f"delete {cfg.output} (or its shard directories) before submitting instead"
         )
     out = Path(cfg.output).resolve()
+    if "%" in str(out):
+        raise SlurmError(
+            f"output {out}: sbatch reads % in a log path as a pattern (%A, %a, ...); "
+            "pick an output path without %"
+        )
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name={opts.job_name}",
-        f"#SBATCH --array={opts.array}",
+        _directive("job-name", opts.job_name),
+        _directive("array", opts.array),
         "#SBATCH --ntasks=1",
-        f"#SBATCH --output={out}/logs/%A_%a.out",
+        _directive("output", f"{out}/logs/%A_%a.out"),
         "#SBATCH --open-mode=append",
         "#SBATCH --requeue",
-        f"#SBATCH --signal=B:USR1@{opts.grace_s}",
-        f"#SBATCH --chdir={Path.cwd()}",  # relative paths in the job mean what they mean here
+        _directive("signal", f"B:USR1@{opts.grace_s}"),
+        _directive("chdir", Path.cwd()),  # relative paths in the job mean what they mean here
     ]
     for flag, value in (
         ("partition", opts.partition),
@@ -90,8 +95,10 @@ def sbatch_script(source: str, cfg: RunConfig, run_args: list[str], opts: Sbatch
         ("time", opts.time),
     ):
         if value is not None:
-            lines.append(f"#SBATCH --{flag}={value}")
-    lines += [f"#SBATCH {e}" for e in opts.extra]
+            lines.append(_directive(flag, value))
+    for e in opts.extra:
+        _refuse_control_characters("--sbatch-arg", e)
+        lines.append(f"#SBATCH {e}")
     # The shard count is written in, not read from SLURM_ARRAY_TASK_COUNT, so that an array
     # of only some tasks (--only) still runs shards of the same split.
     run = [sys.executable, "-m", "batchgen.cli", "run", source, *run_args]
@@ -135,6 +142,30 @@ fi
 exit "$rc"
 """)
     return "\n".join(lines)
+
+
+def _directive(flag: str, value: object) -> str:
+    """`#SBATCH --flag=value`. sbatch parses these lines itself, not the shell: it splits at
+    whitespace and groups with quotes, and a newline would end the line (and let the rest of
+    the value run as a line of the script). So a value with whitespace is double-quoted, and
+    one with a control character, a quote or a backslash is refused."""
+    text = str(value)
+    _refuse_control_characters(f"--{flag}", text)
+    if any(c in text for c in "\"'\\"):
+        raise SlurmError(
+            f"--{flag} {text!r}: quotes and backslashes cannot go into an #SBATCH line"
+        )
+    if any(c.isspace() for c in text):
+        text = f'"{text}"'
+    return f"#SBATCH --{flag}={text}"
+
+
+def _refuse_control_characters(flag: str, text: str) -> None:
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise SlurmError(
+            f"{flag} {text!r} holds a newline or another control character, which cannot go "
+            "into an #SBATCH line; pick a value without one"
+        )
 
 
 def write_script(output: str, script: str) -> Path:

@@ -102,10 +102,30 @@ def test_unavailable_combination_names_the_available_ones():
     assert "quanto int4 (float32/float16 only)" in available("cpu")
 
 
-def test_group_size_must_divide_every_layer(tiny_dirs):
-    model = load_model(tiny_dirs["llama"])  # width 32
-    with pytest.raises(ValueError, match="does not divide.*group sizes that do: \\[32\\]"):
-        quantize_model(model, QuantScheme("int4", "torchao", 64), "cpu")
+def test_int4_picks_per_layer_the_largest_group_size_that_divides(tiny_dirs):
+    # hidden 32, intermediate 64: the default 128 divides no layer of this model
+    scheme = quantize_model(
+        load_model(tiny_dirs["llama"]), QuantScheme("int4", "torchao", 128), "cpu"
+    )
+    assert dict(scheme.layer_group_sizes) == {"attn.wqkv": 32, "attn.wo": 32, "mlp.w_in": 32,
+                                              "mlp.w_out": 64}  # fmt: skip
+    d = scheme.to_dict()
+    assert d["group_size"] == 128 and d["granularity"] == "groups of 32/64"
+    assert d["group_sizes"]["layers.*.mlp.w_out"] == 64
+    # the requested size is the largest any layer gets
+    capped = quantize_model(
+        load_model(tiny_dirs["llama"]), QuantScheme("int4", "quanto", 32), "cpu"
+    )
+    assert set(dict(capped.layer_group_sizes).values()) == {32}
+    assert capped.to_dict()["granularity"] == "group of 32"
+
+
+def test_int4_refuses_a_layer_no_group_size_divides(tmp_path):
+    model = load_model(save_tiny_model("llama", tmp_path / "m", hidden_size=48))
+    with pytest.raises(
+        QuantUnavailableError, match=r"\[48\] input features of layers\.\*\.attn\.wqkv.*int8"
+    ):
+        quantize_model(model, QuantScheme("int4", "torchao", 128), "cpu")
 
 
 # --------------------------------------------------------------------------- fidelity

@@ -201,6 +201,20 @@ def test_array_job_on_slurm_then_merge(slurm, tmp_path, tiny_gpt2):
 
 
 @pytest.mark.slurm
+def test_spaces_in_the_output_path_and_job_name_on_slurm(slurm, tmp_path, tiny_gpt2):
+    """sbatch parses #SBATCH lines itself: the quoted values must reach it whole."""
+    spec = make_job(tmp_path, tiny_gpt2, n_rows=6, output=str(tmp_path / "out dir"))
+    job = submit(spec, "--shards", "1", "--job-name", "my job")
+    wait_for(job)
+    out = tmp_path / "out dir"
+    assert [p.name for p in (out / "logs").glob("*.out")] == [f"{job}_0.out"]
+    assert (out / "shard-00000-of-00001" / "_SUCCESS").exists()
+    name = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "JobName%20"],
+                          capture_output=True, text=True).stdout  # fmt: skip
+    assert "my job" in name or not name.strip()  # sacct needs accounting, which may be off
+
+
+@pytest.mark.slurm
 @pytest.mark.slow
 def test_time_limit_signal_requeues_and_resumes_on_slurm(slurm, tmp_path, tiny_gpt2):
     # Long enough (200 rows, 2 sequences at a time) that the signal lands mid-job.

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.data.errors import InputError
+from batchgen.data.errors import InputError, OutputError
 from batchgen.data.writer import OutputDir, PartBuffer, output_schema
 
 JOB = {"input": "in.parquet", "model": "tiny", "options": {"max_new_tokens": 8, "stop": ["\n"]}}
@@ -78,6 +78,7 @@ def test_parts_done_ids_and_read_all(tmp_path):
 def test_resume_continues_numbering_and_keeps_done_ids(tmp_path):
     out = OutputDir(tmp_path, JOB)
     _buffer(out, 2).add([_result(i) for i in range(4)])
+    out.close()
     # A rerun of the same job (fingerprint equal up to tuple/list and key order).
     same = {
         "options": {"stop": ("\n",), "max_new_tokens": 8},
@@ -126,6 +127,7 @@ def test_stray_temp_file_is_removed_and_never_counted(tmp_path, caplog):
     # A run killed mid-write leaves a half-written temp part behind.
     stray = tmp_path / ".tmp-part-00001.parquet.abc123"
     pq.write_table(pa.Table.from_pylist([_result(7)]), stray)
+    out.close()
     with caplog.at_level(logging.WARNING):
         out2 = OutputDir(tmp_path, JOB)
     assert not stray.exists()
@@ -143,6 +145,7 @@ def test_write_part_leaves_no_temp_files(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [
         "_SUCCESS",
         "_job.json",
+        "_lock",
         "_stats.json",
         "part-00000.parquet",
     ]
@@ -157,9 +160,9 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
         raise OSError("No space left on device")
 
     monkeypatch.setattr(pq, "write_table", disk_full)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(OutputError, match="No space"):
         out.write_part(pa.table({"id": [1]}))
-    assert sorted(os.listdir(tmp_path)) == ["_job.json"]
+    assert sorted(os.listdir(tmp_path)) == ["_job.json", "_lock"]
     monkeypatch.undo()
     assert out.write_part(pa.table({"id": [1]})) == "part-00000.parquet"  # same number reused
 
@@ -177,10 +180,13 @@ def test_corrupt_part_is_deleted_and_its_rows_redone(tmp_path, caplog):
 def test_refuses_another_jobs_output(tmp_path):
     out = OutputDir(tmp_path, JOB)
     _buffer(out, 1).add([_result(0)])
+    out.close()
     with pytest.raises(InputError) as e:
         OutputDir(tmp_path, {**JOB, "model": "other"})
     assert "another job" in str(e.value) and "--overwrite" in str(e.value)
-    assert OutputDir(tmp_path, JOB).done_ids() == {0}  # untouched
+    assert "differs in model" in str(e.value)
+    with OutputDir(tmp_path, JOB) as out:
+        assert out.done_ids() == {0}  # untouched
 
 
 def test_overwrite_clears_only_our_files(tmp_path):
@@ -189,17 +195,21 @@ def test_overwrite_clears_only_our_files(tmp_path):
     out.write_stats({"rows": 2})
     out.mark_success()
     (tmp_path / "notes.txt").write_text("mine")
+    out.close()
     other = {**JOB, "model": "other"}
-    out2 = OutputDir(tmp_path, other, overwrite=True)
-    assert sorted(os.listdir(tmp_path)) == ["_job.json", "notes.txt"]
-    assert out2.done_ids() == set() and not out2.is_complete
+    with OutputDir(tmp_path, other, overwrite=True) as out2:
+        assert sorted(os.listdir(tmp_path)) == ["_job.json", "_lock", "notes.txt"]
+        assert out2.done_ids() == set() and not out2.is_complete
     assert json.loads((tmp_path / "_job.json").read_text()) == other
-    assert OutputDir(tmp_path, other).done_ids() == set()  # now it is the other job's dir
+    with OutputDir(tmp_path, other) as out3:
+        assert out3.done_ids() == set()  # now it is the other job's dir
 
 
 def test_overwrite_same_job_starts_fresh(tmp_path):
-    _buffer(OutputDir(tmp_path, JOB), 1).add([_result(0)])
-    assert OutputDir(tmp_path, JOB, overwrite=True).done_ids() == set()
+    with OutputDir(tmp_path, JOB) as out:
+        _buffer(out, 1).add([_result(0)])
+    with OutputDir(tmp_path, JOB, overwrite=True) as out:
+        assert out.done_ids() == set()
 
 
 def test_refuses_a_foreign_directory_even_with_overwrite(tmp_path):
@@ -220,6 +230,7 @@ def test_parts_without_job_file_need_overwrite(tmp_path):
 
 def test_unreadable_job_file_is_treated_as_another_job(tmp_path):
     (tmp_path / "_job.json").write_text("{not json")
+    pq.write_table(pa.table({"id": [1]}), tmp_path / "part-00000.parquet")
     with pytest.raises(InputError, match="another job"):
         OutputDir(tmp_path, JOB)
 

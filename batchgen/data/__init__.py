@@ -1,6 +1,6 @@
 """The data layer: read inputs in batches, build prompts, write resumable outputs."""
 
-from batchgen.data.errors import InputError, RowError
+from batchgen.data.errors import InputError, OutputBusy, OutputError, RowError
 from batchgen.data.prompts import PromptBuilder
 from batchgen.data.reader import InputBatch, InputFormat, InputSource, default_ids, open_input
 from batchgen.data.writer import OutputDir, PartBuffer, output_schema
@@ -10,7 +10,9 @@ __all__ = [
     "InputError",
     "InputFormat",
     "InputSource",
+    "OutputBusy",
     "OutputDir",
+    "OutputError",
     "PartBuffer",
     "PromptBuilder",
     "RowError",

@@ -1,4 +1,5 @@
-"""The two ways input can fail: the whole job's input (stop before loading a model) or one row."""
+"""How a job's data can fail: its whole input (stop before loading a model), one row, or the
+output at run time (a full disk, another run in the same directory)."""
 
 from __future__ import annotations
 
@@ -16,3 +17,12 @@ class RowError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class OutputError(Exception):
+    """Writing the output failed at run time (e.g. a full disk); finished rows are kept and a
+    rerun of the same command resumes."""
+
+
+class OutputBusy(OutputError):
+    """Another run holds the output directory's lock."""

@@ -54,6 +54,8 @@ class InputSource:
 
     format: InputFormat
 
+    files: list[str]  # every file the input reads, in reading order
+
     def __init__(self, path: str, schema: pa.Schema, num_rows: int | None) -> None:
         self.path = path
         self.schema = schema.remove_metadata()
@@ -214,6 +216,10 @@ class DatasetsSource(InputSource):
         # save_to_disk flattens any indices mapping, so the memory-mapped table is in row order.
         self._table: pa.Table = ds.data.table
         super().__init__(path, self._table.schema, self._table.num_rows)
+        # The directory's files (arrow data, state.json), for the job's input fingerprint.
+        self.files = sorted(
+            os.path.join(path, n) for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))
+        )
 
     def _read(
         self, batch_rows: int, skip_rows: int, columns: Sequence[str] | None

@@ -1,7 +1,9 @@
 """Streaming output with resume: a directory of atomically written Parquet parts.
 
 Layout of an output directory:
-    _job.json            the job's fingerprint (input, model, options); written first
+    _lock                held (flock) by the one run writing the directory; holds its pid
+    _job.json            the job's fingerprint (input, model, options, and what the model
+                         and input files were when it started); written first
     part-00000.parquet   results, each part written to a temp name, fsynced, then renamed
     part-00001.parquet   ...
     _stats.json          run statistics (throughput, timings, memory); the leading
@@ -10,12 +12,18 @@ Layout of an output directory:
 
 Exactly-once: a part either exists complete under its final name or not at all, so the ids in
 the parts are exactly the rows already done. A rerun of the same job reads those ids, skips
-them and numbers its new parts after the existing ones. Temp files of a killed run are deleted
-on open, so one process writes a given directory at a time.
+them and numbers its new parts after the existing ones. A part that cannot be read is deleted
+with the directory's _SUCCESS, so its rows are redone before the job counts as complete again.
+
+One writer at a time: opening takes an exclusive flock on _lock for the OutputDir's lifetime and
+fails at once, naming the holder's pid, while another run has it. Only under that lock are the
+temp files of a killed run deleted, and only once the directory is known to be batchgen's.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -28,15 +36,19 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.data.errors import InputError
+from batchgen.data.errors import InputError, OutputBusy, OutputError
 
 log = logging.getLogger(__name__)
 
 JOB_FILE = "_job.json"
 STATS_FILE = "_stats.json"
 SUCCESS_FILE = "_SUCCESS"
+LOCK_FILE = "_lock"
 TMP_PREFIX = ".tmp-"
 _PART_RE = re.compile(r"part-(\d+)\.parquet")
+# What write_atomic's mkstemp names look like: TMP_PREFIX, the final name, "." and a random tail.
+# Any other ".tmp-..." entry is not ours, so it is neither deleted nor taken as a sign of ownership.
+_TMP_RE = re.compile(r"\.tmp-(part-\d+\.parquet|_job\.json|_stats\.json|_SUCCESS)\.\w+")
 WriteFn = Callable[[BinaryIO], None]
 _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 # Names an input column cannot keep in the output: the result row already has them.
@@ -83,10 +95,32 @@ class OutputDir:
         self.fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True))
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise InputError(f"output {self.path} is a file; pass a directory path")
-        os.makedirs(self.path, exist_ok=True)
-        self._remove_temp_files()
-        self._claim(overwrite)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:
+            raise InputError(_os_error(e, f"cannot create output {self.path}")) from None
+        # Read-only first: nothing, not even the lock file, goes into a directory that is not ours.
+        self._check_owner()
+        self._lock = _lock(self.path)
+        try:
+            self._claim(overwrite)
+            self._remove_temp_files()
+        except BaseException:
+            self.close()
+            raise
         self._next_part = max(self._part_numbers(), default=-1) + 1
+
+    def close(self) -> None:
+        """Release the directory's lock (closing the file drops the flock)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def __enter__(self) -> OutputDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def is_complete(self) -> bool:
@@ -107,6 +141,8 @@ class OutputDir:
                     "deleting unreadable output part %s (its rows will be redone): %s", file, e
                 )
                 os.remove(file)
+                # The job is not complete until those rows are done again.
+                self._unmark_success()
                 continue
             done.update(ids.to_pylist())
         return done
@@ -114,26 +150,50 @@ class OutputDir:
     def write_part(self, table: pa.Table) -> str:
         """Write the next part atomically; returns its file name."""
         name = _part_name(self._next_part)
-        _write_atomic(self.path, name, lambda f: pq.write_table(table, f))
+        write_atomic(self.path, name, lambda f: pq.write_table(table, f))
         self._next_part += 1
         return name
 
     def write_stats(self, stats: dict[str, Any]) -> None:
-        _write_atomic(self.path, STATS_FILE, _json_writer(stats))
+        write_atomic(self.path, STATS_FILE, _json_writer(stats))
 
     def mark_success(self) -> None:
-        _write_atomic(self.path, SUCCESS_FILE, lambda f: None)
+        write_atomic(self.path, SUCCESS_FILE, lambda f: None)
+
+    def _unmark_success(self) -> None:
+        success = os.path.join(self.path, SUCCESS_FILE)
+        if os.path.exists(success):
+            log.warning(
+                "removing %s: the job is complete again once those rows are redone", success
+            )
+            os.remove(success)
 
     def read_all(self) -> pa.Table:
         """Every part concatenated in part order (for tests and merging)."""
         tables = [pq.read_table(os.path.join(self.path, n)) for n in self.part_files()]
         return pa.concat_tables(tables) if tables else pa.table({})
 
-    def _claim(self, overwrite: bool) -> None:
-        """Make the directory this job's: refuse another job's results unless overwriting."""
-        job_file = os.path.join(self.path, JOB_FILE)
+    def _check_owner(self) -> None:
+        """Refuse a directory that holds files batchgen did not write and no _job.json."""
         names = os.listdir(self.path)
+        if JOB_FILE in names:
+            return  # ours; other files in it (notes, logs/) are left alone
         foreign = [n for n in names if not _is_ours(n)]
+        if foreign:
+            shown = ", ".join(sorted(foreign)[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise InputError(
+                f"output {self.path} is not empty and was not written by batchgen ({shown}); "
+                "pick an empty or new output directory"
+            )
+
+    def _claim(self, overwrite: bool) -> None:
+        """Make the directory this job's: refuse another job's results unless overwriting.
+
+        A directory with another job's _job.json but no part files is taken over: nothing is
+        lost, and a job that failed before writing anything (e.g. a refused pickle checkpoint)
+        can be rerun with the fix into the same output."""
+        job_file = os.path.join(self.path, JOB_FILE)
+        names = [n for n in os.listdir(self.path) if n != LOCK_FILE]
         if os.path.exists(job_file):
             try:
                 with open(job_file) as f:
@@ -142,35 +202,33 @@ class OutputDir:
                 stored = None  # unreadable: treated like another job's
             if stored == self.fingerprint and not overwrite:
                 return
-            if not overwrite:
+            if not overwrite and self._part_numbers():
+                changed = _changed_keys(stored, self.fingerprint)
                 raise InputError(
-                    f"output {self.path} holds another job's results (its {JOB_FILE} differs); "
-                    "pass --overwrite to replace them, or pick another output directory"
+                    f"output {self.path} holds another job's results (its {JOB_FILE} differs"
+                    f"{' in ' + ', '.join(changed) if changed else ''}); pass --overwrite to "
+                    "replace them, or pick another output directory"
                 )
-        elif foreign:
-            # Not ours (no _job.json): never write into, or delete from, someone else's directory.
-            shown = ", ".join(sorted(foreign)[:5]) + (", ..." if len(foreign) > 5 else "")
-            raise InputError(
-                f"output {self.path} is not empty and was not written by batchgen ({shown}); "
-                "pick an empty or new output directory"
-            )
+            if not overwrite:
+                log.warning(
+                    "output %s holds no results of its earlier job; taking it over", self.path
+                )
         elif any(_is_ours(n) for n in names) and not overwrite:
             raise InputError(
                 f"output {self.path} holds result files without a {JOB_FILE}; "
                 "pass --overwrite to replace them, or pick another output directory"
             )
-        if overwrite:
-            for n in names:
-                if _is_ours(n):
-                    _remove(os.path.join(self.path, n))
-        _write_atomic(self.path, JOB_FILE, _json_writer(self.fingerprint))
+        for n in names:
+            if _is_ours(n):
+                _remove(os.path.join(self.path, n))
+        write_atomic(self.path, JOB_FILE, _json_writer(self.fingerprint))
 
     def _part_numbers(self) -> list[int]:
         return [int(m.group(1)) for n in os.listdir(self.path) if (m := _PART_RE.fullmatch(n))]
 
     def _remove_temp_files(self) -> None:
         for n in os.listdir(self.path):
-            if n.startswith(TMP_PREFIX):
+            if _TMP_RE.fullmatch(n):
                 log.warning("removing leftover temp file %s from an interrupted run", n)
                 _remove(os.path.join(self.path, n))
 
@@ -223,10 +281,59 @@ def _part_name(n: int) -> str:
 
 def _is_ours(name: str) -> bool:
     return (
-        name in (JOB_FILE, STATS_FILE, SUCCESS_FILE)
-        or name.startswith(TMP_PREFIX)
+        name in (JOB_FILE, STATS_FILE, SUCCESS_FILE, LOCK_FILE)
+        or _TMP_RE.fullmatch(name) is not None
         or _PART_RE.fullmatch(name) is not None
     )
+
+
+def _changed_keys(stored: Any, current: dict[str, Any]) -> list[str]:
+    if not isinstance(stored, dict):
+        return []
+    return sorted(k for k in set(stored) | set(current) if stored.get(k) != current.get(k))
+
+
+def _lock(directory: str):
+    """Take the directory's exclusive lock, or fail naming the run that holds it.
+
+    flock belongs to the open file, so the lock lasts exactly as long as the returned file
+    stays open, and a killed process never leaves a stale lock. The file itself is kept."""
+    path = os.path.join(directory, LOCK_FILE)
+    try:
+        f = open(path, "a+")  # noqa: SIM115 - held open for the OutputDir's lifetime
+    except OSError as e:
+        raise InputError(_os_error(e, f"cannot write to output {directory}")) from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise OutputBusy(
+            f"output {directory} is in use by another batchgen run (pid {holder}); wait for it "
+            "to finish, or pick another output directory"
+        ) from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def _os_error(e: OSError, what: str) -> str:
+    """One line for a failed file operation, with the fix for the usual causes."""
+    fixes = {
+        errno.ENOSPC: "free some space (or pick another output directory), then run the same "
+        "command again to resume",
+        errno.EDQUOT: "free some space under your quota, then run the same command again to resume",
+        errno.EACCES: "pick a directory you can write to",
+        errno.EPERM: "pick a directory you can write to",
+        errno.EROFS: "the file system is read-only; pick another output directory",
+        errno.ENOTDIR: "a part of the path is a file; pick another output directory",
+    }
+    fix = fixes.get(
+        e.errno, "check the output directory's storage, then run the same command again"
+    )
+    return f"{what}: {e.strerror or e}; {fix}"
 
 
 def _remove(path: str) -> None:
@@ -249,9 +356,17 @@ def _umask() -> int:
     return mask
 
 
-def _write_atomic(directory: str, name: str, write: WriteFn) -> None:
-    """Write `name` in `directory` so that it appears complete or not at all."""
-    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{name}.", dir=directory)
+def write_atomic(directory: str | os.PathLike[str], name: str, write: WriteFn) -> None:
+    """Write `name` in `directory` so that it appears complete or not at all, durably (file and
+    directory entry fsynced), with the mode any new file would get. Every file batchgen leaves
+    in an output, parts and merged results alike, is written this way.
+
+    A failure (a full disk, say) removes the temp file and raises OutputError."""
+    directory = os.fspath(directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{name}.", dir=directory)
+    except OSError as e:
+        raise OutputError(_os_error(e, f"cannot write {name} in {directory}")) from e
     try:
         # mkstemp makes the file owner-only; results get the modes any new file would.
         os.fchmod(fd, 0o666 & ~_umask())
@@ -260,13 +375,17 @@ def _write_atomic(directory: str, name: str, write: WriteFn) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(directory, name))
+        # The rename itself is durable only once the directory entry is synced.
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise OutputError(_os_error(e, f"cannot write {name} in {directory}")) from e
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    # The rename itself is durable only once the directory entry is synced.
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

@@ -73,6 +73,12 @@ class ModelConfig:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        sizes = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                 "intermediate_size", "max_position_embeddings")  # fmt: skip
+        for name in sizes:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
@@ -88,6 +94,14 @@ class ModelConfig:
         mlp = (3 if self.gated_mlp else 2) * self.dim * self.intermediate_size
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + mlp) + embed
+
+    @property
+    def rope_table_bytes(self) -> int:
+        """Peak bytes of building the float32 RoPE tables (rope.rope_tables): the (P, D/2)
+        frequencies, the (P, D) angles, and the cos and sin tables, P positions long."""
+        if self.position != PositionKind.ROPE:
+            return 0
+        return int(self.max_position_embeddings * self.head_dim * 4 * 3.5)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV cache bytes one token of one row occupies, across all layers."""

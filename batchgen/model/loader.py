@@ -10,6 +10,7 @@ has a float32 copy in host memory.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen.memory import check_allocation
 from batchgen.model.config import Family, ModelConfig, NormKind, PositionKind, RopeScaling
 from batchgen.model.transformer import Transformer
 
@@ -32,13 +34,28 @@ class UnsupportedModelError(ModelLoadError):
 
 
 def read_hf_config(path: Path) -> dict:
+    """config.json as a dict, checked to describe a model we can build (config_from_hf)."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(
             f"{path} is not a model directory: no config.json. Pass --model a local directory "
             "saved with save_pretrained (config.json + *.safetensors); hub names are not fetched."
         )
-    return json.loads(cfg_file.read_text())
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except (ValueError, OSError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ModelLoadError(
+            f"{cfg_file} is not readable JSON ({e}); restore it from the model's source"
+        ) from None
+    if not isinstance(hf, dict):
+        raise ModelLoadError(
+            f"{cfg_file} must hold a JSON object; restore it from the model's source"
+        )
+    try:
+        config_from_hf(hf)
+    except ModelLoadError as e:
+        raise type(e)(f"{cfg_file}: {e}") from None
+    return hf
 
 
 def _rope(hf: dict) -> tuple[float, RopeScaling]:
@@ -81,6 +98,21 @@ def _activation(name: str) -> str:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
+    """The ModelConfig of a config.json; ModelLoadError for a missing or malformed entry."""
+    try:
+        return _config_from_hf(hf)
+    except KeyError as e:
+        raise ModelLoadError(
+            f"no {e.args[0]!r}, which a {hf.get('model_type')} config.json needs; "
+            "restore the file from the model's source"
+        ) from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ModelLoadError(
+            f"not a valid {hf.get('model_type')} config ({e}); restore it from the model's source"
+        ) from None
+
+
+def _config_from_hf(hf: dict) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_FAMILIES:
         raise UnsupportedModelError(
@@ -208,7 +240,15 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
                     yield name, sf.get_tensor(name)
-        except (OSError, RuntimeError, ValueError, SafetensorError) as e:
+        except pickle.UnpicklingError as e:
+            # weights_only=True refuses objects other than tensors, which is what allows it;
+            # torch's message goes on for a page, its first sentence says what happened.
+            first = str(e).split(".")[0]
+            raise ModelLoadError(
+                f"cannot read weights file {f}: it holds more than tensors, or is not a PyTorch "
+                f"checkpoint ({first}); convert a trusted copy to safetensors"
+            ) from None
+        except (OSError, RuntimeError, ValueError, EOFError, SafetensorError) as e:
             raise ModelLoadError(f"cannot read weights file {f}: {e}") from e
 
 
@@ -290,7 +330,13 @@ def load_state_dict(
             parts = pending.setdefault(fused, {})
             parts[idx] = t.to(device=device, dtype=dtype)
             if len(parts) == n_parts:
-                out[fused] = torch.cat([parts[j] for j in sorted(parts)], dim=0)
+                try:
+                    out[fused] = torch.cat([parts[j] for j in sorted(parts)], dim=0)
+                except RuntimeError as e:
+                    raise ModelLoadError(
+                        f"the pieces of {fused} do not fit together ({e}); the checkpoint "
+                        "is damaged or mixes two models"
+                    ) from None
                 del pending[fused]
     if pending:
         raise ModelLoadError(f"checkpoint is missing pieces of {sorted(pending)}")
@@ -311,6 +357,14 @@ def load_model(
         )
     cfg = config_from_hf(read_hf_config(path))
     device = torch.device(device)
+    # The one table built from config.json alone, not read from the checkpoint: 10**9
+    # positions would be a 16 GB allocation before any weight is read.
+    check_allocation(
+        cfg.rope_table_bytes,
+        f"the RoPE tables for {cfg.max_position_embeddings} positions",
+        f"max_position_embeddings in {path / 'config.json'}",
+        device,
+    )
     with torch.device("meta"):
         model = Transformer(cfg)
     sd = load_state_dict(cfg, _checkpoint_files(path, allow_pickle), dtype, device)
@@ -323,7 +377,15 @@ def load_model(
             f"checkpoint in {path} does not match a {cfg.family.value} model: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
-    model.load_state_dict(sd, assign=True, strict=True)
+    try:
+        model.load_state_dict(sd, assign=True, strict=True)
+    except RuntimeError as e:  # shapes that differ from config.json's
+        lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
+        shown = "; ".join(lines[:2]) + ("; ..." if len(lines) > 2 else "")
+        raise ModelLoadError(
+            f"the checkpoint in {path} does not match its config.json ({shown}); the weights "
+            "and config.json must come from the same model"
+        ) from None
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.eval().requires_grad_(False)

@@ -22,6 +22,7 @@ from batchgen.quant.scheme import (
     QuantBackend,
     QuantMethod,
     QuantScheme,
+    QuantUnavailableError,
 )
 
 _BACKENDS = {QuantBackend.TORCHAO: torchao_backend, QuantBackend.QUANTO: quanto_backend}
@@ -68,18 +69,22 @@ def make_scheme(
     return scheme
 
 
-def _check_group_size(model: Transformer, scheme: QuantScheme) -> None:
-    if scheme.group_size is None:
-        return
-    for i, block in enumerate(model.layers):
-        for name in TARGETS:
-            k = block.get_submodule(name).in_features
-            if k % scheme.group_size:
-                fits = [g for g in INT4_GROUP_SIZES if k % g == 0]
-                raise ValueError(
-                    f"int4 group size {scheme.group_size} does not divide the {k} input "
-                    f"features of layers.{i}.{name}; group sizes that do: {fits or 'none'}"
-                )
+def layer_group_sizes(model: Transformer, scheme: QuantScheme) -> dict[str, int]:
+    """Per target layer, the largest supported group size up to scheme.group_size that
+    divides its input width in every block; QuantUnavailableError where none does."""
+    sizes = {}
+    for name in TARGETS:
+        widths = {block.get_submodule(name).in_features for block in model.layers}
+        fits = [g for g in INT4_GROUP_SIZES
+                if g <= scheme.group_size and all(k % g == 0 for k in widths)]  # fmt: skip
+        if not fits:
+            raise QuantUnavailableError(
+                f"int4 groups input channels in {', '.join(map(str, INT4_GROUP_SIZES))}s, and "
+                f"none of those up to {scheme.group_size} divides the {sorted(widths)} input "
+                f"features of layers.*.{name}; use --quantize int8 or fp8 for this model"
+            )
+        sizes[name] = max(fits)
+    return sizes
 
 
 def quantize_model(
@@ -93,7 +98,9 @@ def quantize_model(
         model.to(device)
         return scheme
     scheme.check_available(device.type, model.embed.weight.dtype)
-    _check_group_size(model, scheme)
+    if scheme.group_size is not None:
+        sizes = tuple(layer_group_sizes(model, scheme).items())
+        scheme = dataclasses.replace(scheme, layer_group_sizes=sizes)
     backend = _BACKENDS[scheme.backend]
     for block in model.layers:
         block.to(device)

@@ -22,5 +22,5 @@ def quantize_linears(
         # quanto picks a group size from each layer's width; use the scheme's instead so
         # the recorded group size is the one applied. freeze() reads this attribute.
         for name in names:
-            parent.get_submodule(name).weight_group_size = scheme.group_size
+            parent.get_submodule(name).weight_group_size = scheme.group_size_of(name)
     freeze(parent)

@@ -82,14 +82,18 @@ def available(device_type: str, dtype: torch.dtype | None = None) -> list[str]:
 class QuantScheme:
     """Weight-only quantization of the decoder's linear layers.
 
-    method NONE has no backend. group_size is int4's group of input channels and None
-    for int8/fp8 (per output channel). weight_format is the weight tensor type the
-    backend produced ("A/B" if layers differ), filled in by `quantize_model`."""
+    method NONE has no backend. group_size is int4's largest group of input channels and
+    None for int8/fp8 (per output channel); layer_group_sizes, filled in by `quantize_model`,
+    is the group each target layer got: the largest supported size up to group_size that
+    divides its input width (a 32-wide layer gets 32 under the default 128). weight_format
+    is the weight tensor type the backend produced ("A/B" if layers differ), also filled in
+    by `quantize_model`."""
 
     method: QuantMethod = QuantMethod.NONE
     backend: QuantBackend | None = None
     group_size: int | None = None
     weight_format: str | None = None
+    layer_group_sizes: tuple[tuple[str, int], ...] = ()  # (target, group size) per target
 
     def __post_init__(self) -> None:
         # Accept the plain strings the CLI and config files carry.
@@ -116,6 +120,10 @@ class QuantScheme:
     def enabled(self) -> bool:
         return self.method is not QuantMethod.NONE
 
+    def group_size_of(self, target: str) -> int | None:
+        """The group size the target layer (e.g. "mlp.w_out") is quantized with."""
+        return dict(self.layer_group_sizes).get(target, self.group_size)
+
     def check_available(self, device_type: str, dtype: torch.dtype) -> None:
         if not self.enabled:
             return
@@ -130,11 +138,21 @@ class QuantScheme:
     def to_dict(self) -> dict:
         if not self.enabled:
             return {"method": "none"}
-        return {
+        sizes = {f"layers.*.{t}": self.group_size_of(t) for t in TARGETS}
+        if not self.group_size:
+            granularity = "per channel"
+        elif len(set(sizes.values())) == 1:
+            granularity = f"group of {next(iter(sizes.values()))}"
+        else:
+            granularity = f"groups of {'/'.join(map(str, sorted(set(sizes.values()))))}"
+        out = {
             "method": self.method.value,
             "backend": self.backend.value,
-            "granularity": f"group of {self.group_size}" if self.group_size else "per channel",
+            "granularity": granularity,
             "group_size": self.group_size,
-            "modules": [f"layers.*.{t}" for t in TARGETS],
+            "modules": list(sizes),
             "weight_format": self.weight_format,
         }
+        if self.group_size:
+            out["group_sizes"] = sizes
+        return out

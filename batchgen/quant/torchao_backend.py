@@ -13,7 +13,7 @@ from torch import nn
 from batchgen.quant.scheme import QuantMethod, QuantScheme
 
 
-def _config(scheme: QuantScheme, device: torch.device):
+def _config(scheme: QuantScheme, device: torch.device, group_size: int | None):
     # set_inductor_config=False: torchao would otherwise flip process-wide inductor
     # settings, which also changes how an unquantized model in the same process compiles.
     from torchao.quantization import (
@@ -31,12 +31,10 @@ def _config(scheme: QuantScheme, device: torch.device):
         # needs the CUDA-only mslk package); the CPU tinygemm layout lives in prototype.
         from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
-        return PrototypeInt4WeightOnlyConfig(
-            group_size=scheme.group_size, set_inductor_config=False
-        )
+        return PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False)
     # tinygemm's CUDA kernel (aten._weight_int4pack_mm), the layout gpt-fast uses.
     return Int4WeightOnlyConfig(
-        group_size=scheme.group_size,
+        group_size=group_size,
         int4_packing_format="tile_packed_to_4d",
         set_inductor_config=False,
     )
@@ -48,5 +46,10 @@ def quantize_linears(
     """Quantize the Linear submodules `names` of parent in place (parent is on device)."""
     from torchao.quantization import quantize_
 
-    targets = set(names)
-    quantize_(parent, _config(scheme, device), filter_fn=lambda _m, fqn: fqn in targets)
+    # One pass per group size: int4 layers of one block may get different ones.
+    by_size: dict[int | None, set[str]] = {}
+    for name in names:
+        by_size.setdefault(scheme.group_size_of(name), set()).add(name)
+    for size, targets in by_size.items():
+        config = _config(scheme, device, size)
+        quantize_(parent, config, filter_fn=lambda _m, fqn, t=targets: fqn in t)
