@@ -62,6 +62,15 @@ def run_cli(*args: Any, exit_code: int | None = 0) -> Result:
     return result
 
 
+def assert_one_line_error(r: Result, *words: str) -> None:
+    """The CLI failed with no traceback and a last line "Error: ..." holding every word."""
+    lines = r.stderr.strip().splitlines()
+    assert "Traceback" not in r.stderr, r.stderr
+    assert lines and lines[-1].startswith("Error: "), r.stderr
+    for w in words:
+        assert w in lines[-1], (w, lines[-1])
+
+
 def cli_command(*args: Any) -> list[str]:
     return [sys.executable, "-m", "batchgen.cli", *map(str, args)]
 

@@ -9,7 +9,15 @@ import subprocess
 import pytest
 import torch
 import yaml
-from helpers import FAST, prompts, read_stats, rows_by_id, run_cli, write_parquet
+from helpers import (
+    FAST,
+    assert_one_line_error,
+    prompts,
+    read_stats,
+    rows_by_id,
+    run_cli,
+    write_parquet,
+)
 
 from batchgen.config import ConfigError, RunConfig
 
@@ -17,14 +25,6 @@ from batchgen.config import ConfigError, RunConfig
 @pytest.fixture(scope="module")
 def model(tiny_dirs):
     return tiny_dirs["llama"]
-
-
-def _one_line_error(r, *words):
-    lines = r.stderr.strip().splitlines()
-    assert "Traceback" not in r.stderr, r.stderr
-    assert lines and lines[-1].startswith("Error: "), r.stderr
-    for w in words:
-        assert w in lines[-1], (w, lines[-1])
 
 
 def _model_copy(tmp_path, model, **config):
@@ -64,7 +64,7 @@ def test_spec_values_are_checked_against_the_option_types(tmp_path, model, value
     base = {"input": str(src), "output": str(tmp_path / "out"), "model": str(model)}
     spec.write_text(yaml.safe_dump({**base, **values}))
     r = run_cli("run", spec, exit_code=2)
-    _one_line_error(r, *words)
+    assert_one_line_error(r, *words)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
 
 
@@ -96,7 +96,7 @@ def test_float_id_column_is_refused(tmp_path, model):
                         {"prompt": prompts(4), "uid": [1.0, float("nan"), float("nan"), 2.0]})  # fmt: skip
     r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
                 "--id-column", "uid", exit_code=2)  # fmt: skip
-    _one_line_error(r, "id column 'uid'", "cast it to int or string")
+    assert_one_line_error(r, "id column 'uid'", "cast it to int or string")
     assert not (tmp_path / "out").exists()
 
 
@@ -142,16 +142,18 @@ def test_huge_rope_table_is_refused_naming_the_setting(tmp_path, model):
     big = _model_copy(tmp_path, model, max_position_embeddings=10**10)
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     r = run_cli("run", src, "-o", tmp_path / "out", "--model", big, *FAST, exit_code=2)
-    _one_line_error(r, "RoPE tables", "TiB", "lower max_position_embeddings in", "config.json")
+    assert_one_line_error(
+        r, "RoPE tables", "TiB", "lower max_position_embeddings in", "config.json"
+    )
 
 
 def test_huge_kv_cache_is_refused_naming_the_flag(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, "--device", "cpu",
                 "--kv-cache-tokens", 10**11, exit_code=2)  # fmt: skip
-    _one_line_error(r, "KV cache of 100000000000 tokens", "TiB", "lower --kv-cache-tokens")
+    assert_one_line_error(r, "KV cache of 100000000000 tokens", "TiB", "lower --kv-cache-tokens")
     r = run_cli("plan", src, "--model", model, "--kv-cache-tokens", 10**11, exit_code=2)
-    _one_line_error(r, "lower --kv-cache-tokens")
+    assert_one_line_error(r, "lower --kv-cache-tokens")
 
 
 # --- 11. sbatch scripts ---
@@ -167,11 +169,11 @@ def test_slurm_quotes_paths_and_refuses_newlines(tmp_path, model):
     syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
     r = run_cli(*args[:5], "--job-name", "x\n#SBATCH --uid=0", *args[5:], exit_code=2)
-    _one_line_error(r, "--job-name", "control character")
+    assert_one_line_error(r, "--job-name", "control character")
     r = run_cli(*args[:5], "--sbatch-arg", "--account=a\nrm -rf /", *args[5:], exit_code=2)
-    _one_line_error(r, "--sbatch-arg", "control character")
+    assert_one_line_error(r, "--sbatch-arg", "control character")
     r = run_cli(*args[:5], "--partition", 'gpu"', *args[5:], exit_code=2)
-    _one_line_error(r, "--partition", "quotes")
+    assert_one_line_error(r, "--partition", "quotes")
 
 
 # --- 13. broken model directories ---
@@ -209,12 +211,12 @@ def _pickle_with_objects(tmp_path, model):
     "make", [_broken_config, _incomplete_config, _bad_size_config, _size_mismatch,
              _pickle_with_objects],
 )  # fmt: skip
-def test_broken_model_directory_is_a_one_line_error(tmp_path, model, make):
+def test_broken_model_directory_is_aassert_one_line_error(tmp_path, model, make):
     d, words = make(tmp_path, model)
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     r = run_cli("run", src, "-o", tmp_path / "out", "--model", d, *FAST, "--allow-pickle",
                 exit_code=2)  # fmt: skip
-    _one_line_error(r, *words)
+    assert_one_line_error(r, *words)
 
 
 # --- 14. int4 group sizes ---

@@ -13,6 +13,7 @@ import pytest
 from helpers import (
     FAST,
     ROOT,
+    assert_one_line_error,
     cli_command,
     prompts,
     read_stats,
@@ -41,14 +42,6 @@ def _complete(out, n=N):
     rows = rows_by_id(out)  # fails on a duplicate id
     assert sorted(rows) == list(range(n))
     assert (out / "_SUCCESS").exists()
-
-
-def _one_line_error(r, *words):
-    lines = r.stderr.strip().splitlines()
-    assert "Traceback" not in r.stderr, r.stderr
-    assert lines and lines[-1].startswith("Error: "), r.stderr
-    for w in words:
-        assert w in lines[-1], (w, lines[-1])
 
 
 # --- 1. a damaged part is never followed by "complete" ---
@@ -83,7 +76,7 @@ def test_second_run_on_a_locked_output_fails_naming_the_holder(tmp_path, model):
     finally:
         first.send_signal(signal.SIGCONT)
     assert second.returncode == 1, second.stderr
-    _one_line_error(second, "in use by another batchgen run", f"pid {first.pid}")
+    assert_one_line_error(second, "in use by another batchgen run", f"pid {first.pid}")
     _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
     _complete(out, 24)
@@ -106,7 +99,7 @@ def test_workers_refuse_an_output_of_another_split(tmp_path, model):
     out = tmp_path / "out"
     (out / "shard-00000-of-00003").mkdir(parents=True)
     r = run_cli("run", src, "-o", out, "--model", model, *FAST, "--workers", 2, exit_code=2)
-    _one_line_error(r, "3-way split", "--workers 3")
+    assert_one_line_error(r, "3-way split", "--workers 3")
 
 
 # --- 5. ownership before any deletion ---
@@ -118,7 +111,7 @@ def test_foreign_temp_entries_are_neither_deleted_nor_taken_as_ours(tmp_path, mo
     (out / ".tmp-notes").write_text("someone's")
     (out / ".tmp-build").mkdir()
     r = run_cli(*args, "--overwrite", exit_code=2)
-    _one_line_error(r, "not written by batchgen", ".tmp-build")
+    assert_one_line_error(r, "not written by batchgen", ".tmp-build")
     assert (out / ".tmp-notes").read_text() == "someone's" and (out / ".tmp-build").is_dir()
     assert sorted(p.name for p in out.iterdir()) == [".tmp-build", ".tmp-notes"]
 
@@ -133,7 +126,7 @@ def test_changed_weights_at_the_same_model_path_are_refused(tmp_path, model):
     weights = copy / "model.safetensors"
     weights.write_bytes(weights.read_bytes())  # rewritten in place: same size, new mtime
     r = run_cli(*args, exit_code=2)
-    _one_line_error(r, "another job", "model_files", "--overwrite")
+    assert_one_line_error(r, "another job", "model_files", "--overwrite")
     run_cli(*args, "--overwrite")
     _complete(out, 8)
 
@@ -143,7 +136,7 @@ def test_rows_prepended_to_the_input_are_refused(tmp_path, model):
     run_cli(*args)
     write_parquet(tmp_path / "in.parquet", {"prompt": ["a new first row", *prompts(8)]})
     r = run_cli(*args, exit_code=2)
-    _one_line_error(r, "another job", "input_files", "--overwrite")
+    assert_one_line_error(r, "another job", "input_files", "--overwrite")
     assert sorted(rows_by_id(out)) == list(range(8))  # untouched
 
 
@@ -159,7 +152,7 @@ def test_job_refused_before_writing_can_rerun_with_the_fix(tmp_path, model):
     (pickled / "model.safetensors").unlink()
     args, out = _job(tmp_path, pickled, 4)
     r = run_cli(*args, exit_code=2)
-    _one_line_error(r, "--allow-pickle")
+    assert_one_line_error(r, "--allow-pickle")
     run_cli(*args, "--allow-pickle")  # the fix the message names, same -o
     _complete(out, 4)
 
@@ -206,7 +199,7 @@ def test_full_disk_is_a_one_line_error_and_a_rerun_resumes(tmp_path, model, monk
 
     monkeypatch.setattr("batchgen.data.writer.pq.write_table", disk_full)
     r = run_cli(*args, exit_code=1)
-    _one_line_error(r, "No space left on device", "run the same command again to resume")
+    assert_one_line_error(r, "No space left on device", "run the same command again to resume")
     assert not (out / "_SUCCESS").exists()
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
     monkeypatch.undo()
@@ -214,14 +207,14 @@ def test_full_disk_is_a_one_line_error_and_a_rerun_resumes(tmp_path, model, monk
     _complete(out, 8)
 
 
-def test_unwritable_empty_or_file_output_is_a_one_line_error(tmp_path, model, monkeypatch):
+def test_unwritable_empty_or_file_output_is_aassert_one_line_error(tmp_path, model, monkeypatch):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     common = ("--model", model, *FAST)
     r = run_cli("run", src, "-o", "", *common, exit_code=2)
-    _one_line_error(r, "output is empty")
+    assert_one_line_error(r, "output is empty")
     (tmp_path / "file").write_text("")
     r = run_cli("run", src, "-o", tmp_path / "file" / "out", *common, exit_code=2)
-    _one_line_error(r, "cannot create output", "pick another output directory")
+    assert_one_line_error(r, "cannot create output", "pick another output directory")
     # A read-only file system (simulated: root may write anywhere on this one).
     ro = tmp_path / "ro"
     real = os.makedirs
@@ -233,7 +226,7 @@ def test_unwritable_empty_or_file_output_is_a_one_line_error(tmp_path, model, mo
 
     monkeypatch.setattr(os, "makedirs", makedirs)
     r = run_cli("run", src, "-o", ro / "out", *common, exit_code=2)
-    _one_line_error(r, "Read-only file system", "pick another output directory")
+    assert_one_line_error(r, "Read-only file system", "pick another output directory")
 
 
 def test_run_help_documents_the_exit_codes():
