@@ -77,6 +77,9 @@ def run_options(f):
         _opt("--seed", type=int, help="Job sampling seed: each row samples with its own seed, derived from this and its id, so rows are independent and a row's output does not depend on its batch, order or --limit (a seed column sets a row's seed itself)."),
         _opt("--stop", multiple=True, default=(), help="Stop string (repeatable)."),
         _opt("--ignore-eos", is_flag=True, help="Generate max_new_tokens even past EOS."),
+        _opt("--choice", help='Structured output: the output is one of these comma-separated labels, e.g. "positive,negative,neutral" (a choice list column overrides per row).'),
+        _opt("--regex", help="Structured output: the output matches this regular expression (a regex column overrides per row)."),
+        _opt("--json-schema", help="Structured output: a JSON schema file the output must match (a json_schema column of schema text overrides per row)."),
         _opt("--device", help="auto, cpu, cuda, cuda:N."),
         _opt("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="auto = bfloat16 on GPU, float32 on CPU."),
         _opt("--compile/--no-compile", help="torch.compile prefill and decode (decode as CUDA graphs). Default: on with a GPU, off on the CPU, where compiling costs 10-70 s a shape and measured no faster."),
@@ -123,6 +126,8 @@ def build_config(ctx: click.Context, source: str, **flags) -> RunConfig:
         values["shard"] = _shard_from_env(values.get("workers", 1))
     if isinstance(values.get("passthrough"), str):
         values["passthrough"] = [c.strip() for c in values["passthrough"].split(",") if c.strip()]
+    if isinstance(values.get("choice"), str):  # "a,b,c" on the command line
+        values["choice"] = [c.strip() for c in values["choice"].split(",") if c.strip()]
     if isinstance(values.get("stop"), tuple | list):
         values["stop"] = list(values["stop"])
     return RunConfig.from_mapping(values, source)

@@ -86,6 +86,10 @@ class RunConfig:
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # structured outputs (one at most; choice/regex/json_schema columns override per row)
+    choice: list[str] | None = None  # the output is one of these labels
+    regex: str | None = None  # the output matches this regular expression
+    json_schema: str | None = None  # a JSON schema file the output must match
     # engine
     device: str = "auto"
     dtype: str = "auto"
@@ -153,6 +157,11 @@ class RunConfig:
             raise ConfigError(
                 "use either shard or workers, not both (workers shard the input itself)"
             )
+        given = [k for k in ("choice", "regex", "json_schema") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ConfigError(
+                f"use one of choice, regex and json_schema, not {' and '.join(given)}"
+            )
         if self.messages_column and self.template:
             raise ConfigError("use either messages_column or template, not both")
 
@@ -191,6 +200,12 @@ class RunConfig:
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())
         out["truncate"] = self.truncate.value
+        for key in ("choice", "regex", "json_schema"):  # unconstrained jobs keep theirs
+            if out[key] is None:
+                del out[key]
+        if self.json_schema is not None:  # the schema itself: editing the file makes another job
+            out["json_schema"] = {"path": str(Path(self.json_schema).resolve()),
+                                  "schema": read_json_schema(self.json_schema)}  # fmt: skip
         if self.lora is None:  # runs without an adapter keep the fingerprint they had before
             del out["lora"]
         else:  # the adapter's content, too: retraining it in place makes another job
@@ -206,6 +221,22 @@ class RunConfig:
         else:
             del out["shard"]
         return out
+
+
+def read_json_schema(path: str) -> str:
+    """The text of a JSON schema file, checked to be JSON; ConfigError naming the fix."""
+    import json
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        json.loads(text)
+    except OSError as e:
+        raise ConfigError(f"json_schema: cannot read {path}: {e.strerror}") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(
+            f"json_schema: {path} is not a JSON file ({e}); pass a JSON schema"
+        ) from None
+    return text
 
 
 def _check_types(cfg: RunConfig) -> None:

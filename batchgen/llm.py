@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.constraints import Grammars
 from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Completion, Request, SamplingParams
@@ -96,12 +97,10 @@ class LLM:
         self.runner = ModelRunner(
             self.model, block_size=self.config.block_size, compile=self.compile
         )
-        self.engine = Engine(
-            self.runner,
-            self.config,
-            self.detokenize,
-            eos_token_ids(self.model_dir, self.tokenizer),
-        )
+        eos = eos_token_ids(self.model_dir, self.tokenizer)
+        # Grammars are compiled (xgrammar imported) only when a constrained row comes.
+        grammars = Grammars(self.tokenizer, self.model.cfg.vocab_size, eos)
+        self.engine = Engine(self.runner, self.config, self.detokenize, eos, grammars)
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

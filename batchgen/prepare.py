@@ -15,9 +15,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.config import RunConfig
+from batchgen.config import ConfigError, RunConfig, read_json_schema
 from batchgen.data import InputError, InputSource, PromptBuilder, RowError, default_ids
 from batchgen.data.writer import RESERVED_COLUMNS
+from batchgen.engine.constraints import Constraint, ConstraintError, ConstraintKind, parse_choices
 from batchgen.engine.sequence import Request, SamplingParams
 from batchgen.seeds import row_seed
 from batchgen.tokenize import fit_length, tokenize
@@ -27,6 +28,45 @@ log = logging.getLogger(__name__)
 # Optional input columns that override the job's sampling defaults for their row. Without a
 # seed column, each row's seed is derived from the job's seed and the row's id (seeds.py).
 OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "seed")
+# Optional input columns that constrain their row's output (over the job's --choice etc.).
+CONSTRAINT_COLUMNS = tuple(k.value for k in ConstraintKind)
+
+
+def job_constraint(cfg: RunConfig) -> Constraint | None:
+    """The job's --choice / --regex / --json-schema, or None."""
+    if cfg.choice is not None:
+        try:
+            return Constraint(ConstraintKind.CHOICE, parse_choices(cfg.choice))
+        except ConstraintError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.regex is not None:
+        return Constraint(ConstraintKind.REGEX, cfg.regex)
+    if cfg.json_schema is not None:
+        return Constraint(ConstraintKind.JSON_SCHEMA, read_json_schema(cfg.json_schema))
+    return None
+
+
+def row_constraint(rec: dict[str, Any], columns: list[str]) -> Constraint | None:
+    """A row's own constraint from its choice / regex / json_schema column, or None."""
+    given = [c for c in columns if rec.get(c) is not None]
+    if len(given) > 1:
+        raise RowError(f"the row sets both {given[0]} and {given[1]}; give one constraint")
+    if not given:
+        return None
+    col, value = given[0], rec[given[0]]
+    kind = ConstraintKind(col)
+    try:
+        if kind is ConstraintKind.CHOICE:
+            return Constraint(kind, parse_choices(value))
+        if isinstance(value, dict):  # a struct column: the schema itself
+            import json
+
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise ConstraintError(f"{col} is {type(value).__name__}, not text")
+        return Constraint(kind, value)
+    except ConstraintError as e:
+        raise RowError(str(e)) from e
 
 
 @dataclass(slots=True)
@@ -77,7 +117,9 @@ class Preparer:
         self.max_seq = max_seq  # prompt + new tokens must fit the model's positions
         self.passthrough = self._passthrough(cfg, source)
         self.overrides = [c for c in OVERRIDE_COLUMNS if c in source.columns]
+        self.constraint_columns = [c for c in CONSTRAINT_COLUMNS if c in source.columns]
         needed = self.builder.required_columns() | set(self.passthrough) | set(self.overrides)
+        needed |= set(self.constraint_columns)
         if cfg.id_column:
             needed.add(cfg.id_column)
         source.require_columns(sorted(needed))
@@ -96,6 +138,7 @@ class Preparer:
             top_p=cfg.top_p,
             stop=tuple(cfg.stop),
             ignore_eos=cfg.ignore_eos,
+            constraint=job_constraint(cfg),
         )
         self._seen_ids: set[Any] = set()
 
@@ -212,6 +255,9 @@ class Preparer:
                     raise ValueError(f"{c} is {v!r}, not a number")
                 values[c] = int(v) if c in ("max_new_tokens", "seed") else float(v)
             values.setdefault("seed", row_seed(self.cfg.seed, row_id))
+            constraint = row_constraint(rec, self.constraint_columns)
+            if constraint is not None:
+                values["constraint"] = constraint
             return dataclasses.replace(self.defaults, **values)
         except (ValueError, TypeError) as e:
             raise RowError(f"bad per-row sampling value: {e}") from e

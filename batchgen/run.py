@@ -19,9 +19,17 @@ import torch
 from batchgen.config import ConfigError, RunConfig
 from batchgen.data import InputSource, OutputDir, PartBuffer, open_input, output_schema
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.constraints import ConstraintError, Grammars
 from batchgen.engine.sequence import Completion, FinishReason, Request
 from batchgen.fingerprint import content_fingerprint
-from batchgen.llm import DEFAULT_MODEL, LLM, load_tokenizer, resolve_device, resolve_dtype
+from batchgen.llm import (
+    DEFAULT_MODEL,
+    LLM,
+    eos_token_ids,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
 from batchgen.memory import check_allocation
 from batchgen.model.config import ModelConfig
 from batchgen.model.loader import config_from_hf, read_hf_config
@@ -136,6 +144,12 @@ def open_job(cfg: RunConfig) -> Job:
         what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
         check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", device)
     prep = Preparer(cfg, source, tokenizer, max_prompt, max_seq)
+    if prep.defaults.constraint is not None:  # a job's grammar that cannot compile: before loading
+        eos = eos_token_ids(model_dir, tokenizer)
+        try:
+            Grammars(tokenizer, model_cfg.vocab_size, eos).compile(prep.defaults.constraint)
+        except ConstraintError as e:
+            raise ConfigError(str(e)) from None
     return Job(cfg, model_dir, model_cfg, source, tokenizer, device, dtype, prep, engine)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.constraints import Constrainer, ConstraintError, Grammars
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import Scheduler, StepPlan
 from batchgen.engine.sequence import Completion, FinishReason, Request, Sequence
@@ -50,9 +51,12 @@ class Engine:
         config: EngineConfig,
         detokenize: Detokenize,
         eos_ids: Seq[int] = (),
+        grammars: Grammars | None = None,
     ) -> None:
         self.runner, self.config, self.detokenize = runner, config, detokenize
         self.eos_ids = tuple(eos_ids)
+        self.grammars = grammars  # None: constrained requests are refused
+        self.constrainer = Constrainer(grammars) if grammars is not None else None
         self.scheduler: Scheduler | None = None  # made with the pool, at the first request
 
     def _start(self, first: list[Request]) -> Scheduler:
@@ -107,8 +111,11 @@ class Engine:
         elif not self.scheduler.fits(r):
             why = f"exceeds the KV cache's {self.scheduler.capacity_tokens} tokens; raise --kv-cache-tokens"
         else:
-            self.scheduler.add(r)
-            return None
+            error = self._check_constraint(r)
+            if error is None:
+                self.scheduler.add(r)
+                return None
+            return Completion(r.index, [], FinishReason.ERROR, r.prompt_len, error=error)
         return Completion(
             index=r.index,
             token_ids=[],
@@ -117,10 +124,27 @@ class Engine:
             error=f"prompt ({r.prompt_len} tokens) + max_new_tokens ({r.params.max_new_tokens}) {why}",
         )
 
+    def _check_constraint(self, r: Request) -> str | None:
+        if r.params.constraint is None:
+            return None
+        if self.grammars is None:
+            return "this engine was built without grammars; constrained outputs are off"
+        try:
+            self.grammars.compile(r.params.constraint)
+        except ConstraintError as e:
+            return str(e)
+        return None
+
     def _step(self, plan: StepPlan) -> StepReport:
-        sched = self.scheduler
-        sampled, timing = self.runner.execute(plan)
+        sched, constrainer = self.scheduler, self.constrainer
+        bitmask = constrainer.bitmask(plan, self.runner.device) if constrainer else None
+        sampled, timing = self.runner.execute(plan, bitmask)
         finished = sched.update(plan, sampled)
+        if bitmask is not None:  # grammars take the new tokens; one that accepted EOS ends
+            live = [s.seq for s in plan.scheduled if s.samples and s.seq not in finished]
+            for seq in constrainer.accept(live):
+                sched.finish(seq, FinishReason.STOP)
+                finished.append(seq)
         for s in plan.scheduled:  # stop strings: on the host, for the rows that have them
             seq = s.seq
             if s.samples and seq.params.stop and seq not in finished:
@@ -128,6 +152,9 @@ class Engine:
                 if keep is not None:
                     sched.finish(seq, FinishReason.STOP, keep)
                     finished.append(seq)
+        if constrainer is not None:
+            for seq in finished:
+                constrainer.release(seq)
         return StepReport(
             finished=[self._completion(seq) for seq in finished],
             prompt_tokens=sum(s.num_tokens for s in plan.prefills),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.block_pool import NULL_BLOCK
+from batchgen.engine.constraints import apply_bitmask
 from batchgen.engine.sampler import SamplingTensors, sample
 from batchgen.engine.scheduler import Scheduled, StepPlan
 from batchgen.model.attention import DecodeGroup, PrefillSpan, StepAttention
@@ -155,8 +156,11 @@ class ModelRunner:
         sampling: SamplingTensors,
         steps: torch.Tensor,
         greedy_only: bool,
+        bitmask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.model(tokens, positions, step, logits_index)  # (S, V)
+        if bitmask is not None:  # constrained rows: tokens outside their grammar get -inf
+            logits = apply_bitmask(logits, bitmask)
         tok = sample(logits, sampling, steps, greedy_only)
         return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
 
@@ -169,17 +173,21 @@ class ModelRunner:
         sampling: SamplingTensors,
         steps: torch.Tensor,
         greedy_only: bool,
+        bitmask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode-only step as one graph: (B,) tokens at (B,) positions, tables (B, n)."""
         b = tokens.shape[0]
         step = StepAttention(slots, b, (DecodeGroup(0, blocks, positions + 1),))
         index = torch.arange(b, device=tokens.device)
-        return self._forward(tokens, positions, step, index, sampling, steps, greedy_only)
+        return self._forward(tokens, positions, step, index, sampling, steps, greedy_only, bitmask)
 
-    def execute(self, plan: StepPlan) -> tuple[list[tuple[int, float]], StepTiming]:
-        """Run one step; returns (token, logprob) per sampling sequence in plan order."""
+    def execute(
+        self, plan: StepPlan, bitmask: torch.Tensor | None = None
+    ) -> tuple[list[tuple[int, float]], StepTiming]:
+        """Run one step; returns (token, logprob) per sampling sequence in plan order.
+        bitmask: (sampling sequences, words) allowed-token masks in plan order, or None."""
         if self.compiled and not plan.prefills:
-            return self._execute_compiled_decode(plan)
+            return self._execute_compiled_decode(plan, bitmask)
         dev, bs = self.device, self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -229,6 +237,9 @@ class ModelRunner:
             _sync(dev)
             return [], StepTiming(time.perf_counter() - t0)
         samp, steps = sampling.tensors(dev)
+        if bitmask is not None:  # to the packed order: decodes by width, then prefills
+            nd = len(order)
+            bitmask = bitmask[torch.tensor(order + list(range(nd, len(index))), device=dev)]
         tok, lp = self._forward(
             torch.tensor(tokens, device=dev),
             torch.tensor(positions, device=dev),
@@ -237,6 +248,7 @@ class ModelRunner:
             samp,
             steps,
             sampling.greedy_only,
+            bitmask,
         )
         out = list(zip(tok.tolist(), lp.tolist(), strict=True))
         nd = len(order)
@@ -252,7 +264,9 @@ class ModelRunner:
             positions.append(p)
             slots.append(table[p // bs] * bs + p % bs)
 
-    def _execute_compiled_decode(self, plan: StepPlan) -> tuple[list[tuple[int, float]], StepTiming]:  # fmt: skip
+    def _execute_compiled_decode(
+        self, plan: StepPlan, bitmask: torch.Tensor | None
+    ) -> tuple[list[tuple[int, float]], StepTiming]:
         dev, bs = self.device, self.block_size
         n = len(plan.decodes)
         b = next_pow2(n)
@@ -271,6 +285,8 @@ class ModelRunner:
         sampling.pad(pad)
         greedy_only = sampling.greedy_only
         samp, steps = sampling.tensors(dev)
+        if bitmask is not None and pad:  # padding rows allow every token
+            bitmask = torch.cat([bitmask, bitmask.new_full((pad, bitmask.shape[1]), -1)])
         args = (
             torch.tensor(tokens, device=dev),
             torch.tensor(positions, device=dev),
@@ -279,8 +295,9 @@ class ModelRunner:
             samp,
             steps,
             greedy_only,
+            bitmask,
         )
-        key = ("decode", b, width, greedy_only)
+        key = ("decode", b, width, greedy_only, bitmask is not None)
         cuda_graphs = dev.type == "cuda"
         t0 = time.perf_counter()
         if cuda_graphs:

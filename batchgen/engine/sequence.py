@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchgen.engine.constraints import Constraint
 
 
 class FinishReason(str, enum.Enum):
@@ -27,6 +31,7 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # a choice, regex or JSON schema the output must match
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

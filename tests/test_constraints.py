@@ -1,0 +1,181 @@
+"""Structured outputs (--choice, --regex, --json-schema and their per-row columns) on a tiny
+random model, whose unconstrained output is noise: every constrained row must still be valid."""
+
+import json
+import re
+
+import pytest
+import torch
+from helpers import (
+    FAST,
+    assert_one_line_error,
+    prompts,
+    read_stats,
+    rows_by_id,
+    run_cli,
+    write_parquet,
+)
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.constraints import (
+    Constraint,
+    ConstraintError,
+    ConstraintKind,
+    apply_bitmask,
+    parse_choices,
+)
+from batchgen.engine.sequence import FinishReason, SamplingParams
+from batchgen.llm import LLM
+
+LABELS = ["positive", "negative", "neutral"]
+SAMPLED = (*FAST, "--temperature", 1.0, "--max-new-tokens", 24)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dirs):
+    return tiny_dirs["llama"]
+
+
+def test_apply_bitmask_keeps_exactly_the_set_bits():
+    vocab = 70  # three words, the last one partly past the vocabulary
+    allowed = [{0, 31, 32, 69}, set(range(vocab))]
+    mask = torch.zeros(2, 3, dtype=torch.int32)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            word = int(mask[row, t // 32]) | (1 << (t % 32))
+            mask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32 wrap
+    out = apply_bitmask(torch.zeros(2, vocab), mask)
+    for row, tokens in enumerate(allowed):
+        assert {i for i in range(vocab) if out[row, i] == 0} == tokens
+        assert all(out[row, i] == float("-inf") for i in range(vocab) if i not in tokens)
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [("", "at least one"), (" , ", "at least one"), ("a,b,a", "twice"), ([], "at least one")],
+)
+def test_bad_choice_lists_are_refused(value, why):
+    with pytest.raises(ConstraintError, match=why):
+        parse_choices(value)
+
+
+def test_choice_flag_gives_only_labels_even_sampling_noise(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(12)})
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", model, *SAMPLED, "--choice", ",".join(LABELS))
+    rows = rows_by_id(out)
+    assert len(rows) == 12
+    assert all(r["text"] in LABELS and r["finish_reason"] == "stop" for r in rows.values())
+    assert len({r["text"] for r in rows.values()}) > 1  # sampled, not one forced label
+    assert read_stats(out)["rows_error"] == 0
+
+
+def test_unconstrained_rows_are_unaffected_by_constrained_neighbours(tmp_path, model):
+    texts = prompts(8)
+    plain = write_parquet(tmp_path / "plain.parquet", {"prompt": texts})
+    run_cli("run", plain, "-o", tmp_path / "a", "--model", model, *FAST, "--max-new-tokens", 12)
+    # The same rows, half of them now constrained per row; greedy, in one job.
+    regex = [r"[a-c]{2}-[0-9]+" if i % 2 else None for i in range(8)]
+    mixed = write_parquet(tmp_path / "mixed.parquet", {"prompt": texts, "regex": regex})
+    run_cli("run", mixed, "-o", tmp_path / "b", "--model", model, *FAST, "--max-new-tokens", 12)
+    a, b = rows_by_id(tmp_path / "a"), rows_by_id(tmp_path / "b")
+    for i in range(8):
+        if regex[i] is None:
+            assert b[i]["text"] == a[i]["text"]
+        elif b[i]["finish_reason"] == "stop":
+            assert re.fullmatch(regex[i], b[i]["text"]), b[i]["text"]
+        else:  # the grammar allows digits forever; it may run out of tokens, never of form
+            assert re.fullmatch(r"[a-c]{2}-[0-9]*", b[i]["text"]), b[i]["text"]
+
+
+def test_json_schema_file_gives_valid_json(tmp_path, model):
+    schema = {
+        "type": "object",
+        "properties": {"label": {"enum": LABELS}, "score": {"type": "integer"}},
+        "required": ["label", "score"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(6)})
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", model, *SAMPLED, "--max-new-tokens", 96,
+            "--json-schema", path, "--ignore-eos")  # fmt: skip
+    for r in rows_by_id(out).values():
+        assert r["finish_reason"] == "stop", r  # the grammar ends the row, EOS ignored or not
+        obj = json.loads(r["text"])
+        assert set(obj) == {"label", "score"} and obj["label"] in LABELS
+        assert isinstance(obj["score"], int)
+
+
+def test_per_row_choice_lists_and_a_bad_row_regex(tmp_path, model):
+    src = write_parquet(
+        tmp_path / "in.parquet",
+        {
+            "prompt": prompts(4),
+            "choice": [["yes", "no"], None, ["red", "green", "blue"], None],
+            "regex": [None, "[0-9]{4}", None, "[a-"],
+        },
+    )
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", model, *SAMPLED)
+    rows = rows_by_id(out)
+    assert rows[0]["text"] in ("yes", "no")
+    assert re.fullmatch("[0-9]{4}", rows[1]["text"])
+    assert rows[2]["text"] in ("red", "green", "blue")
+    assert rows[3]["finish_reason"] == "error" and "does not compile" in rows[3]["error"]
+    assert "\n" not in rows[3]["error"]
+
+
+def test_a_row_with_two_constraints_is_an_error_record(tmp_path, model):
+    src = write_parquet(
+        tmp_path / "in.parquet",
+        {"prompt": prompts(2), "choice": [["a", "b"], ["a", "b"]], "regex": ["x+", None]},
+    )
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", model, *SAMPLED)
+    rows = rows_by_id(out)
+    assert "give one constraint" in rows[0]["error"]
+    assert rows[1]["text"] in ("a", "b")
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (("--regex", "[a-"), ("--regex", "does not compile")),
+        (("--choice", ","), ("choice", "at least one")),
+        (("--choice", "a", "--regex", "b"), ("choice and regex",)),
+        (("--json-schema", "missing.json"), ("json_schema", "cannot read")),
+    ],
+)
+def test_bad_job_constraints_fail_before_the_model_loads(tmp_path, model, flags, words):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    out = tmp_path / "out"
+    r = run_cli("run", src, "-o", out, "--model", model, *FAST, *flags, exit_code=2)
+    assert_one_line_error(r, *words)
+    assert not out.exists() or not any(out.glob("part-*"))
+
+
+def test_constrained_rows_survive_preemption(model):
+    """A pool too small for all rows at once: sequences are preempted and recomputed with
+    their grammar state kept; outputs stay valid and equal to an unpreempted run."""
+    c = Constraint(ConstraintKind.REGEX, "[a-z]{6,9}")
+    params = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=i, constraint=c) for i in range(6)]  # fmt: skip
+    big = LLM(model, device="cpu", compile=False).generate(prompts(6), params)
+    small = LLM(
+        model, device="cpu", compile=False, engine=EngineConfig(block_size=4, kv_cache_tokens=48)
+    )
+    out = small.generate(prompts(6), params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in out] == [o.token_ids for o in big]
+    assert all(re.fullmatch("[a-z]{6,9}", o.text) and o.finish_reason is FinishReason.STOP for o in out)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_compiled_constrained_decode_equals_eager(model):
+    c = Constraint(ConstraintKind.CHOICE, tuple(LABELS))
+    params = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=i, constraint=c if i % 2 else None) for i in range(5)]  # fmt: skip
+    eager = LLM(model, device="cpu", compile=False).generate(prompts(5), params)
+    compiled = LLM(model, device="cpu", compile=True).generate(prompts(5), params)
+    assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
+    assert all(o.text in LABELS for o in compiled[1::2])
