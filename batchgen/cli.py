@@ -126,8 +126,8 @@ def build_config(ctx: click.Context, source: str, **flags) -> RunConfig:
         values["shard"] = _shard_from_env(values.get("workers", 1))
     if isinstance(values.get("passthrough"), str):
         values["passthrough"] = [c.strip() for c in values["passthrough"].split(",") if c.strip()]
-    if isinstance(values.get("choice"), str):  # "a,b,c" on the command line
-        values["choice"] = [c.strip() for c in values["choice"].split(",") if c.strip()]
+    if isinstance(values.get("choice"), str):  # "a, b,c" on the command line
+        values["choice"] = [c.strip() for c in values["choice"].split(",")]
     if isinstance(values.get("stop"), tuple | list):
         values["stop"] = list(values["stop"])
     return RunConfig.from_mapping(values, source)

@@ -20,7 +20,7 @@ PIPELINE_FLAGS  ?=
 
 .PHONY: label summarize pipeline-clean
 
-# ---- label: jobs/label_sentiment.yaml over a sample of the reviews --------------------------
+# ---- label: jobs/label_sentiment_choice.yaml (labels held to --choice) over a sample ------
 LABEL := out/label
 
 label: $(LABEL)/run/_SUCCESS
@@ -31,8 +31,8 @@ $(LABEL)/input.parquet: scripts/pipeline.py | install
 	rm -rf $(LABEL)/run
 	$(BIN)/python scripts/pipeline.py prepare --rows $(LABEL_ROWS) --out $@
 
-$(LABEL)/run/shard-%/_SUCCESS: $(LABEL)/input.parquet jobs/label_sentiment.yaml
-	$(BIN)/batchgen run jobs/label_sentiment.yaml --input $< --output $(LABEL)/run \
+$(LABEL)/run/shard-%/_SUCCESS: $(LABEL)/input.parquet jobs/label_sentiment_choice.yaml
+	$(BIN)/batchgen run jobs/label_sentiment_choice.yaml --input $< --output $(LABEL)/run \
 		--shard $$(echo $* | sed 's/^0*\([0-9]\)/\1/; s/-of-0*/\//') --quiet $(PIPELINE_FLAGS)
 
 $(LABEL)/run/_SUCCESS: $(foreach s,$(SHARD_NAMES),$(LABEL)/run/$(s)/_SUCCESS)

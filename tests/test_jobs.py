@@ -42,6 +42,18 @@ def test_label_job_runs_on_the_embedded_default(tmp_path):
     assert sum(r["text"].strip() == r["label"] for r in rows) >= 6  # the demo model is ~78% right
 
 
+def test_choice_label_job_gives_only_labels(tmp_path):
+    spec = ROOT / "jobs" / "label_sentiment_choice.yaml"
+    r = CliRunner().invoke(main, ["run", str(spec), "--limit", "12", "--no-compile",
+                                  "-o", str(tmp_path / "out"), "-q"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = pq.read_table(tmp_path / "out").to_pylist()
+    assert len(rows) == 12
+    assert all(r["text"] in (" positive", " negative", " neutral") for r in rows)
+    assert all(r["finish_reason"] == "stop" for r in rows)
+    assert sum(r["text"].strip() == r["label"] for r in rows) >= 9  # measured: 100/100 of 100
+
+
 def test_docs_list_every_key():
     text = (ROOT / "docs" / "jobs.md").read_text()
     keys = [f.name for f in dataclasses.fields(RunConfig)]

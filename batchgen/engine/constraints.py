@@ -46,9 +46,13 @@ class Constraint:
 
 
 def parse_choices(value: str | Seq[str]) -> tuple[str, ...]:
-    """A comma-separated string or a list of labels -> the labels (non-empty, unique)."""
-    items = value.split(",") if isinstance(value, str) else list(value)
-    labels = tuple(str(s).strip() for s in items if str(s).strip())
+    """A comma-separated string ("a, b": spaces around labels dropped) or a list of labels,
+    kept exactly (" positive" keeps its space: a label often follows "Sentiment:") -> the
+    labels (non-empty, unique)."""
+    if isinstance(value, str):
+        labels = tuple(s.strip() for s in value.split(",") if s.strip())
+    else:
+        labels = tuple(str(s) for s in value if str(s).strip())
     if not labels:
         raise ConstraintError("choice: give at least one non-empty label")
     if len(set(labels)) != len(labels):
