@@ -55,7 +55,7 @@ class Bound:
 BOUNDS = {
     **dict.fromkeys(("max_new_tokens", "max_prompt_len", "max_num_batched_tokens", "window_rows",
                      "rows_per_part", "max_num_seqs", "block_size", "kv_cache_tokens", "limit",
-                     "threads"), Bound(1)),
+                     "threads", "n"), Bound(1)),
     "temperature": Bound(0),
     "top_k": Bound(0),
     "top_p": Bound(0, 1, low_open=True),
@@ -86,6 +86,7 @@ class RunConfig:
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # sampled completions per row (an n column overrides), each its own record
     # structured outputs (one at most; choice/regex/json_schema columns override per row)
     choice: list[str] | None = None  # the output is one of these labels
     regex: str | None = None  # the output matches this regular expression
@@ -203,6 +204,8 @@ class RunConfig:
         for key in ("choice", "regex", "json_schema"):  # unconstrained jobs keep theirs
             if out[key] is None:
                 del out[key]
+        if self.n == 1:  # so do jobs of one sample a row
+            del out["n"]
         if self.json_schema is not None:  # the schema itself: editing the file makes another job
             out["json_schema"] = {"path": str(Path(self.json_schema).resolve()),
                                   "schema": read_json_schema(self.json_schema)}  # fmt: skip

@@ -75,6 +75,7 @@ class Row:
     passthrough: dict[str, Any]
     prompt_tokens: int = 0
     error: str | None = None
+    sample_index: int | None = None  # which of the row's n samples (None: a job without n)
 
 
 @dataclass(slots=True)
@@ -83,6 +84,7 @@ class Window:
 
     rows: list[Row]
     requests: list[Request]
+    skipped: int = 0  # output records of its input rows not produced here (done, other shards)
 
     @property
     def errors(self) -> list[Row]:
@@ -118,8 +120,11 @@ class Preparer:
         self.passthrough = self._passthrough(cfg, source)
         self.overrides = [c for c in OVERRIDE_COLUMNS if c in source.columns]
         self.constraint_columns = [c for c in CONSTRAINT_COLUMNS if c in source.columns]
+        # n samples per row (--n or an n column): one output record per (id, sample_index)
+        self.n_column = "n" in source.columns
+        self.samples = cfg.n > 1 or self.n_column
         needed = self.builder.required_columns() | set(self.passthrough) | set(self.overrides)
-        needed |= set(self.constraint_columns)
+        needed |= set(self.constraint_columns) | ({"n"} if self.n_column else set())
         if cfg.id_column:
             needed.add(cfg.id_column)
         source.require_columns(sorted(needed))
@@ -186,56 +191,83 @@ class Preparer:
                 ids = [r[self.cfg.id_column] for r in ids]
             else:
                 ids = default_ids(offset, batch.num_rows).to_pylist()
+            other = 0
             if self.cfg.shard is not None:  # other shards' rows are neither rendered nor checked
                 keep = self.cfg.shard.mask(ids)
+                other = len(keep) - sum(keep)
                 batch = batch.filter(pa.array(keep, pa.bool_()))
                 ids = list(itertools.compress(ids, keep))
                 row_numbers = list(itertools.compress(row_numbers, keep))
             records, bad = _decode(batch, row_numbers)
-            yield n_read, self._window(records, ids, done, bad)
+            window = self._window(records, ids, done, bad)
+            window.skipped += other * self.cfg.n
+            yield n_read, window
 
     def _window(
         self, records: list[dict], ids: list[Any], done: set[Any], bad: dict[int, str]
     ) -> Window:
-        """bad: {position: error} of rows that could not be decoded (see _decode)."""
+        """bad: {position: error} of rows that could not be decoded (see _decode). Each row
+        gives one output record per sample not done yet (one, without n)."""
         rows: list[Row] = []
         texts: list[str] = []
-        pending: list[tuple[int, dict]] = []  # (position in rows, record) of rendered rows
+        pending: list[tuple[int, dict, list[int]]] = []  # (first row, record, samples) rendered
+        skipped = 0
         for i, (rec, rid) in enumerate(zip(records, ids, strict=True)):
             self._check_id(rid)
-            if rid in done:
+            n, n_error = self._num_samples(rec)
+            todo = [k for k in range(n) if self._key(rid, k) not in done]
+            skipped += n - len(todo)
+            if not todo:
                 continue
-            row = Row(rid, {c: rec[c] for c in self.passthrough})
-            rows.append(row)
-            if i in bad:
-                row.error = bad[i]
-                continue
-            try:
-                texts.append(self.builder.render(rec))
-                pending.append((len(rows) - 1, rec))
-            except RowError as e:
-                row.error = e.message
+            first = len(rows)
+            passthrough = {c: rec[c] for c in self.passthrough}
+            for k in todo:
+                rows.append(Row(rid, passthrough, sample_index=k if self.samples else None))
+            error = bad.get(i) or n_error
+            if error is None:
+                try:
+                    texts.append(self.builder.render(rec))
+                    pending.append((first, rec, todo))
+                except RowError as e:
+                    error = e.message
+            for row in rows[first:] if error is not None else ():
+                row.error = error
         # Chat templates already hold the model's special tokens; plain text gets them added.
         token_lists = tokenize(
             self.tokenizer, texts, add_special_tokens=not self.cfg.messages_column
         )
         requests: list[Request] = []
-        for (pos, rec), ids_ in zip(pending, token_lists, strict=True):
-            row = rows[pos]
+        for (first, rec, todo), ids_ in zip(pending, token_lists, strict=True):
+            samples = rows[first : first + len(todo)]
             try:
                 ids_ = fit_length(ids_, self.max_prompt_len, self.cfg.truncate)
-                params = self._params(rec, row.id)
-                if len(ids_) + params.max_new_tokens > self.max_seq:
+                params = [self._params(rec, samples[0].id, k) for k in todo]
+                if len(ids_) + params[0].max_new_tokens > self.max_seq:
                     raise RowError(
-                        f"prompt ({len(ids_)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                        f"prompt ({len(ids_)} tokens) + max_new_tokens ({params[0].max_new_tokens}) "
                         f"exceeds the model's {self.max_seq} positions"
                     )
             except RowError as e:
-                row.error = e.message
+                for row in samples:
+                    row.error = e.message
                 continue
-            row.prompt_tokens = len(ids_)
-            requests.append(Request(pos, ids_, params))
-        return Window(rows, requests)
+            for j, p in enumerate(params):  # the samples share the prompt's cache blocks
+                samples[j].prompt_tokens = len(ids_)
+                requests.append(Request(first + j, ids_, p))
+        return Window(rows, requests, skipped)
+
+    def _key(self, rid: Any, k: int) -> Any:
+        """A record's key in the output: its id, or (id, sample_index) with samples."""
+        return (rid, k) if self.samples else rid
+
+    def _num_samples(self, rec: dict) -> tuple[int, str | None]:
+        """(the row's n, an error message if its n column is bad: then 1)."""
+        if not self.n_column or rec.get("n") is None:
+            return self.cfg.n, None
+        v = rec["n"]
+        if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v) or v < 1:
+            return 1, f"bad per-row n: {v!r}, not an integer >= 1"
+        return int(v), None
 
     def _check_id(self, rid: Any) -> None:
         if rid is None:
@@ -247,14 +279,16 @@ class Preparer:
             )
         self._seen_ids.add(rid)
 
-    def _params(self, rec: dict, row_id: Any) -> SamplingParams:
+    def _params(self, rec: dict, row_id: Any, sample: int = 0) -> SamplingParams:
         values = {c: rec[c] for c in self.overrides if rec.get(c) is not None}
         try:
             for c, v in values.items():
                 if isinstance(v, bool) or not isinstance(v, int | float):
                     raise ValueError(f"{c} is {v!r}, not a number")
                 values[c] = int(v) if c in ("max_new_tokens", "seed") else float(v)
-            values.setdefault("seed", row_seed(self.cfg.seed, row_id))
+            if sample and "seed" in values:  # a row's explicit seed is its sample 0's
+                values["seed"] = row_seed(values["seed"], row_id, sample)
+            values.setdefault("seed", row_seed(self.cfg.seed, row_id, sample))
             constraint = row_constraint(rec, self.constraint_columns)
             if constraint is not None:
                 values["constraint"] = constraint

@@ -77,6 +77,8 @@ def _row_record(row: Row, c: Completion | None, cfg: RunConfig) -> dict[str, Any
     """The output record of a row: its completion, or its error (c None or c.error set)."""
     ok = c is not None and c.error is None
     rec = {"id": row.id, **row.passthrough}
+    if row.sample_index is not None:
+        rec["sample_index"] = row.sample_index
     rec.update(
         text=c.text if ok else None,
         finish_reason=c.finish_reason.value if ok else FinishReason.ERROR.value,
@@ -173,10 +175,12 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
         job.prep,
     )
     passthrough = pa.schema([source.schema.field(c) for c in prep.passthrough])
-    schema = output_schema(prep.id_type, passthrough, cfg.with_token_ids, cfg.with_logprobs)
+    schema = output_schema(
+        prep.id_type, passthrough, cfg.with_token_ids, cfg.with_logprobs, samples=prep.samples
+    )
     fingerprint = {**cfg.fingerprint(), **content_fingerprint(model_dir, source)}
     out = job_scope.enter_context(OutputDir(cfg.output_dir, fingerprint, cfg.overwrite))
-    done = out.done_ids()
+    done = out.done_ids()  # ids, or (id, sample_index) pairs with samples
     stats.rows_skipped_done = len(done)
     if out.is_complete:
         log.warning(
@@ -228,12 +232,12 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
     def requests() -> Iterator[Request]:
         """Every row not done yet, as one stream; error rows are written as read."""
         n = 0
-        for n_read, window in prep.windows(done):
+        for _, window in prep.windows(done):
             errors = [_row_record(r, None, cfg) for r in window.errors]
             buffer.add(errors)
             stats.rows += len(errors)
             stats.rows_error += len(errors)
-            progress.update(n_read - len(window.rows) + len(errors))
+            progress.update(window.skipped + len(errors))
             for r in window.requests:
                 rows[n] = window.rows[r.index]
                 yield Request(n, r.prompt_ids, r.params)
@@ -296,5 +300,6 @@ def _progress(cfg: RunConfig, num_rows: int | None):
     from tqdm.auto import tqdm
 
     total = num_rows if cfg.limit is None else min(cfg.limit, num_rows or cfg.limit)
+    total = total * cfg.n if total is not None else None  # records (an n column: approximate)
     return tqdm(total=total, unit="row", disable=cfg.quiet, dynamic_ncols=True,
                 desc="batchgen")  # fmt: skip

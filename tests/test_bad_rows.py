@@ -83,22 +83,22 @@ def test_non_string_values_are_row_errors(tmp_path, model):
 
 def test_template_that_fails_for_some_rows(tmp_path, model):
     recs = [
-        {"title": "review", "body": "great product", "n": 1},
-        {"title": "review", "body": None, "n": 1},  # null column
-        {"title": "review", "n": 1},  # key missing from this line
-        {"title": "review", "body": "the lazy dog", "n": 0},  # raises while rendering
-        {"title": "review", "body": "the quick brown fox", "n": 2},
+        {"title": "review", "body": "great product", "k": 1},
+        {"title": "review", "body": None, "k": 1},  # null column
+        {"title": "review", "k": 1},  # key missing from this line
+        {"title": "review", "body": "the lazy dog", "k": 0},  # raises while rendering
+        {"title": "review", "body": "the quick brown fox", "k": 2},
     ]
     src = write_jsonl(tmp_path / "in.jsonl", recs)
     out = tmp_path / "out"
-    _run(src, out, model, "-t", "{{ title }} ({{ 10 // n }}): {{ body }}")
+    _run(src, out, model, "-t", "{{ title }} ({{ 10 // k }}): {{ body }}")
     rows = rows_by_id(out)
     _check_ok_row(rows[0])
     _check_error_row(rows[1], "body")
     _check_error_row(rows[2], "body")
     _check_error_row(rows[3], "ZeroDivisionError")
     _check_ok_row(rows[4])
-    assert read_output(out).schema.names[:4] == ["id", "title", "body", "n"]
+    assert read_output(out).schema.names[:4] == ["id", "title", "body", "k"]
 
 
 def test_prompt_and_max_new_tokens_over_the_model_positions(tmp_path, model):

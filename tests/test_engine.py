@@ -77,7 +77,7 @@ def plans(monkeypatch) -> list[dict]:
     seen = []
     execute = ModelRunner.execute
 
-    def spy(self, plan):
+    def spy(self, plan, bitmask=None):
         seen.append(
             dict(
                 decodes=[(s.seq.request.index, s.start, 1) for s in plan.decodes],
@@ -88,7 +88,7 @@ def plans(monkeypatch) -> list[dict]:
                 preempted=[seq.request.index for seq in plan.preempted],
             )
         )
-        return execute(self, plan)
+        return execute(self, plan, bitmask)
 
     monkeypatch.setattr(ModelRunner, "execute", spy)
     return seen

@@ -52,7 +52,7 @@ _TMP_RE = re.compile(r"\.tmp-(part-\d+\.parquet|_job\.json|_stats\.json|_SUCCESS
 WriteFn = Callable[[BinaryIO], None]
 _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 # Names an input column cannot keep in the output: the result row already has them.
-RESERVED_COLUMNS = frozenset({"id", *_OUTPUT_COLUMNS, "token_ids", "logprobs"})
+RESERVED_COLUMNS = frozenset({"id", "sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs"})
 
 
 def output_schema(
@@ -60,8 +60,10 @@ def output_schema(
     passthrough: pa.Schema,
     with_token_ids: bool = False,
     with_logprobs: bool = False,
+    samples: bool = False,
 ) -> pa.Schema:
-    """The one definition of a result row: id, passthrough input columns, generation fields."""
+    """The one definition of a result row: id (and sample_index, for n samples a row),
+    passthrough input columns, generation fields."""
     clash = [n for n in passthrough.names if n in RESERVED_COLUMNS]
     if clash:
         raise InputError(
@@ -70,6 +72,7 @@ def output_schema(
         )
     fields = [
         pa.field("id", id_type),
+        *([pa.field("sample_index", pa.int32())] if samples else []),
         *passthrough.remove_metadata(),
         pa.field("text", pa.string()),
         pa.field("finish_reason", pa.string()),
@@ -130,12 +133,18 @@ class OutputDir:
         return [_part_name(n) for n in sorted(self._part_numbers())]
 
     def done_ids(self) -> set[Any]:
-        """Ids of rows with a result. A part that cannot be read is deleted and its rows redone."""
+        """Ids of rows with a result ((id, sample_index) pairs in a job with n samples). A
+        part that cannot be read is deleted and its rows redone."""
         done: set[Any] = set()
         for name in self.part_files():
             file = os.path.join(self.path, name)
             try:
-                ids = pq.read_table(file, columns=["id"]).column("id")
+                table = pq.read_table(file)
+                if "sample_index" in table.column_names:
+                    pairs = zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist(), strict=True)  # fmt: skip
+                    done.update(pairs)
+                    continue
+                ids = table.column("id")
             except (pa.ArrowException, OSError, KeyError) as e:
                 log.warning(
                     "deleting unreadable output part %s (its rows will be redone): %s", file, e

@@ -1,0 +1,58 @@
+"""n samples per row (--n, an n column): one output record per (id, sample_index), each with
+its own seed, exactly once across reruns; the real CLI on a tiny random model."""
+
+import pytest
+from helpers import FAST, prompts, read_output, read_stats, run_cli, write_parquet
+
+SAMPLED = (*FAST, "--temperature", 1.0, "--max-new-tokens", 6, "--ignore-eos", "--with-token-ids")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dirs):
+    return tiny_dirs["llama"]
+
+
+def _samples(out) -> dict:
+    rows = read_output(out).to_pylist()
+    keys = [(r["id"], r["sample_index"]) for r in rows]
+    assert len(keys) == len(set(keys)), "a (id, sample_index) written twice"
+    return {(r["id"], r["sample_index"]): r for r in rows}
+
+
+def test_n_samples_are_distinct_and_sample_0_is_the_plain_row(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": ["the same prompt"] * 2})
+    run_cli("run", src, "-o", tmp_path / "n3", "--model", model, *SAMPLED, "--n", 3)
+    got = _samples(tmp_path / "n3")
+    assert sorted(got) == [(i, k) for i in range(2) for k in range(3)]
+    assert len({tuple(r["token_ids"]) for r in got.values()}) == 6  # all independent
+    run_cli("run", src, "-o", tmp_path / "n1", "--model", model, *SAMPLED)
+    plain = {r["id"]: r for r in read_output(tmp_path / "n1").to_pylist()}
+    assert "sample_index" not in read_output(tmp_path / "n1").column_names
+    assert all(got[(i, 0)]["token_ids"] == plain[i]["token_ids"] for i in range(2))
+    assert read_stats(tmp_path / "n3")["rows"] == 6
+
+
+def test_n_column_overrides_per_row_and_a_bad_n_is_an_error_record(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3), "n": [None, 3, 0]})
+    run_cli("run", src, "-o", tmp_path / "out", "--model", model, *SAMPLED, "--n", 2)
+    got = _samples(tmp_path / "out")
+    assert sorted(got) == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0)]
+    assert "bad per-row n" in got[(2, 0)]["error"]
+
+
+def test_resume_completes_every_sample_exactly_once(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
+    out = tmp_path / "out"
+    args = ("run", src, "-o", out, "--model", model, *SAMPLED, "--n", 3, "--rows-per-part", 2)
+    run_cli(*args)
+    first = _samples(out)
+    parts = sorted(out.glob("part-*.parquet"))
+    assert len(parts) >= 3
+    for p in parts[1::2]:  # as if the job had been killed before these were written
+        p.unlink()
+    (out / "_SUCCESS").unlink()
+    run_cli(*args)
+    again = _samples(out)
+    assert sorted(again) == sorted(first)
+    assert all(again[k]["token_ids"] == first[k]["token_ids"] for k in first)
+    assert (out / "_SUCCESS").exists()
