@@ -183,7 +183,7 @@ def run_cmd(ctx: click.Context, source: str, **flags) -> None:
     from batchgen.multigpu import WorkersFailed, run_workers
     from batchgen.quant import QuantUnavailableError
     from batchgen.run import JobInterrupted, run
-    from batchgen.tokenize import PromptTooLong
+    from batchgen.tokenization import PromptTooLong
 
     try:
         cfg = build_config(ctx, source, **flags)

@@ -20,7 +20,7 @@ from batchgen.data import InputError, InputSource, PromptBuilder, RowError, defa
 from batchgen.data.writer import RESERVED_COLUMNS
 from batchgen.engine.sequence import Request, SamplingParams
 from batchgen.seeds import row_seed
-from batchgen.tokenize import fit_length, tokenize
+from batchgen.tokenization import fit_length, tokenize
 
 log = logging.getLogger(__name__)
 
