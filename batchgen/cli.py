@@ -130,7 +130,7 @@ def build_config(ctx: click.Context, source: str, **flags) -> RunConfig:
 
 def _shard_from_env(workers) -> str | None:
     """The shard of a Slurm array task (SLURM_ARRAY_TASK_ID/COUNT), for runs without --shard."""
-    from batchgen.shard import ShardError, shard_from_env
+    from batchgen.scaleout.shard import ShardError, shard_from_env
 
     try:
         shard = shard_from_env()
@@ -178,11 +178,11 @@ def run_cmd(ctx: click.Context, source: str, **flags) -> None:
     A killed or preempted job resumes when the same command runs again.
     """
     from batchgen.data import InputError, OutputError
-    from batchgen.merge import MergeError
     from batchgen.model.loader import ModelLoadError
-    from batchgen.multigpu import WorkersFailed, run_workers
     from batchgen.quant import QuantUnavailableError
     from batchgen.run import JobInterrupted, run
+    from batchgen.scaleout.merge import MergeError
+    from batchgen.scaleout.workers import WorkersFailed, run_workers
     from batchgen.tokenization import PromptTooLong
 
     try:
@@ -272,7 +272,13 @@ def slurm_cmd(
       batchgen slurm jobs/summarize.yaml --shards 4 --dry-run -- --limit 1000 --no-compile
     Flags after -- go to every `batchgen run`. When all tasks are done: batchgen merge OUTPUT.
     """
-    from batchgen.slurm import SbatchOptions, SlurmError, sbatch_script, submit, write_script
+    from batchgen.scaleout.slurm import (
+        SbatchOptions,
+        SlurmError,
+        sbatch_script,
+        submit,
+        write_script,
+    )
 
     args = [a for a in run_args if a != "--"]
     try:
@@ -315,7 +321,7 @@ def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
     import json
 
     from batchgen.data import OutputError
-    from batchgen.merge import MergeError, merge
+    from batchgen.scaleout.merge import MergeError, merge
 
     try:
         summary = merge(output, write_data=not stats_only)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchgen.shard import Shard, ShardError
+from batchgen.scaleout.shard import Shard, ShardError
 
 
 class ConfigError(ValueError):

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.data.writer import OutputDir, PartBuffer, output_schema
-from batchgen.merge import IncompleteOutput, MergeError, merge
-from batchgen.shard import Shard
+from batchgen.scaleout.merge import IncompleteOutput, MergeError, merge
+from batchgen.scaleout.shard import Shard
 
 SCHEMA = output_schema(pa.int64(), pa.schema([("label", pa.string())]))
 

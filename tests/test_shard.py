@@ -14,7 +14,7 @@ from tiny_models import save_tiny_model
 from batchgen.cli import main
 from batchgen.config import ConfigError, RunConfig
 from batchgen.run import run
-from batchgen.shard import Shard, ShardError, shard_from_env, shard_of
+from batchgen.scaleout.shard import Shard, ShardError, shard_from_env, shard_of
 
 STRING_IDS = [f"r{i:04d}" for i in range(1000)]
 
@@ -37,7 +37,9 @@ def test_shard_of_is_stable():
     assert [shard_of(i, 7) for i in range(12)] == [4, 2, 1, 6, 5, 5, 2, 3, 2, 5, 6, 4]
     assert [shard_of(s, 7) for s in ["r0001", "r0002", "a", "b", "c"]] == [4, 4, 2, 5, 3]
     # and the same in another interpreter, whatever its hash seed
-    code = "from batchgen.shard import shard_of; print([shard_of(i, 7) for i in range(12)])"
+    code = (
+        "from batchgen.scaleout.shard import shard_of; print([shard_of(i, 7) for i in range(12)])"
+    )
     env = {"PYTHONHASHSEED": "123"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip().splitlines()[-1] == "[4, 2, 1, 6, 5, 5, 2, 3, 2, 5, 6, 4]"

@@ -103,7 +103,7 @@ def sbatch_script(source: str, cfg: RunConfig, run_args: list[str], opts: Sbatch
     # of only some tasks (--only) still runs shards of the same split.
     run = [sys.executable, "-m", "batchgen.cli", "run", source, *run_args]
     lines.append(f"""
-# Written by `batchgen slurm`; see batchgen/slurm.py for how stopping and resuming work.
+# Written by `batchgen slurm`; see batchgen/scaleout/slurm.py for how stopping and resuming work.
 set -u
 export PYTHONUNBUFFERED=1
 N={opts.shards}

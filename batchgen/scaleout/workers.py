@@ -3,7 +3,7 @@
 Worker i of N is `batchgen run <the same job> --shard i/N` in its own process, pinned to one GPU
 with CUDA_VISIBLE_DEVICES (so each compiles and caches for a single device, and no process
 touches another's memory). The workers write OUT/shard-*-of-N/ exactly as N Slurm array tasks
-would, and the parent merges them (batchgen.merge) once all have finished, so the rows are
+would, and the parent merges them (batchgen.scaleout.merge) once all have finished, so the rows are
 those of one process: the same prompts, each run once, greedy outputs equal.
 
 On the CPU (`--device cpu`) N workers share the cores, each with cores/N threads: mostly a way
@@ -25,8 +25,8 @@ from pathlib import Path
 import yaml
 
 from batchgen.config import ConfigError, RunConfig
-from batchgen.merge import MergeSummary, merge
-from batchgen.shard import Shard
+from batchgen.scaleout.merge import MergeSummary, merge
+from batchgen.scaleout.shard import Shard
 
 
 class WorkersFailed(RuntimeError):
