@@ -68,13 +68,10 @@ def make_prompt_builder(cfg: RunConfig, tokenizer) -> PromptBuilder:
 
 
 class Preparer:
-    def __init__(
-        self, cfg: RunConfig, source: InputSource, tokenizer, max_prompt_len: int, max_seq: int
-    ) -> None:
+    def __init__(self, cfg: RunConfig, source: InputSource, tokenizer, max_prompt_len: int) -> None:
         self.cfg, self.source, self.tokenizer = cfg, source, tokenizer
         self.builder = make_prompt_builder(cfg, tokenizer)
         self.max_prompt_len = max_prompt_len
-        self.max_seq = max_seq  # prompt + new tokens must fit the model's positions
         self.passthrough = self._passthrough(cfg, source)
         self.overrides = [c for c in OVERRIDE_COLUMNS if c in source.columns]
         needed = self.builder.required_columns() | set(self.passthrough) | set(self.overrides)
@@ -182,15 +179,11 @@ class Preparer:
             try:
                 ids_ = fit_length(ids_, self.max_prompt_len, self.cfg.truncate)
                 params = self._params(rec, row.id)
-                if len(ids_) + params.max_new_tokens > self.max_seq:
-                    raise RowError(
-                        f"prompt ({len(ids_)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                        f"exceeds the model's {self.max_seq} positions"
-                    )
             except RowError as e:
                 row.error = e.message
                 continue
             row.prompt_tokens = len(ids_)
+            # One whose prompt + max_new_tokens passes the model's positions: the engine's error row.
             requests.append(Request(pos, ids_, params))
         return Window(rows, requests)
 

@@ -26,7 +26,7 @@ import yaml
 
 from batchgen.config import ConfigError, RunConfig
 from batchgen.scaleout.merge import MergeSummary, merge
-from batchgen.scaleout.shard import Shard
+from batchgen.scaleout.shard import Shard, without_array_task
 
 
 class WorkersFailed(RuntimeError):
@@ -132,7 +132,7 @@ def run_workers(cfg: RunConfig) -> MergeSummary:
         try:
             for i, extra in enumerate(envs):
                 # Not an enclosing Slurm array task's shard: each worker is told its own.
-                env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_ARRAY_")}
+                env = without_array_task()
                 cmd = [sys.executable, "-m", "batchgen.cli", "run", str(spec)]
                 procs.append(subprocess.Popen([*cmd, "--shard", f"{i}/{n}"], env={**env, **extra}))
                 if received:  # a signal arrived while starting: do not start more
