@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from batchgen.config import ConfigError, RunConfig
+from batchgen.config import Choice, ConfigError, RunConfig
 from batchgen.scaleout.merge import MergeSummary, merge
 from batchgen.scaleout.shard import Shard, without_array_task
 
@@ -68,7 +68,8 @@ def plan_workers(cfg: RunConfig) -> list[dict[str, str]]:
 def _job_spec(cfg: RunConfig) -> dict:
     """cfg as a job spec for the workers, without the parts each worker sets itself."""
     spec = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    spec.update(truncate=cfg.truncate.value, quiet=True)
+    spec = {k: v.value if isinstance(v, Choice) else v for k, v in spec.items()}  # yaml: strings
+    spec.update(quiet=True)
     for k in ("workers", "shard"):
         del spec[k]
     return spec
