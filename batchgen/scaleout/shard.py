@@ -63,9 +63,6 @@ class Shard:
     def __str__(self) -> str:
         return f"{self.index}/{self.count}"
 
-    def contains(self, row_id: Any) -> bool:
-        return shard_of(row_id, self.count) == self.index
-
     def mask(self, ids: Iterable[Any]) -> list[bool]:
         return [shard_of(i, self.count) == self.index for i in ids]
 
