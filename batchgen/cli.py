@@ -7,7 +7,16 @@ import sys
 
 import click
 
-from batchgen.config import BOUNDS, ConfigError, RunConfig, Truncate
+from batchgen.config import (
+    BOUNDS,
+    Choice,
+    ConfigError,
+    Dtype,
+    QuantBackend,
+    QuantMethod,
+    RunConfig,
+    Truncate,
+)
 from batchgen.jobspec import is_job_spec, load_job_spec, resolve_path
 
 EXIT_USAGE = 2
@@ -27,8 +36,12 @@ def _default(name: str):
 
     f = next(f for f in dataclasses.fields(RunConfig) if f.name == name)
     if f.default is not dataclasses.MISSING:
-        return f.default.value if isinstance(f.default, Truncate) else f.default
+        return f.default.value if isinstance(f.default, Choice) else f.default
     return None
+
+
+def _choice(choice: type[Choice]) -> click.Choice:
+    return click.Choice([c.value for c in choice])
 
 
 def _opt(*decls: str, **kw):
@@ -55,7 +68,7 @@ def data_options(f):
         _opt("--limit", type=int, help="Only the first N input rows."),
         _opt("--max-new-tokens", type=int, help="Tokens to generate per row (a max_new_tokens column overrides per row)."),
         _opt("--max-prompt-len", type=int, help="Longest prompt in tokens (the largest length bucket)."),
-        _opt("--truncate", type=click.Choice([t.value for t in Truncate]), help="Prompts over --max-prompt-len: skip (error record), error (stop the job), left/right (cut)."),
+        _opt("--truncate", type=_choice(Truncate), help="Prompts over --max-prompt-len: skip (error record), error (stop the job), left/right (cut)."),
         _opt("--max-num-seqs", type=int, help="Sequences in flight at once (the largest decode batch). Default: 64 on CPU, 256 on GPU."),
         _opt("--max-num-batched-tokens", type=int, help="Tokens one engine step may run: decodes plus prompt chunks (long prompts are prefilled in chunks). Default: 2048 on CPU, 8192 on GPU."),
         _opt("--block-size", type=int, help="KV cache block size in tokens (the paging and prefix-caching unit)."),
@@ -82,11 +95,11 @@ def run_options(f):
         _opt("--regex", help="Structured output: the output matches this regular expression (a regex column overrides per row)."),
         _opt("--json-schema", help="Structured output: a JSON schema file the output must match (a json_schema column of schema text overrides per row)."),
         _opt("--device", help="auto, cpu, cuda, cuda:N."),
-        _opt("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="auto = bfloat16 on GPU, float32 on CPU."),
+        _opt("--dtype", type=_choice(Dtype), help="auto = bfloat16 on GPU, float32 on CPU."),
         _opt("--compile/--no-compile", help="torch.compile prefill and decode (decode as CUDA graphs). Default: on with a GPU, off on the CPU, where compiling costs 10-70 s a shape and measured no faster."),
         _opt("--lora", help="PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), merged into the model's weights at load, before --quantize."),
-        _opt("--quantize", type=click.Choice(["none", "int8", "int4", "fp8"]), help="Weight-only quantization."),
-        _opt("--quant-backend", type=click.Choice(["auto", "torchao", "quanto"]), help="Quantization library (auto picks per device)."),
+        _opt("--quantize", type=_choice(QuantMethod), help="Weight-only quantization."),
+        _opt("--quant-backend", type=_choice(QuantBackend), help="Quantization library (auto picks per device)."),
         _opt("--quant-group-size", type=int, help="int4: the largest group of input channels (32, 64, 128, 256); a layer it does not divide gets the largest one that does. Default: 128."),
         _opt("--rows-per-part", type=int, help="Rows per output Parquet part file."),
         _opt("--flush-seconds", type=float, help="Write a part at least this often."),
@@ -136,7 +149,7 @@ def build_config(ctx: click.Context, source: str, **flags) -> RunConfig:
 
 def _shard_from_env(workers) -> str | None:
     """The shard of a Slurm array task (SLURM_ARRAY_TASK_ID/COUNT), for runs without --shard."""
-    from batchgen.shard import ShardError, shard_from_env
+    from batchgen.scaleout.shard import ShardError, shard_from_env
 
     try:
         shard = shard_from_env()
@@ -184,12 +197,12 @@ def run_cmd(ctx: click.Context, source: str, **flags) -> None:
     A killed or preempted job resumes when the same command runs again.
     """
     from batchgen.data import InputError, OutputError
-    from batchgen.merge import MergeError
     from batchgen.model.loader import ModelLoadError
-    from batchgen.multigpu import WorkersFailed, run_workers
     from batchgen.quant import QuantUnavailableError
     from batchgen.run import JobInterrupted, run
-    from batchgen.tokenize import PromptTooLong
+    from batchgen.scaleout.merge import MergeError
+    from batchgen.scaleout.workers import WorkersFailed, run_workers
+    from batchgen.tokenization import PromptTooLong
 
     try:
         cfg = build_config(ctx, source, **flags)
@@ -278,7 +291,13 @@ def slurm_cmd(
       batchgen slurm jobs/summarize.yaml --shards 4 --dry-run -- --limit 1000 --no-compile
     Flags after -- go to every `batchgen run`. When all tasks are done: batchgen merge OUTPUT.
     """
-    from batchgen.slurm import SbatchOptions, SlurmError, sbatch_script, submit, write_script
+    from batchgen.scaleout.slurm import (
+        SbatchOptions,
+        SlurmError,
+        sbatch_script,
+        submit,
+        write_script,
+    )
 
     args = [a for a in run_args if a != "--"]
     try:
@@ -321,7 +340,7 @@ def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
     import json
 
     from batchgen.data import OutputError
-    from batchgen.merge import MergeError, merge
+    from batchgen.scaleout.merge import MergeError, merge
 
     try:
         summary = merge(output, write_data=not stats_only)

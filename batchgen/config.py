@@ -10,26 +10,46 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchgen.shard import Shard, ShardError
+from batchgen.scaleout.shard import Shard, ShardError
 
 
 class ConfigError(ValueError):
     pass
 
 
-class Truncate(str, enum.Enum):
+class Choice(str, enum.Enum):
+    """An option's allowed values, declared once: RunConfig converts to it, the CLI lists it.
+    A member is its value wherever a string is wanted (==, f-strings, json)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Truncate(Choice):
     SKIP = "skip"  # the row gets an error record; the job goes on
     ERROR = "error"  # the job stops at the first too-long prompt
     LEFT = "left"  # keep the prompt's end
     RIGHT = "right"  # keep the prompt's start
 
 
-_CHOICES = {
-    "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "quantize": ("none", "int8", "int4", "fp8"),
-    "quant_backend": ("auto", "torchao", "quanto"),
-    "truncate": tuple(t.value for t in Truncate),
-}
+class Dtype(Choice):
+    AUTO = "auto"  # bfloat16 on a GPU, float32 on the CPU
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class QuantMethod(Choice):
+    NONE = "none"
+    INT8 = "int8"  # symmetric, one scale per output channel
+    INT4 = "int4"  # affine, one scale and zero point per group of input channels
+    FP8 = "fp8"  # float8 e4m3, one scale per output channel
+
+
+class QuantBackend(Choice):
+    AUTO = "auto"  # chosen per device, method and dtype (quant.default_backend)
+    TORCHAO = "torchao"
+    QUANTO = "quanto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +113,10 @@ class RunConfig:
     json_schema: str | None = None  # a JSON schema file the output must match
     # engine
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: Dtype = Dtype.AUTO
     compile: bool | None = None  # None: on a GPU yes, on the CPU no (measured: no faster there)
-    quantize: str = "none"
-    quant_backend: str = "auto"
+    quantize: QuantMethod = QuantMethod.NONE
+    quant_backend: QuantBackend = QuantBackend.AUTO
     quant_group_size: int | None = None  # int4's largest group; None: 128 (smaller where it must)
     max_prompt_len: int = 1024
     truncate: Truncate = Truncate.SKIP
@@ -124,12 +144,13 @@ class RunConfig:
         for key in ("input", "output"):
             if not getattr(self, key).strip():
                 raise ConfigError(f"{key} is empty; pass a path")
-        for key, allowed in _CHOICES.items():
+        for key, choice in _choice_fields().items():
             value = getattr(self, key)
-            value = value.value if isinstance(value, enum.Enum) else value
-            if value not in allowed:
-                raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
-        self.truncate = Truncate(self.truncate)
+            try:
+                setattr(self, key, choice(value))
+            except ValueError:
+                allowed = ", ".join(c.value for c in choice)
+                raise ConfigError(f"{key}: {value!r} is not one of {allowed}") from None
         for key, bound in BOUNDS.items():
             value = getattr(self, key)
             if value is not None and value not in bound:
@@ -200,7 +221,7 @@ class RunConfig:
         out = {k: getattr(self, k) for k in self.keys() if k not in skip}
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())
-        out["truncate"] = self.truncate.value
+        out.update((k, getattr(self, k).value) for k in _choice_fields())
         for key in ("choice", "regex", "json_schema"):  # unconstrained jobs keep theirs
             if out[key] is None:
                 del out[key]
@@ -240,6 +261,12 @@ def read_json_schema(path: str) -> str:
             f"json_schema: {path} is not a JSON file ({e}); pass a JSON schema"
         ) from None
     return text
+
+
+def _choice_fields() -> dict[str, type[Choice]]:
+    """RunConfig's fields typed with a Choice, and that Choice."""
+    hints = typing.get_type_hints(RunConfig)
+    return {k: h for k, h in hints.items() if isinstance(h, type) and issubclass(h, Choice)}
 
 
 def _check_types(cfg: RunConfig) -> None:
@@ -282,8 +309,8 @@ def _conform(value: Any, hint: Any) -> tuple[bool, Any]:
         if isinstance(value, bool) or not isinstance(value, int | float):
             return False, value
         return True, float(value)
-    if hint in (str, Truncate, Shard):  # enums and shards also come as strings, checked later
-        return isinstance(value, str | hint), value
+    if hint is str or hint is Shard or issubclass(hint, Choice):  # these come as strings too,
+        return isinstance(value, str | hint), value  # checked later
     raise TypeError(f"RunConfig has no type check for {hint}; add one to _conform")
 
 
@@ -293,5 +320,5 @@ def _describe(hint: Any) -> str:
     if typing.get_origin(hint) is list:
         return f"a list of {_describe(typing.get_args(hint)[0])}"
     names = {type(None): "null", bool: "bool (true or false, unquoted)", int: "int",
-             float: "float", str: "str", Truncate: "str", Shard: "str I/N"}  # fmt: skip
-    return names[hint]
+             float: "float", str: "str", Shard: "str I/N"}  # fmt: skip
+    return "str" if issubclass(hint, Choice) else names[hint]

@@ -21,7 +21,7 @@ from batchgen.data.writer import RESERVED_COLUMNS
 from batchgen.engine.constraints import Constraint, ConstraintError, ConstraintKind, parse_choices
 from batchgen.engine.sequence import Request, SamplingParams
 from batchgen.seeds import row_seed
-from batchgen.tokenize import fit_length, tokenize
+from batchgen.tokenization import fit_length, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +110,10 @@ def make_prompt_builder(cfg: RunConfig, tokenizer) -> PromptBuilder:
 
 
 class Preparer:
-    def __init__(
-        self, cfg: RunConfig, source: InputSource, tokenizer, max_prompt_len: int, max_seq: int
-    ) -> None:
+    def __init__(self, cfg: RunConfig, source: InputSource, tokenizer, max_prompt_len: int) -> None:
         self.cfg, self.source, self.tokenizer = cfg, source, tokenizer
         self.builder = make_prompt_builder(cfg, tokenizer)
         self.max_prompt_len = max_prompt_len
-        self.max_seq = max_seq  # prompt + new tokens must fit the model's positions
         self.passthrough = self._passthrough(cfg, source)
         self.overrides = [c for c in OVERRIDE_COLUMNS if c in source.columns]
         self.constraint_columns = [c for c in CONSTRAINT_COLUMNS if c in source.columns]
@@ -242,11 +239,6 @@ class Preparer:
             try:
                 ids_ = fit_length(ids_, self.max_prompt_len, self.cfg.truncate)
                 params = [self._params(rec, samples[0].id, k) for k in todo]
-                if len(ids_) + params[0].max_new_tokens > self.max_seq:
-                    raise RowError(
-                        f"prompt ({len(ids_)} tokens) + max_new_tokens ({params[0].max_new_tokens}) "
-                        f"exceeds the model's {self.max_seq} positions"
-                    )
             except RowError as e:
                 for row in samples:
                     row.error = e.message

@@ -145,7 +145,7 @@ def open_job(cfg: RunConfig) -> Job:
         per_token = model_cfg.kv_bytes_per_token(dtype.itemsize)
         what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
         check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", device)
-    prep = Preparer(cfg, source, tokenizer, max_prompt, max_seq)
+    prep = Preparer(cfg, source, tokenizer, max_prompt)
     if prep.defaults.constraint is not None:  # a job's grammar that cannot compile: before loading
         eos = eos_token_ids(model_dir, tokenizer)
         try:

@@ -111,6 +111,7 @@ def test_prompt_and_max_new_tokens_over_the_model_positions(tmp_path, model):
     _run(src, tmp_path / "out", model)
     rows = rows_by_id(tmp_path / "out")
     _check_error_row(rows[0], "positions")
+    assert rows[0]["prompt_tokens"] == rows[1]["prompt_tokens"] > 150  # measured, then refused
     _check_ok_row(rows[1])
     _check_ok_row(rows[2])
 

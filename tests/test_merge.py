@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.data.writer import OutputDir, PartBuffer, output_schema
-from batchgen.merge import IncompleteOutput, MergeError, merge
-from batchgen.shard import Shard
+from batchgen.scaleout.merge import IncompleteOutput, MergeError, merge
+from batchgen.scaleout.shard import Shard, shard_of
 
 SCHEMA = output_schema(pa.int64(), pa.schema([("label", pa.string())]))
 
@@ -45,7 +45,7 @@ def write_shard(out, shard: Shard, ids, *, complete=True, wall_s=2.0, job=None, 
 
 
 def split(ids, n):
-    return {i: [x for x in ids if Shard(i, n).contains(x)] for i in range(n)}
+    return {i: [x for x in ids if shard_of(x, n) == i] for i in range(n)}
 
 
 def test_merge_complete_shards(tmp_path):

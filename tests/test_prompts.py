@@ -43,11 +43,6 @@ def test_plain_mode_row_errors(row, match):
     assert match.split()[0] in e.value.message
 
 
-def test_plain_mode_with_chat_template_wraps_a_user_message():
-    pb = PromptBuilder(chat_template_fn=_chat)
-    assert pb.render({"prompt": "Hi"}) == "<user>Hi\n<assistant>"
-
-
 # -- template mode
 
 
@@ -121,11 +116,6 @@ def test_template_is_compiled_once(monkeypatch):
     assert calls == []
 
 
-def test_template_with_chat_template():
-    pb = PromptBuilder(template="Summarise: {{ doc }}", chat_template_fn=_chat)
-    assert pb.render({"doc": "d"}) == "<user>Summarise: d\n<assistant>"
-
-
 # -- messages mode
 
 
@@ -183,6 +173,12 @@ def test_chat_template_failure_is_a_row_error():
 def test_messages_mode_needs_a_chat_template():
     with pytest.raises(InputError, match="chat template"):
         PromptBuilder(messages_column="m")
+
+
+@pytest.mark.parametrize("mode", [{}, {"template": "{{ x }}"}])
+def test_a_chat_template_is_for_messages_mode_only(mode):
+    with pytest.raises(InputError, match="messages column only"):
+        PromptBuilder(chat_template_fn=_chat, **mode)
 
 
 def test_conflicting_modes_are_refused():

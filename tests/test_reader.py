@@ -23,11 +23,11 @@ def _write_jsonl(path, rows) -> None:
             f.write(json.dumps(r) + "\n")
 
 
-def _read_all(source, batch_rows: int = 3, skip_rows: int = 0, columns=None):
+def _read_all(source, batch_rows: int = 3, columns=None):
     """(rows, offsets) with each batch's offset checked against the rows before it."""
     rows, offsets = [], []
-    for offset, batch in source.iter_batches(batch_rows, skip_rows, columns):
-        assert offset == skip_rows + len(rows)
+    for offset, batch in source.iter_batches(batch_rows, columns):
+        assert offset == len(rows)
         assert 0 < batch.num_rows <= batch_rows
         offsets.append(offset)
         rows.extend(batch.to_pylist())
@@ -116,9 +116,9 @@ def test_jsonl_glob_unifies_types_across_files(tmp_path):
     (tmp_path / "c.jsonl").write_text("\n")  # blank files are skipped
     source = open_input(str(tmp_path / "*.jsonl"))
     assert source.schema.field("note").type == pa.string()
-    got, offsets = _read_all(source, batch_rows=1, skip_rows=1)
-    assert got == [{"prompt": "p1", "note": "hi"}]
-    assert offsets == [1]
+    got, offsets = _read_all(source, batch_rows=1)
+    assert got == [{"prompt": "p0", "note": None}, {"prompt": "p1", "note": "hi"}]
+    assert offsets == [0, 1]
 
 
 def test_missing_column_lists_available_columns(tmp_path):
@@ -204,27 +204,6 @@ def test_large_parquet_small_batches_every_row_once(tmp_path):
         seen.extend(xs)
     assert seen == list(range(n))
 
-    # skip_rows lands mid row group, past whole row groups that are never decoded.
-    skip = 3 * 7_000 + 123
-    batches = list(source.iter_batches(batch_rows=4_096, skip_rows=skip))
-    assert batches[0].offset == skip
-    got = [v for _, b in batches for v in b.column("x").to_pylist()]
-    assert got == list(range(skip, n))
-    assert all(b.num_rows == 4_096 for _, b in batches[:-1])
-
-    assert list(source.iter_batches(batch_rows=10, skip_rows=n)) == []
-
-
-@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
-def test_skip_rows_across_files(tmp_path, fmt):
-    write = _write_parquet if fmt == "parquet" else _write_jsonl
-    write(tmp_path / f"a.{fmt}", _rows(4))
-    write(tmp_path / f"b.{fmt}", _rows(4, 4))
-    source = open_input(str(tmp_path / f"*.{fmt}"))
-    got, offsets = _read_all(source, batch_rows=3, skip_rows=5)
-    assert got == _rows(3, 5)
-    assert offsets == [5]
-
 
 def test_jsonl_streams_in_blocks(tmp_path, monkeypatch):
     # Tiny blocks force many pyarrow blocks; rows, order and offsets must not depend on them.
@@ -233,9 +212,9 @@ def test_jsonl_streams_in_blocks(tmp_path, monkeypatch):
     monkeypatch.setattr(reader, "JSON_BLOCK_BYTES", 256)
     rows = _rows(500)
     _write_jsonl(tmp_path / "in.jsonl", rows)
-    got, offsets = _read_all(open_input(tmp_path / "in.jsonl"), batch_rows=64, skip_rows=70)
-    assert got == rows[70:]
-    assert offsets == list(range(70, 500, 64))
+    got, offsets = _read_all(open_input(tmp_path / "in.jsonl"), batch_rows=64)
+    assert got == rows
+    assert offsets == list(range(0, 500, 64))
 
 
 def test_jsonl_type_change_mid_file_is_an_input_error(tmp_path, monkeypatch):
@@ -270,8 +249,6 @@ def test_bad_batch_arguments(tmp_path):
     source = open_input(tmp_path / "in.parquet")
     with pytest.raises(ValueError):
         next(source.iter_batches(0))
-    with pytest.raises(ValueError):
-        next(source.iter_batches(2, skip_rows=-1))
 
 
 def test_expands_user_home(tmp_path, monkeypatch):

@@ -11,8 +11,8 @@ import pytest
 from tiny_models import save_tiny_model
 
 from batchgen.config import ConfigError, RunConfig
-from batchgen.multigpu import plan_workers, run_workers
 from batchgen.run import run
+from batchgen.scaleout.workers import plan_workers, run_workers
 
 N_SLOW = 60
 COMPARED = ["id", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens"]

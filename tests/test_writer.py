@@ -5,6 +5,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import read_output
 
 from batchgen.data.errors import InputError, OutputError
 from batchgen.data.writer import OutputDir, PartBuffer, output_schema
@@ -55,19 +56,18 @@ def test_output_schema_refuses_clashing_passthrough():
         output_schema(pa.int64(), pa.schema([("text", pa.string())]))
 
 
-def test_parts_done_ids_and_read_all(tmp_path):
+def test_parts_and_done_ids(tmp_path):
     out = OutputDir(tmp_path / "out", JOB)
     buf = _buffer(out, rows_per_part=4)
     buf.add([_result(i) for i in range(3)])
-    assert out.part_files() == [] and buf.pending == 3
+    assert out.part_files() == []  # 3 rows buffered, under a part
     buf.add([_result(i) for i in range(3, 10)])  # crosses two part boundaries
     assert out.part_files() == ["part-00000.parquet", "part-00001.parquet"]
-    assert buf.pending == 2
+    assert read_output(tmp_path / "out").num_rows == 8  # 2 still buffered
     buf.flush()
-    assert buf.pending == 0
     assert out.part_files() == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     assert out.done_ids() == set(range(10))
-    table = out.read_all()
+    table = read_output(tmp_path / "out")
     assert table.column("id").to_pylist() == list(range(10))
     assert table.column("text").to_pylist() == [f"out{i}" for i in range(10)]
     assert not out.is_complete
@@ -104,21 +104,23 @@ def test_nulls_and_schema_are_consistent_across_parts(tmp_path):
     assert schemas[0].equals(schemas[1])
     assert schemas[0].field("prompt_tokens").type == pa.int32()
     assert schemas[0].field("text").type == pa.string()  # not null-typed in the all-null part
-    table = out.read_all()
+    table = read_output(tmp_path)
     assert table.column("error").to_pylist() == ["bad", "bad", None, None]
     assert table.column("token_ids").to_pylist() == [None, None, [1, 2], []]
     assert table.column("label").to_pylist() == ["l0", None, "l2", None]
 
 
 def test_rows_must_match_the_schema(tmp_path):
-    buf = _buffer(OutputDir(tmp_path, JOB))
+    out = OutputDir(tmp_path, JOB)
+    buf = _buffer(out)
     row = _result(0)
     del row["error"]
     with pytest.raises(ValueError, match="missing \\['error'\\]"):
         buf.add([row])
     with pytest.raises(ValueError, match="unexpected \\['token_ids'\\]"):
         buf.add([_result(0, token_ids=[1])])
-    assert buf.pending == 0
+    buf.flush()
+    assert out.part_files() == []  # neither refused row was kept
 
 
 def test_stray_temp_file_is_removed_and_never_counted(tmp_path, caplog):
@@ -244,4 +246,4 @@ def test_output_path_that_is_a_file(tmp_path):
 def test_empty_output(tmp_path):
     out = OutputDir(tmp_path / "new" / "dir", JOB)
     assert out.done_ids() == set()
-    assert out.read_all().num_rows == 0
+    assert out.part_files() == []

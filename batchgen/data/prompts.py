@@ -94,8 +94,7 @@ class PromptBuilder:
     """Renders rows into prompts.
 
     chat_template_fn turns a list of {role, content} messages into the model's prompt text
-    (e.g. a tokenizer's apply_chat_template). It is required in messages mode; in plain and
-    template mode, when given, the rendered text is sent through it as one user message.
+    (e.g. a tokenizer's apply_chat_template), in messages mode only, where it is required.
     """
 
     def __init__(
@@ -116,6 +115,8 @@ class PromptBuilder:
                 f"messages column {messages_column!r} needs a chat template; "
                 "use a model whose tokenizer has one"
             )
+        if messages_column is None and chat_template_fn is not None:
+            raise InputError("a chat template applies to a messages column only")
         self.prompt_column = prompt_column
         self.messages_column = messages_column
         self.template = template
@@ -147,10 +148,7 @@ class PromptBuilder:
     def render(self, row: dict[str, Any]) -> str:
         if self.messages_column is not None:
             return self._apply_chat(_messages(row, self.messages_column))
-        text = self._render_template(row) if self._template is not None else self._plain(row)
-        if self.chat_template_fn is None:
-            return text
-        return self._apply_chat([{"role": "user", "content": text}])
+        return self._render_template(row) if self._template is not None else self._plain(row)
 
     def _plain(self, row: dict[str, Any]) -> str:
         assert self.prompt_column is not None

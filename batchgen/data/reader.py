@@ -13,7 +13,6 @@ import enum
 import glob
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import pyarrow as pa
@@ -74,46 +73,35 @@ class InputSource:
             )
 
     def iter_batches(
-        self, batch_rows: int, skip_rows: int = 0, columns: Sequence[str] | None = None
+        self, batch_rows: int, columns: Sequence[str] | None = None
     ) -> Iterator[InputBatch]:
-        """Yield (offset, batch) in input order, starting at global row `skip_rows`.
+        """Yield (offset, batch) in input order, from the first row.
 
         Every batch has exactly `batch_rows` rows except the last, and the schema
         `self.schema` (or its `columns` subset, in that order).
         """
         if batch_rows < 1:
             raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
-        if skip_rows < 0:
-            raise ValueError(f"skip_rows must be >= 0, got {skip_rows}")
         schema = self.schema
         if columns is not None:
             self.require_columns(columns)
             schema = pa.schema([self.schema.field(c) for c in columns])
-        offset = skip_rows
-        raw = self._read(batch_rows, skip_rows, columns)
+        offset = 0
+        raw = self._read(batch_rows, columns)
         for batch in _rebatch((_conform(b, schema) for b in raw), batch_rows):
             yield InputBatch(offset, batch)
             offset += batch.num_rows
 
-    def _read(
-        self, batch_rows: int, skip_rows: int, columns: Sequence[str] | None
-    ) -> Iterator[pa.RecordBatch]:
-        """Raw batches of any size starting exactly at global row `skip_rows`."""
+    def _read(self, batch_rows: int, columns: Sequence[str] | None) -> Iterator[pa.RecordBatch]:
+        """Raw batches of any size, in input order."""
         raise NotImplementedError
-
-
-@dataclass(slots=True, frozen=True)
-class _ParquetFileInfo:
-    path: str
-    num_rows: int
-    row_group_rows: tuple[int, ...]
 
 
 class ParquetSource(InputSource):
     format = InputFormat.PARQUET
 
     def __init__(self, path: str, files: list[str]) -> None:
-        infos: list[_ParquetFileInfo] = []
+        num_rows = 0
         schema: pa.Schema | None = None
         for f in files:
             try:
@@ -130,34 +118,18 @@ class ParquetSource(InputSource):
                     f"all input files must share one schema.\n{f}:\n{file_schema}\n"
                     f"{files[0]}:\n{schema}"
                 )
-            rg_rows = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-            infos.append(_ParquetFileInfo(f, meta.num_rows, rg_rows))
+            num_rows += meta.num_rows
         assert schema is not None  # _resolve never returns an empty file list
-        super().__init__(path, schema, sum(i.num_rows for i in infos))
+        super().__init__(path, schema, num_rows)
         self.files = files
-        self._infos = infos
 
-    def _read(
-        self, batch_rows: int, skip_rows: int, columns: Sequence[str] | None
-    ) -> Iterator[pa.RecordBatch]:
-        skip = skip_rows
-        for info in self._infos:
-            if skip >= info.num_rows:
-                skip -= info.num_rows
-                continue
-            # Whole row groups before the start are never read; the rest is sliced off below.
-            first_rg = 0
-            while skip >= info.row_group_rows[first_rg]:
-                skip -= info.row_group_rows[first_rg]
-                first_rg += 1
-            row_groups = list(range(first_rg, len(info.row_group_rows)))
+    def _read(self, batch_rows: int, columns: Sequence[str] | None) -> Iterator[pa.RecordBatch]:
+        for f in self.files:
             try:
-                with pq.ParquetFile(info.path) as pf:
-                    batches = pf.iter_batches(batch_rows, row_groups=row_groups, columns=columns)
-                    yield from _drop_rows(batches, skip)
+                with pq.ParquetFile(f) as pf:
+                    yield from pf.iter_batches(batch_rows, columns=columns)
             except (pa.ArrowException, OSError) as e:
-                raise InputError(f"cannot read Parquet file {info.path}: {e}") from e
-            skip = 0
+                raise InputError(f"cannot read Parquet file {f}: {e}") from e
 
 
 class JsonlSource(InputSource):
@@ -177,11 +149,8 @@ class JsonlSource(InputSource):
         super().__init__(path, pa.schema(fields), None)
         self.files = files
 
-    def _read(
-        self, batch_rows: int, skip_rows: int, columns: Sequence[str] | None
-    ) -> Iterator[pa.RecordBatch]:
-        batches = (b for f in self.files for b in self._read_file(f))
-        for batch in _drop_rows(batches, skip_rows):
+    def _read(self, batch_rows: int, columns: Sequence[str] | None) -> Iterator[pa.RecordBatch]:
+        for batch in (b for f in self.files for b in self._read_file(f)):
             yield batch if columns is None else batch.select(list(columns))
 
     def _read_file(self, file: str) -> Iterator[pa.RecordBatch]:
@@ -221,11 +190,9 @@ class DatasetsSource(InputSource):
             os.path.join(path, n) for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))
         )
 
-    def _read(
-        self, batch_rows: int, skip_rows: int, columns: Sequence[str] | None
-    ) -> Iterator[pa.RecordBatch]:
+    def _read(self, batch_rows: int, columns: Sequence[str] | None) -> Iterator[pa.RecordBatch]:
         table = self._table if columns is None else self._table.select(list(columns))
-        yield from table.slice(skip_rows).to_batches(max_chunksize=batch_rows)
+        yield from table.to_batches(max_chunksize=batch_rows)
 
 
 def open_input(path: str | os.PathLike[str]) -> InputSource:
@@ -314,16 +281,6 @@ def _is_blank(file: str) -> bool:
             if chunk.strip():
                 return False
     return True
-
-
-def _drop_rows(batches: Iterable[pa.RecordBatch], n: int) -> Iterator[pa.RecordBatch]:
-    """The stream without its first n rows."""
-    for batch in batches:
-        if n >= batch.num_rows:
-            n -= batch.num_rows
-            continue
-        yield batch.slice(n) if n else batch
-        n = 0
 
 
 def _rebatch(batches: Iterable[pa.RecordBatch], batch_rows: int) -> Iterator[pa.RecordBatch]:

@@ -177,11 +177,6 @@ class OutputDir:
             )
             os.remove(success)
 
-    def read_all(self) -> pa.Table:
-        """Every part concatenated in part order (for tests and merging)."""
-        tables = [pq.read_table(os.path.join(self.path, n)) for n in self.part_files()]
-        return pa.concat_tables(tables) if tables else pa.table({})
-
     def _check_owner(self) -> None:
         """Refuse a directory that holds files batchgen did not write and no _job.json."""
         names = os.listdir(self.path)
@@ -257,10 +252,6 @@ class PartBuffer:
         self.schema = schema
         self._names = set(schema.names)
         self._rows: list[dict[str, Any]] = []
-
-    @property
-    def pending(self) -> int:
-        return len(self._rows)
 
     def add(self, rows: Iterable[dict[str, Any]]) -> None:
         for row in rows:

@@ -32,7 +32,6 @@ _BACKENDS = {QuantBackend.TORCHAO: torchao_backend, QuantBackend.QUANTO: quanto_
 # CPU cell measured, except int4 with float32/float16 activations, where torchao's CPU
 # int4 kernel takes a slow path (2-26x slower than quanto in scripts/bench_quant.py) and
 # quanto is picked.
-DEFAULT_BACKEND = {"cpu": QuantBackend.TORCHAO, "cuda": QuantBackend.TORCHAO}
 DEFAULT_OVERRIDES = {
     ("cpu", QuantMethod.INT4, torch.float32): QuantBackend.QUANTO,
     ("cpu", QuantMethod.INT4, torch.float16): QuantBackend.QUANTO,
@@ -42,9 +41,9 @@ DEFAULT_OVERRIDES = {
 def default_backend(
     device_type: str, method: QuantMethod | None = None, dtype: torch.dtype | None = None
 ) -> QuantBackend:
-    """The device's default backend, or the measured better one for (method, dtype)."""
+    """torchao, or the measured better one for (device, method, dtype)."""
     best = DEFAULT_OVERRIDES.get((device_type, method, dtype))
-    return best or DEFAULT_BACKEND.get(device_type, QuantBackend.TORCHAO)
+    return best or QuantBackend.TORCHAO
 
 
 def make_scheme(

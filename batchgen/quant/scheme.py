@@ -8,22 +8,11 @@ dtype; asking for anything else raises `QuantUnavailableError` naming what does 
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
-
-class QuantMethod(str, enum.Enum):
-    NONE = "none"
-    INT8 = "int8"  # symmetric, one scale per output channel
-    INT4 = "int4"  # affine, one scale and zero point per group of input channels
-    FP8 = "fp8"  # float8 e4m3, one scale per output channel
-
-
-class QuantBackend(str, enum.Enum):
-    TORCHAO = "torchao"
-    QUANTO = "quanto"
+from batchgen.config import QuantBackend, QuantMethod  # declared once, with the other options
 
 
 class QuantUnavailableError(ValueError):
@@ -104,7 +93,7 @@ class QuantScheme:
             if self.backend is not None or self.group_size is not None:
                 raise ValueError("quantize=none takes no backend and no group size")
             return
-        if self.backend is None:
+        if self.backend in (None, QuantBackend.AUTO):
             raise ValueError(f"quantize={self.method.value} needs a backend (torchao or quanto)")
         if self.method is QuantMethod.INT4:
             if self.group_size not in INT4_GROUP_SIZES:

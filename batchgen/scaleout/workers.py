@@ -3,7 +3,7 @@
 Worker i of N is `batchgen run <the same job> --shard i/N` in its own process, pinned to one GPU
 with CUDA_VISIBLE_DEVICES (so each compiles and caches for a single device, and no process
 touches another's memory). The workers write OUT/shard-*-of-N/ exactly as N Slurm array tasks
-would, and the parent merges them (batchgen.merge) once all have finished, so the rows are
+would, and the parent merges them (batchgen.scaleout.merge) once all have finished, so the rows are
 those of one process: the same prompts, each run once, greedy outputs equal.
 
 On the CPU (`--device cpu`) N workers share the cores, each with cores/N threads: mostly a way
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import yaml
 
-from batchgen.config import ConfigError, RunConfig
-from batchgen.merge import MergeSummary, merge
-from batchgen.shard import Shard
+from batchgen.config import Choice, ConfigError, RunConfig
+from batchgen.scaleout.merge import MergeSummary, merge
+from batchgen.scaleout.shard import Shard, without_array_task
 
 
 class WorkersFailed(RuntimeError):
@@ -68,7 +68,8 @@ def plan_workers(cfg: RunConfig) -> list[dict[str, str]]:
 def _job_spec(cfg: RunConfig) -> dict:
     """cfg as a job spec for the workers, without the parts each worker sets itself."""
     spec = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    spec.update(truncate=cfg.truncate.value, quiet=True)
+    spec = {k: v.value if isinstance(v, Choice) else v for k, v in spec.items()}  # yaml: strings
+    spec.update(quiet=True)
     for k in ("workers", "shard"):
         del spec[k]
     return spec
@@ -132,7 +133,7 @@ def run_workers(cfg: RunConfig) -> MergeSummary:
         try:
             for i, extra in enumerate(envs):
                 # Not an enclosing Slurm array task's shard: each worker is told its own.
-                env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_ARRAY_")}
+                env = without_array_task()
                 cmd = [sys.executable, "-m", "batchgen.cli", "run", str(spec)]
                 procs.append(subprocess.Popen([*cmd, "--shard", f"{i}/{n}"], env={**env, **extra}))
                 if received:  # a signal arrived while starting: do not start more

@@ -63,9 +63,6 @@ class Shard:
     def __str__(self) -> str:
         return f"{self.index}/{self.count}"
 
-    def contains(self, row_id: Any) -> bool:
-        return shard_of(row_id, self.count) == self.index
-
     def mask(self, ids: Iterable[Any]) -> list[bool]:
         return [shard_of(i, self.count) == self.index for i in ids]
 
@@ -106,3 +103,8 @@ def shard_from_env(env: Mapping[str, str] = os.environ) -> Shard | None:
             f"{count} ({e}); submit the array as --array=0-{int(count) - 1 if count.isdigit() else 'N-1'} "
             "or pass --shard I/N"
         ) from None
+
+
+def without_array_task(env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """env less an enclosing Slurm array task's variables, for a process that gets its own shard."""
+    return {k: v for k, v in env.items() if not k.startswith("SLURM_ARRAY_")}

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE, write_atomic
-from batchgen.shard import Shard
+from batchgen.scaleout.shard import Shard
 
 MERGED_FILE = "merged.parquet"
 

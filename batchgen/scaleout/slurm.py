@@ -21,7 +21,6 @@ only what is missing.
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
 import subprocess
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.config import RunConfig
+from batchgen.scaleout.shard import without_array_task
 
 
 class SlurmError(RuntimeError):
@@ -103,7 +103,7 @@ def sbatch_script(source: str, cfg: RunConfig, run_args: list[str], opts: Sbatch
     # of only some tasks (--only) still runs shards of the same split.
     run = [sys.executable, "-m", "batchgen.cli", "run", source, *run_args]
     lines.append(f"""
-# Written by `batchgen slurm`; see batchgen/slurm.py for how stopping and resuming work.
+# Written by `batchgen slurm`; see batchgen/scaleout/slurm.py for how stopping and resuming work.
 set -u
 export PYTHONUNBUFFERED=1
 N={opts.shards}
@@ -182,13 +182,11 @@ def submit(script: Path) -> str:
     if not shutil.which("sbatch"):
         raise SlurmError("sbatch is not on PATH; run on a Slurm login node, or use --dry-run")
     r = subprocess.run(
-        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, env=_env()
+        ["sbatch", "--parsable", str(script)],
+        capture_output=True,
+        text=True,
+        env=without_array_task(),  # an enclosing array task's shard must not leak into the new job
     )
     if r.returncode:
         raise SlurmError(f"sbatch failed ({r.returncode}): {(r.stderr or r.stdout).strip()}")
     return r.stdout.strip().split(";")[0]  # "jobid" or "jobid;cluster"
-
-
-def _env() -> dict[str, str]:
-    # Shard variables of an enclosing array task must not leak into the new job's tasks.
-    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_ARRAY_")}
