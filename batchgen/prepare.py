@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.config import RunConfig
-from batchgen.data import InputError, InputSource, PromptBuilder, RowError, default_ids
+from batchgen.data import InputError, InputFormat, InputSource, PromptBuilder, RowError, default_ids
 from batchgen.data.writer import RESERVED_COLUMNS
 from batchgen.engine.sequence import Request, SamplingParams
 from batchgen.seeds import row_seed
@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 # Optional input columns that override the job's sampling defaults for their row. Without a
 # seed column, each row's seed is derived from the job's seed and the row's id (seeds.py).
 OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "seed")
+# An optional input column of stop strings (a string or a list) that replaces --stop for its row.
+STOP_COLUMN = "stop"
+# Columns of an OpenAI batch file copied to the output by default (the request's prompt).
+OPENAI_PASSTHROUGH = ("prompt", "messages")
 
 
 @dataclass(slots=True)
@@ -67,24 +71,48 @@ def make_prompt_builder(cfg: RunConfig, tokenizer) -> PromptBuilder:
     return PromptBuilder(plain, cfg.messages_column, cfg.template, chat_fn)
 
 
+def openai_prompt_builders(cfg: RunConfig, tokenizer) -> tuple[PromptBuilder, PromptBuilder]:
+    """(completions, chat) builders of an OpenAI batch file, whose lines may mix both kinds."""
+    if cfg.template or cfg.messages_column or cfg.id_column:
+        raise InputError(
+            "an OpenAI batch file carries its own prompts and ids (custom_id); "
+            "drop --template, --messages-column and --id-column"
+        )
+
+    def chat_fn(messages: list[dict]) -> str:
+        if not getattr(tokenizer, "chat_template", None):
+            raise RowError("a /v1/chat/completions line needs a chat template; this model has none")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    return PromptBuilder("prompt"), PromptBuilder(None, "messages", None, chat_fn)
+
+
 class Preparer:
     def __init__(
         self, cfg: RunConfig, source: InputSource, tokenizer, max_prompt_len: int, max_seq: int
     ) -> None:
         self.cfg, self.source, self.tokenizer = cfg, source, tokenizer
-        self.builder = make_prompt_builder(cfg, tokenizer)
+        self.chat_builder: PromptBuilder | None = None  # chat rows of an OpenAI batch file
+        if source.format is InputFormat.OPENAI:
+            self.builder, self.chat_builder = openai_prompt_builders(cfg, tokenizer)
+        else:
+            self.builder = make_prompt_builder(cfg, tokenizer)
+        self.id_column = cfg.id_column or source.id_column
         self.max_prompt_len = max_prompt_len
         self.max_seq = max_seq  # prompt + new tokens must fit the model's positions
         self.passthrough = self._passthrough(cfg, source)
         self.overrides = [c for c in OVERRIDE_COLUMNS if c in source.columns]
+        self.stop_column = STOP_COLUMN if STOP_COLUMN in source.columns else None
         needed = self.builder.required_columns() | set(self.passthrough) | set(self.overrides)
-        if cfg.id_column:
-            needed.add(cfg.id_column)
+        if self.chat_builder is not None:
+            needed |= self.chat_builder.required_columns()
+        needed |= {c for c in (self.id_column, self.stop_column, source.error_column) if c}
         source.require_columns(sorted(needed))
-        if cfg.id_column and pa.types.is_floating(source.schema.field(cfg.id_column).type):
+        id_column = self.id_column
+        if id_column and pa.types.is_floating(source.schema.field(id_column).type):
             # NaN equals nothing, not even itself: a NaN-id row would never count as done.
             raise InputError(
-                f"id column {cfg.id_column!r} is {source.schema.field(cfg.id_column).type}, and "
+                f"id column {id_column!r} is {source.schema.field(id_column).type}, and "
                 "floating-point ids (NaN never equals itself) break exactly-once output; cast it "
                 "to int or string, or omit --id-column to use row numbers"
             )
@@ -103,24 +131,23 @@ class Preparer:
     def _passthrough(cfg: RunConfig, source: InputSource) -> list[str]:
         """Input columns copied to the output: the id column is the output's `id`, and by
         default a column named like an output column (e.g. `text`) is left out."""
+        id_column = cfg.id_column or source.id_column
         if cfg.passthrough is not None:
-            return [c for c in cfg.passthrough if c != cfg.id_column]
-        clash = [c for c in source.columns if c in RESERVED_COLUMNS and c != cfg.id_column]
+            return [c for c in cfg.passthrough if c != id_column]
+        if source.format is InputFormat.OPENAI:
+            return [c for c in OPENAI_PASSTHROUGH if c in source.columns]
+        clash = [c for c in source.columns if c in RESERVED_COLUMNS and c != id_column]
         if clash:
             log.warning(
                 "input column(s) %s not copied to the output, which has columns of that name%s",
                 ", ".join(map(repr, clash)),
                 " (--id-column id uses the input's ids)" if "id" in clash else "",
             )
-        return [c for c in source.columns if c not in RESERVED_COLUMNS and c != cfg.id_column]
+        return [c for c in source.columns if c not in RESERVED_COLUMNS and c != id_column]
 
     @property
     def id_type(self):
-        import pyarrow as pa
-
-        return (
-            self.source.schema.field(self.cfg.id_column).type if self.cfg.id_column else pa.int64()
-        )
+        return self.source.schema.field(self.id_column).type if self.id_column else pa.int64()
 
     def windows(self, done: set[Any]) -> Iterator[tuple[int, Window]]:
         """Yield (rows read, window of rows not done yet) until the input (or limit) ends."""
@@ -134,13 +161,11 @@ class Preparer:
             read += batch.num_rows
             n_read = batch.num_rows
             row_numbers = list(range(offset, offset + batch.num_rows))
-            if self.cfg.id_column:
-                ids, bad = _decode(batch.select([self.cfg.id_column]), row_numbers)
+            if self.id_column:
+                ids, bad = _decode(batch.select([self.id_column]), row_numbers)
                 if bad:
-                    raise InputError(
-                        f"id column {self.cfg.id_column!r}: {next(iter(bad.values()))}"
-                    )
-                ids = [r[self.cfg.id_column] for r in ids]
+                    raise InputError(f"id column {self.id_column!r}: {next(iter(bad.values()))}")
+                ids = [r[self.id_column] for r in ids]
             else:
                 ids = default_ids(offset, batch.num_rows).to_pylist()
             if self.cfg.shard is not None:  # other shards' rows are neither rendered nor checked
@@ -157,25 +182,29 @@ class Preparer:
         """bad: {position: error} of rows that could not be decoded (see _decode)."""
         rows: list[Row] = []
         texts: list[str] = []
+        chats: list[bool] = []  # per text: rendered by a chat template
         pending: list[tuple[int, dict]] = []  # (position in rows, record) of rendered rows
+        error_column = self.source.error_column
         for i, (rec, rid) in enumerate(zip(records, ids, strict=True)):
             self._check_id(rid)
             if rid in done:
                 continue
             row = Row(rid, {c: rec[c] for c in self.passthrough})
             rows.append(row)
-            if i in bad:
-                row.error = bad[i]
+            if i in bad or (error_column and rec[error_column] is not None):
+                row.error = bad[i] if i in bad else rec[error_column]
                 continue
+            if self.chat_builder is not None and rec["messages"] is not None:
+                builder, chat = self.chat_builder, True
+            else:
+                builder, chat = self.builder, bool(self.cfg.messages_column)
             try:
-                texts.append(self.builder.render(rec))
+                texts.append(builder.render(rec))
+                chats.append(chat)
                 pending.append((len(rows) - 1, rec))
             except RowError as e:
                 row.error = e.message
-        # Chat templates already hold the model's special tokens; plain text gets them added.
-        token_lists = tokenize(
-            self.tokenizer, texts, add_special_tokens=not self.cfg.messages_column
-        )
+        token_lists = self._tokenize(texts, chats)
         requests: list[Request] = []
         for (pos, rec), ids_ in zip(pending, token_lists, strict=True):
             row = rows[pos]
@@ -194,12 +223,22 @@ class Preparer:
             requests.append(Request(pos, ids_, params))
         return Window(rows, requests)
 
+    def _tokenize(self, texts: list[str], chats: list[bool]) -> list[list[int]]:
+        """Chat templates already hold the model's special tokens; plain text gets them added."""
+        out: list[list[int]] = [[] for _ in texts]
+        for chat in (False, True):
+            idx = [i for i, c in enumerate(chats) if c is chat]
+            lists = tokenize(self.tokenizer, [texts[i] for i in idx], add_special_tokens=not chat)
+            for i, ids in zip(idx, lists, strict=True):
+                out[i] = ids
+        return out
+
     def _check_id(self, rid: Any) -> None:
         if rid is None:
-            raise InputError(f"id column {self.cfg.id_column!r} has a null value; ids must be set")
+            raise InputError(f"id column {self.id_column!r} has a null value; ids must be set")
         if rid in self._seen_ids:
             raise InputError(
-                f"id column {self.cfg.id_column!r} has the value {rid!r} twice; ids must be unique "
+                f"id column {self.id_column!r} has the value {rid!r} twice; ids must be unique "
                 "for exactly-once output (omit --id-column to use row numbers)"
             )
         self._seen_ids.add(rid)
@@ -212,9 +251,19 @@ class Preparer:
                     raise ValueError(f"{c} is {v!r}, not a number")
                 values[c] = int(v) if c in ("max_new_tokens", "seed") else float(v)
             values.setdefault("seed", row_seed(self.cfg.seed, row_id))
+            if self.stop_column and rec[self.stop_column] is not None:
+                values["stop"] = _stop_strings(rec[self.stop_column])
             return dataclasses.replace(self.defaults, **values)
         except (ValueError, TypeError) as e:
             raise RowError(f"bad per-row sampling value: {e}") from e
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list | tuple) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise ValueError(f"{STOP_COLUMN} is {value!r}, not a string or a list of strings")
 
 
 def _decode(batch: pa.RecordBatch, row_numbers: list[int]) -> tuple[list[dict], dict[int, str]]:

@@ -18,6 +18,7 @@ import torch
 
 from batchgen.config import ConfigError, RunConfig
 from batchgen.data import InputSource, OutputDir, PartBuffer, open_input, output_schema
+from batchgen.data.reader import OpenAIBatchSource
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import Completion, FinishReason, Request
 from batchgen.fingerprint import content_fingerprint
@@ -151,6 +152,13 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     job = open_job(cfg)
+    if isinstance(job.source, OpenAIBatchSource) and job.source.unsupported_fields:
+        unsupported = job.source.unsupported_fields
+        stats.extra["openai_unsupported_fields"] = unsupported
+        log.warning(
+            "OpenAI batch body field(s) not supported, ignored: %s",
+            ", ".join(f"{k} ({n} line{'s' * (n > 1)})" for k, n in unsupported.items()),
+        )
     model_dir, model_cfg, source, device, prep = (
         job.model_dir,
         job.model_cfg,
