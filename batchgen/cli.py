@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import sys
 
 import click
 
-from batchgen.config import BOUNDS, ConfigError, RunConfig, Truncate
+from batchgen.config import BOUNDS, ConfigError, OutputFormat, RunConfig, Truncate
 from batchgen.jobspec import is_job_spec, load_job_spec, resolve_path
 
 EXIT_USAGE = 2
@@ -27,7 +28,7 @@ def _default(name: str):
 
     f = next(f for f in dataclasses.fields(RunConfig) if f.name == name)
     if f.default is not dataclasses.MISSING:
-        return f.default.value if isinstance(f.default, Truncate) else f.default
+        return f.default.value if isinstance(f.default, enum.Enum) else f.default
     return None
 
 
@@ -88,6 +89,7 @@ def run_options(f):
         _opt("--flush-seconds", type=float, help="Write a part at least this often."),
         _opt("--with-token-ids", is_flag=True, help="Add a token_ids column."),
         _opt("--with-logprobs", is_flag=True, help="Add a logprobs column (log-probability of each generated token)."),
+        _opt("--output-format", type=click.Choice([f.value for f in OutputFormat]), help="openai: also write OUTPUT/results.jsonl, OpenAI batch output lines in input order (OpenAI batch input only)."),
         _opt("--overwrite", is_flag=True, help="Replace another job's results in --output."),
         _opt("--quiet", "-q", is_flag=True, help="No progress bar (for schedulers' logs)."),
         _opt("--allow-pickle", is_flag=True, help="Allow loading pytorch_model.bin pickle checkpoints (can run code)."),

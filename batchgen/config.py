@@ -24,11 +24,17 @@ class Truncate(str, enum.Enum):
     RIGHT = "right"  # keep the prompt's start
 
 
+class OutputFormat(str, enum.Enum):
+    PARQUET = "parquet"  # part files, the default
+    OPENAI = "openai"  # the part files, and OUTPUT/results.jsonl of OpenAI batch output lines
+
+
 _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "quantize": ("none", "int8", "int4", "fp8"),
     "quant_backend": ("auto", "torchao", "quanto"),
     "truncate": tuple(t.value for t in Truncate),
+    "output_format": tuple(f.value for f in OutputFormat),
 }
 
 
@@ -106,6 +112,7 @@ class RunConfig:
     flush_seconds: float = 60.0  # write a part at least this often, bounding work lost to a kill
     with_token_ids: bool = False
     with_logprobs: bool = False
+    output_format: OutputFormat = OutputFormat.PARQUET
     overwrite: bool = False
     quiet: bool = False
     allow_pickle: bool = False
@@ -125,6 +132,7 @@ class RunConfig:
             if value not in allowed:
                 raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
         self.truncate = Truncate(self.truncate)
+        self.output_format = OutputFormat(self.output_format)
         for key, bound in BOUNDS.items():
             value = getattr(self, key)
             if value is not None and value not in bound:
@@ -155,6 +163,11 @@ class RunConfig:
             )
         if self.messages_column and self.template:
             raise ConfigError("use either messages_column or template, not both")
+        if self.output_format is OutputFormat.OPENAI and (self.shard or self.workers != 1):
+            raise ConfigError(
+                "output_format openai writes one results.jsonl per job; run it without "
+                "shard and workers"
+            )
 
     @property
     def output_dir(self) -> str:
@@ -186,7 +199,7 @@ class RunConfig:
         """What makes two runs the same job: a rerun with a different one is refused."""
         skip = {"overwrite", "quiet", "rows_per_part", "flush_seconds", "window_rows", "max_num_seqs",
                 "max_num_batched_tokens", "block_size", "kv_cache_tokens", "prefix_caching",
-                "compile", "workers", "threads"}  # fmt: skip
+                "compile", "workers", "threads", "output_format"}  # fmt: skip
         out = {k: getattr(self, k) for k in self.keys() if k not in skip}
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())
@@ -248,7 +261,12 @@ def _conform(value: Any, hint: Any) -> tuple[bool, Any]:
         if isinstance(value, bool) or not isinstance(value, int | float):
             return False, value
         return True, float(value)
-    if hint in (str, Truncate, Shard):  # enums and shards also come as strings, checked later
+    if hint in (
+        str,
+        Truncate,
+        OutputFormat,
+        Shard,
+    ):  # enums and shards also come as strings, checked later
         return isinstance(value, str | hint), value
     raise TypeError(f"RunConfig has no type check for {hint}; add one to _conform")
 
@@ -259,5 +277,5 @@ def _describe(hint: Any) -> str:
     if typing.get_origin(hint) is list:
         return f"a list of {_describe(typing.get_args(hint)[0])}"
     names = {type(None): "null", bool: "bool (true or false, unquoted)", int: "int",
-             float: "float", str: "str", Truncate: "str", Shard: "str I/N"}  # fmt: skip
+             float: "float", str: "str", Truncate: "str", OutputFormat: "str", Shard: "str I/N"}  # fmt: skip
     return names[hint]

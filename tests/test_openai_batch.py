@@ -267,3 +267,73 @@ def test_stop_column_in_a_plain_input_overrides_the_job_stop(tmp_path, model):
     _run(src, tmp_path / "out", model, "--stop", "nothing-like-this")
     rows = rows_by_id(tmp_path / "out")
     assert rows[0]["text"] == text[: text.index(stop)] and rows[1]["text"] == text
+
+
+# -- --output-format openai ------------------------------------------------------------------
+
+
+def _results(out):
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_openai_output_lines_in_input_order(tmp_path, model):
+    lines = [
+        completion_line("z-last-id", PROMPTS[1], max_tokens=3),
+        "{broken",
+        chat_line("a-first-id", CHATS[0], max_tokens=5),
+        completion_line("too-long", "the quick brown fox " * 60, max_tokens=100),
+        chat_line("m", CHATS[1]),
+    ]
+    src = tmp_path / "req.jsonl"
+    src.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    out = tmp_path / "out"
+    _run(src, out, model, "--output-format", "openai")
+    rows = rows_by_id(out)
+    got = _results(out)
+    assert [g["custom_id"] for g in got] == ["z-last-id", "line-2", "a-first-id", "too-long", "m"]
+    assert len({g["id"] for g in got}) == len({g["response"]["request_id"] for g in got}) == 5
+    for g in got:
+        row, resp = rows[g["custom_id"]], g["response"]
+        if row["error"] is not None:
+            assert resp["status_code"] == 400 and resp["body"] is None
+            assert g["error"]["message"] == row["error"]
+            continue
+        assert resp["status_code"] == 200 and g["error"] is None
+        body = resp["body"]
+        assert body["model"] == str(model)
+        assert body["usage"] == {
+            "prompt_tokens": row["prompt_tokens"],
+            "completion_tokens": row["completion_tokens"],
+            "total_tokens": row["prompt_tokens"] + row["completion_tokens"],
+        }
+        (choice,) = body["choices"]
+        assert choice["index"] == 0 and choice["finish_reason"] == row["finish_reason"]
+        if g["custom_id"] in ("a-first-id", "m"):
+            assert body["object"] == "chat.completion"
+            assert choice["message"] == {"role": "assistant", "content": row["text"]}
+        else:
+            assert body["object"] == "text_completion" and choice["text"] == row["text"]
+    assert [g["response"]["status_code"] for g in got] == [200, 400, 200, 400, 200]
+    assert "line 2" in got[1]["error"]["message"] and "positions" in got[3]["error"]["message"]
+
+    # A rerun of the complete job, and one that added the option afterwards, write the same lines.
+    plain = tmp_path / "plain"
+    _run(src, plain, model)
+    assert not (plain / "results.jsonl").exists()
+    _run(src, plain, model, "--output-format", "openai")
+    strip = [{**g, "response": {**g["response"], "body": g["response"]["body"] and
+              {**g["response"]["body"], "created": 0}}} for g in got]  # fmt: skip
+    again = [{**g, "response": {**g["response"], "body": g["response"]["body"] and
+              {**g["response"]["body"], "created": 0}}} for g in _results(plain)]  # fmt: skip
+    assert again == strip
+
+
+def test_openai_output_needs_an_openai_input(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": PROMPTS})
+    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
+                "--output-format", "openai", exit_code=None)  # fmt: skip
+    assert r.exit_code != 0
+    assert_one_line_error(r, "OpenAI batch request file")
+    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
+                "--output-format", "openai", "--shard", "0/2", exit_code=None)  # fmt: skip
+    assert_one_line_error(r, "shard")

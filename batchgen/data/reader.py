@@ -246,6 +246,11 @@ class OpenAIBatchSource(InputSource):
         super().__init__(path, self._table.schema, self._table.num_rows)
         self.files = files
 
+    @property
+    def requests(self) -> pa.Table:
+        """Every line's custom_id and messages (null for a completion), in input order."""
+        return self._table.select(["custom_id", "messages"])
+
     def _read(
         self, batch_rows: int, skip_rows: int, columns: Sequence[str] | None
     ) -> Iterator[pa.RecordBatch]:
