@@ -261,12 +261,8 @@ def _conform(value: Any, hint: Any) -> tuple[bool, Any]:
         if isinstance(value, bool) or not isinstance(value, int | float):
             return False, value
         return True, float(value)
-    if hint in (
-        str,
-        Truncate,
-        OutputFormat,
-        Shard,
-    ):  # enums and shards also come as strings, checked later
+    # enums and shards also come as strings, checked later
+    if hint in (str, Truncate, OutputFormat, Shard):
         return isinstance(value, str | hint), value
     raise TypeError(f"RunConfig has no type check for {hint}; add one to _conform")
 
@@ -276,6 +272,6 @@ def _describe(hint: Any) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(hint))
     if typing.get_origin(hint) is list:
         return f"a list of {_describe(typing.get_args(hint)[0])}"
-    names = {type(None): "null", bool: "bool (true or false, unquoted)", int: "int",
-             float: "float", str: "str", Truncate: "str", OutputFormat: "str", Shard: "str I/N"}  # fmt: skip
+    names = {type(None): "null", bool: "bool (true or false, unquoted)", int: "int", float: "float",
+             str: "str", Truncate: "str", OutputFormat: "str", Shard: "str I/N"}  # fmt: skip
     return names[hint]

@@ -68,7 +68,7 @@ def plan_workers(cfg: RunConfig) -> list[dict[str, str]]:
 def _job_spec(cfg: RunConfig) -> dict:
     """cfg as a job spec for the workers, without the parts each worker sets itself."""
     spec = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    spec.update(truncate=cfg.truncate.value, quiet=True)
+    spec.update(truncate=cfg.truncate.value, output_format=cfg.output_format.value, quiet=True)
     for k in ("workers", "shard"):
         del spec[k]
     return spec
