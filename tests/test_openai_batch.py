@@ -2,6 +2,7 @@
 
 import json
 
+import pyarrow as pa
 import pytest
 from helpers import (
     FAST,
@@ -16,6 +17,7 @@ from transformers import AutoTokenizer
 
 from batchgen.data import InputFormat, open_input
 from batchgen.data.openai_batch import OPENAI_ERROR_COLUMN, is_openai_batch, parse_line
+from batchgen.data.openai_output import write_results
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -337,3 +339,28 @@ def test_openai_output_needs_an_openai_input(tmp_path, model):
     r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
                 "--output-format", "openai", "--shard", "0/2", exit_code=None)  # fmt: skip
     assert_one_line_error(r, "shard")
+
+
+def test_output_lines_of_several_samples(tmp_path):
+    """Results with a sample_index (n samples of a request) are one line with a choice each."""
+    requests = pa.table({"custom_id": ["x", "y", "z"], "messages": ["[]", None, None]})
+    results = pa.table({
+        "id": ["y", "x", "x", "z", "z"],
+        "sample_index": [0, 1, 0, 0, 1],
+        "text": ["t", "b", "a", "ok", None],
+        "finish_reason": ["length", "stop", "length", "stop", "error"],
+        "prompt_tokens": [3, 5, 5, 2, 0],
+        "completion_tokens": [4, 1, 2, 1, 0],
+        "error": [None, None, None, None, "engine error"],
+    })  # fmt: skip
+    assert write_results(str(tmp_path), requests, results, "m", created=7) == 3
+    x, y, z = _results(tmp_path)
+    body = x["response"]["body"]
+    assert body["object"] == "chat.completion" and body["created"] == 7
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "a", "length"),
+        (1, "b", "stop"),
+    ]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert y["response"]["body"]["choices"][0]["text"] == "t"
+    assert z["response"]["status_code"] == 400 and z["error"]["message"] == "engine error"

@@ -4,7 +4,8 @@ One line per request with a result, in the input's order, as OpenAI's Batch API 
 `vllm run-batch` write them: `id`, `custom_id`, `response` (`status_code`, `request_id`, and a
 `chat.completion` or `text_completion` body with `choices` and `usage`) and `error`. A row that
 failed gets status 400, no body, and `error` {code, message}. The ids are the request's place in
-the input, so a rerun writes the same ids.
+the input, so a rerun writes the same ids. Where the results hold several samples of a request
+(a `sample_index` column), they are its choices, in sample order.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def write_results(
     requests: the OpenAI source's table (`custom_id`, `messages`, in input order); results: the
     job's output rows (any order)."""
     created = int(time.time()) if created is None else created
-    by_id = {r["id"]: r for r in results.select(list(_RESULT_COLUMNS)).to_pylist()}
+    # sample_index: several results of one request (n samples), where the job has it.
+    columns = [c for c in (*_RESULT_COLUMNS, "sample_index") if c in results.schema.names]
+    by_id: dict[Any, list[dict[str, Any]]] = {}
+    for r in results.select(columns).to_pylist():
+        by_id.setdefault(r["id"], []).append(r)
     ids = requests.column("custom_id").to_pylist()
     chats = requests.column("messages").is_valid().to_pylist()
     lines = [
@@ -42,27 +47,34 @@ def write_results(
 
 
 def output_line(
-    index: int, custom_id: str, chat: bool, row: dict[str, Any], model: str, created: int
+    index: int, custom_id: str, chat: bool, rows: list[dict[str, Any]], model: str, created: int
 ) -> dict[str, Any]:
-    """The output line of request `index` of the input, from its result row."""
+    """The output line of request `index` of the input, from its result rows (one a sample).
+    A request with any failed sample failed."""
+    rows = sorted(rows, key=lambda r: r.get("sample_index") or 0)
     request_id = f"batchgen-req-{index}"
     line: dict[str, Any] = {"id": f"batchgen-{index}", "custom_id": custom_id}
-    if row["error"] is not None:
+    failed = next((r for r in rows if r["error"] is not None), None)
+    if failed is not None:
         line["response"] = {"status_code": 400, "request_id": request_id, "body": None}
-        line["error"] = {"code": "invalid_request", "message": row["error"]}
+        line["error"] = {"code": "invalid_request", "message": failed["error"]}
         return line
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": row["text"]}}
-        body = {"id": f"chatcmpl-{index}", "object": "chat.completion"}
-    else:
-        choice = {"index": 0, "text": row["text"]}
-        body = {"id": f"cmpl-{index}", "object": "text_completion"}
-    choice.update(logprobs=None, finish_reason=row["finish_reason"])
-    prompt, completion = row["prompt_tokens"], row["completion_tokens"]
+    choices = []
+    for i, row in enumerate(rows):
+        if chat:
+            choice = {"index": i, "message": {"role": "assistant", "content": row["text"]}}
+        else:
+            choice = {"index": i, "text": row["text"]}
+        choices.append({**choice, "logprobs": None, "finish_reason": row["finish_reason"]})
+    kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+    body: dict[str, Any] = {"id": f"{kind[0]}-{index}", "object": kind[1]}
+    # The samples share one prompt: it counts once.
+    prompt = rows[0]["prompt_tokens"]
+    completion = sum(r["completion_tokens"] for r in rows)
     body.update(
         created=created,
         model=model,
-        choices=[choice],
+        choices=choices,
         usage={
             "prompt_tokens": prompt,
             "completion_tokens": completion,
