@@ -52,6 +52,11 @@ class QuantBackend(Choice):
     QUANTO = "quanto"
 
 
+class OutputFormat(Choice):
+    PARQUET = "parquet"  # part files, the default
+    OPENAI = "openai"  # the part files, and OUTPUT/results.jsonl of OpenAI batch output lines
+
+
 @dataclass(frozen=True, slots=True)
 class Bound:
     """The range of a numeric option: low (excluded if low_open) up to high (None: no limit)."""
@@ -131,6 +136,7 @@ class RunConfig:
     flush_seconds: float = 60.0  # write a part at least this often, bounding work lost to a kill
     with_token_ids: bool = False
     with_logprobs: bool = False
+    output_format: OutputFormat = OutputFormat.PARQUET
     overwrite: bool = False
     quiet: bool = False
     allow_pickle: bool = False
@@ -186,6 +192,11 @@ class RunConfig:
             )
         if self.messages_column and self.template:
             raise ConfigError("use either messages_column or template, not both")
+        if self.output_format is OutputFormat.OPENAI and (self.shard or self.workers != 1):
+            raise ConfigError(
+                "output_format openai writes one results.jsonl per job; run it without "
+                "shard and workers"
+            )
 
     @property
     def output_dir(self) -> str:
@@ -217,11 +228,11 @@ class RunConfig:
         """What makes two runs the same job: a rerun with a different one is refused."""
         skip = {"overwrite", "quiet", "rows_per_part", "flush_seconds", "window_rows", "max_num_seqs",
                 "max_num_batched_tokens", "block_size", "kv_cache_tokens", "prefix_caching",
-                "compile", "workers", "threads"}  # fmt: skip
+                "compile", "workers", "threads", "output_format"}  # fmt: skip
         out = {k: getattr(self, k) for k in self.keys() if k not in skip}
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())
-        out.update((k, getattr(self, k).value) for k in _choice_fields())
+        out.update((k, getattr(self, k).value) for k in _choice_fields() if k in out)
         for key in ("choice", "regex", "json_schema"):  # unconstrained jobs keep theirs
             if out[key] is None:
                 del out[key]

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.config import ConfigError, RunConfig, read_json_schema
-from batchgen.data import InputError, InputSource, PromptBuilder, RowError, default_ids
+from batchgen.data import InputError, InputFormat, InputSource, PromptBuilder, RowError, default_ids
 from batchgen.data.writer import RESERVED_COLUMNS
 from batchgen.engine.constraints import Constraint, ConstraintError, ConstraintKind, parse_choices
 from batchgen.engine.sequence import Request, SamplingParams
@@ -69,6 +69,12 @@ def row_constraint(rec: dict[str, Any], columns: list[str]) -> Constraint | None
         raise RowError(str(e)) from e
 
 
+# An optional input column of stop strings (a string or a list) that replaces --stop for its row.
+STOP_COLUMN = "stop"
+# Columns of an OpenAI batch file copied to the output by default (the request's prompt).
+OPENAI_PASSTHROUGH = ("prompt", "messages")
+
+
 @dataclass(slots=True)
 class Row:
     id: Any
@@ -109,10 +115,31 @@ def make_prompt_builder(cfg: RunConfig, tokenizer) -> PromptBuilder:
     return PromptBuilder(plain, cfg.messages_column, cfg.template, chat_fn)
 
 
+def openai_prompt_builders(cfg: RunConfig, tokenizer) -> tuple[PromptBuilder, PromptBuilder]:
+    """(completions, chat) builders of an OpenAI batch file, whose lines may mix both kinds."""
+    if cfg.template or cfg.messages_column or cfg.id_column:
+        raise InputError(
+            "an OpenAI batch file carries its own prompts and ids (custom_id); "
+            "drop --template, --messages-column and --id-column"
+        )
+
+    def chat_fn(messages: list[dict]) -> str:
+        if not getattr(tokenizer, "chat_template", None):
+            raise RowError("a /v1/chat/completions line needs a chat template; this model has none")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    return PromptBuilder("prompt"), PromptBuilder(None, "messages", None, chat_fn)
+
+
 class Preparer:
     def __init__(self, cfg: RunConfig, source: InputSource, tokenizer, max_prompt_len: int) -> None:
         self.cfg, self.source, self.tokenizer = cfg, source, tokenizer
-        self.builder = make_prompt_builder(cfg, tokenizer)
+        self.chat_builder: PromptBuilder | None = None  # chat rows of an OpenAI batch file
+        if source.format is InputFormat.OPENAI:
+            self.builder, self.chat_builder = openai_prompt_builders(cfg, tokenizer)
+        else:
+            self.builder = make_prompt_builder(cfg, tokenizer)
+        self.id_column = cfg.id_column or source.id_column
         self.max_prompt_len = max_prompt_len
         self.passthrough = self._passthrough(cfg, source)
         self.overrides = [c for c in OVERRIDE_COLUMNS if c in source.columns]
@@ -120,15 +147,18 @@ class Preparer:
         # n samples per row (--n or an n column): one output record per (id, sample_index)
         self.n_column = "n" in source.columns
         self.samples = cfg.n > 1 or self.n_column
+        self.stop_column = STOP_COLUMN if STOP_COLUMN in source.columns else None
         needed = self.builder.required_columns() | set(self.passthrough) | set(self.overrides)
         needed |= set(self.constraint_columns) | ({"n"} if self.n_column else set())
-        if cfg.id_column:
-            needed.add(cfg.id_column)
+        if self.chat_builder is not None:
+            needed |= self.chat_builder.required_columns()
+        needed |= {c for c in (self.id_column, self.stop_column, source.error_column) if c}
         source.require_columns(sorted(needed))
-        if cfg.id_column and pa.types.is_floating(source.schema.field(cfg.id_column).type):
+        id_column = self.id_column
+        if id_column and pa.types.is_floating(source.schema.field(id_column).type):
             # NaN equals nothing, not even itself: a NaN-id row would never count as done.
             raise InputError(
-                f"id column {cfg.id_column!r} is {source.schema.field(cfg.id_column).type}, and "
+                f"id column {id_column!r} is {source.schema.field(id_column).type}, and "
                 "floating-point ids (NaN never equals itself) break exactly-once output; cast it "
                 "to int or string, or omit --id-column to use row numbers"
             )
@@ -148,24 +178,23 @@ class Preparer:
     def _passthrough(cfg: RunConfig, source: InputSource) -> list[str]:
         """Input columns copied to the output: the id column is the output's `id`, and by
         default a column named like an output column (e.g. `text`) is left out."""
+        id_column = cfg.id_column or source.id_column
         if cfg.passthrough is not None:
-            return [c for c in cfg.passthrough if c != cfg.id_column]
-        clash = [c for c in source.columns if c in RESERVED_COLUMNS and c != cfg.id_column]
+            return [c for c in cfg.passthrough if c != id_column]
+        if source.format is InputFormat.OPENAI:
+            return [c for c in OPENAI_PASSTHROUGH if c in source.columns]
+        clash = [c for c in source.columns if c in RESERVED_COLUMNS and c != id_column]
         if clash:
             log.warning(
                 "input column(s) %s not copied to the output, which has columns of that name%s",
                 ", ".join(map(repr, clash)),
                 " (--id-column id uses the input's ids)" if "id" in clash else "",
             )
-        return [c for c in source.columns if c not in RESERVED_COLUMNS and c != cfg.id_column]
+        return [c for c in source.columns if c not in RESERVED_COLUMNS and c != id_column]
 
     @property
     def id_type(self):
-        import pyarrow as pa
-
-        return (
-            self.source.schema.field(self.cfg.id_column).type if self.cfg.id_column else pa.int64()
-        )
+        return self.source.schema.field(self.id_column).type if self.id_column else pa.int64()
 
     def windows(self, done: set[Any]) -> Iterator[tuple[int, Window]]:
         """Yield (rows read, window of rows not done yet) until the input (or limit) ends."""
@@ -179,13 +208,11 @@ class Preparer:
             read += batch.num_rows
             n_read = batch.num_rows
             row_numbers = list(range(offset, offset + batch.num_rows))
-            if self.cfg.id_column:
-                ids, bad = _decode(batch.select([self.cfg.id_column]), row_numbers)
+            if self.id_column:
+                ids, bad = _decode(batch.select([self.id_column]), row_numbers)
                 if bad:
-                    raise InputError(
-                        f"id column {self.cfg.id_column!r}: {next(iter(bad.values()))}"
-                    )
-                ids = [r[self.cfg.id_column] for r in ids]
+                    raise InputError(f"id column {self.id_column!r}: {next(iter(bad.values()))}")
+                ids = [r[self.id_column] for r in ids]
             else:
                 ids = default_ids(offset, batch.num_rows).to_pylist()
             other = 0
@@ -207,8 +234,10 @@ class Preparer:
         gives one output record per sample not done yet (one, without n)."""
         rows: list[Row] = []
         texts: list[str] = []
+        chats: list[bool] = []  # per text: rendered by a chat template
         pending: list[tuple[int, dict, list[int]]] = []  # (first row, record, samples) rendered
         skipped = 0
+        error_column = self.source.error_column
         for i, (rec, rid) in enumerate(zip(records, ids, strict=True)):
             self._check_id(rid)
             n, n_error = self._num_samples(rec)
@@ -221,18 +250,22 @@ class Preparer:
             for k in todo:
                 rows.append(Row(rid, passthrough, sample_index=k if self.samples else None))
             error = bad.get(i) or n_error
+            if error is None and error_column and rec[error_column] is not None:
+                error = rec[error_column]
             if error is None:
+                if self.chat_builder is not None and rec["messages"] is not None:
+                    builder, chat = self.chat_builder, True
+                else:
+                    builder, chat = self.builder, bool(self.cfg.messages_column)
                 try:
-                    texts.append(self.builder.render(rec))
+                    texts.append(builder.render(rec))
+                    chats.append(chat)
                     pending.append((first, rec, todo))
                 except RowError as e:
                     error = e.message
             for row in rows[first:] if error is not None else ():
                 row.error = error
-        # Chat templates already hold the model's special tokens; plain text gets them added.
-        token_lists = tokenize(
-            self.tokenizer, texts, add_special_tokens=not self.cfg.messages_column
-        )
+        token_lists = self._tokenize(texts, chats)
         requests: list[Request] = []
         for (first, rec, todo), ids_ in zip(pending, token_lists, strict=True):
             samples = rows[first : first + len(todo)]
@@ -261,12 +294,22 @@ class Preparer:
             return 1, f"bad per-row n: {v!r}, not an integer >= 1"
         return int(v), None
 
+    def _tokenize(self, texts: list[str], chats: list[bool]) -> list[list[int]]:
+        """Chat templates already hold the model's special tokens; plain text gets them added."""
+        out: list[list[int]] = [[] for _ in texts]
+        for chat in (False, True):
+            idx = [i for i, c in enumerate(chats) if c is chat]
+            lists = tokenize(self.tokenizer, [texts[i] for i in idx], add_special_tokens=not chat)
+            for i, ids in zip(idx, lists, strict=True):
+                out[i] = ids
+        return out
+
     def _check_id(self, rid: Any) -> None:
         if rid is None:
-            raise InputError(f"id column {self.cfg.id_column!r} has a null value; ids must be set")
+            raise InputError(f"id column {self.id_column!r} has a null value; ids must be set")
         if rid in self._seen_ids:
             raise InputError(
-                f"id column {self.cfg.id_column!r} has the value {rid!r} twice; ids must be unique "
+                f"id column {self.id_column!r} has the value {rid!r} twice; ids must be unique "
                 "for exactly-once output (omit --id-column to use row numbers)"
             )
         self._seen_ids.add(rid)
@@ -284,9 +327,19 @@ class Preparer:
             constraint = row_constraint(rec, self.constraint_columns)
             if constraint is not None:
                 values["constraint"] = constraint
+            if self.stop_column and rec[self.stop_column] is not None:
+                values["stop"] = _stop_strings(rec[self.stop_column])
             return dataclasses.replace(self.defaults, **values)
         except (ValueError, TypeError) as e:
             raise RowError(f"bad per-row sampling value: {e}") from e
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list | tuple) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise ValueError(f"{STOP_COLUMN} is {value!r}, not a string or a list of strings")
 
 
 def _decode(batch: pa.RecordBatch, row_numbers: list[int]) -> tuple[list[dict], dict[int, str]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -16,8 +17,11 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from batchgen.config import ConfigError, RunConfig
+from batchgen.config import ConfigError, OutputFormat, RunConfig
 from batchgen.data import InputSource, OutputDir, PartBuffer, open_input, output_schema
+from batchgen.data.openai_output import write_results
+from batchgen.data.reader import OpenAIBatchSource
+from batchgen.data.writer import RESULTS_FILE
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import ConstraintError, Grammars
 from batchgen.engine.sequence import Completion, FinishReason, Request
@@ -116,6 +120,11 @@ def open_job(cfg: RunConfig) -> Job:
     if cfg.lora is not None:  # before the output is claimed: a bad adapter leaves no trace
         check_adapter(cfg.lora, model_cfg)
     source = open_input(cfg.input)
+    if cfg.output_format is OutputFormat.OPENAI and not isinstance(source, OpenAIBatchSource):
+        raise ConfigError(
+            f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is not an "
+            "OpenAI batch request file (lines with custom_id and body)"
+        )
     tokenizer = load_tokenizer(model_dir)
     try:
         device = resolve_device(cfg.device)
@@ -167,6 +176,13 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     job = open_job(cfg)
+    if isinstance(job.source, OpenAIBatchSource) and job.source.unsupported_fields:
+        unsupported = job.source.unsupported_fields
+        stats.extra["openai_unsupported_fields"] = unsupported
+        log.warning(
+            "OpenAI batch body field(s) not supported, ignored: %s",
+            ", ".join(f"{k} ({n} line{'s' * (n > 1)})" for k, n in unsupported.items()),
+        )
     model_dir, model_cfg, source, device, prep = (
         job.model_dir,
         job.model_cfg,
@@ -187,6 +203,8 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
             "%s already holds this job's complete results; --overwrite reruns it", cfg.output_dir
         )
         stats.extra["complete"] = True
+        if cfg.output_format is OutputFormat.OPENAI:  # the part files may predate the option
+            _write_openai_results(out, source, model_dir)
         stats.finish()
         return stats
 
@@ -272,8 +290,16 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
             _finish_stats(stats, llm, device, nvml)
             stats.extra["complete"] = complete
             out.write_stats(stats.to_dict())
+        if cfg.output_format is OutputFormat.OPENAI:
+            _write_openai_results(out, source, model_dir)
         out.mark_success()
     return stats
+
+
+def _write_openai_results(out: OutputDir, source: InputSource, model_dir: Path) -> None:
+    assert isinstance(source, OpenAIBatchSource)  # checked in open_job
+    n = write_results(out.path, source.requests, out.read_all(), str(model_dir))
+    log.info("wrote %d OpenAI batch output lines to %s", n, os.path.join(out.path, RESULTS_FILE))
 
 
 def _finish_stats(

@@ -20,6 +20,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from batchgen.data.errors import InputError
+from batchgen.data.openai_batch import OPENAI_ERROR_COLUMN, OpenAIBatchTable, is_openai_batch
 
 PARQUET_SUFFIXES = (".parquet",)
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -36,6 +37,7 @@ class InputFormat(str, enum.Enum):
     PARQUET = "parquet"
     JSONL = "jsonl"
     DATASETS = "datasets"
+    OPENAI = "openai"  # OpenAI batch request lines (see openai_batch.py)
 
 
 class InputBatch(NamedTuple):
@@ -54,6 +56,8 @@ class InputSource:
     format: InputFormat
 
     files: list[str]  # every file the input reads, in reading order
+    id_column: str | None = None  # the column of row ids the format defines, if any
+    error_column: str | None = None  # a column whose non-null value makes its row an error
 
     def __init__(self, path: str, schema: pa.Schema, num_rows: int | None) -> None:
         self.path = path
@@ -195,6 +199,34 @@ class DatasetsSource(InputSource):
         yield from table.to_batches(max_chunksize=batch_rows)
 
 
+class OpenAIBatchSource(InputSource):
+    """OpenAI batch request files, parsed whole when opened (openai_batch.py)."""
+
+    format = InputFormat.OPENAI
+    id_column = "custom_id"
+    error_column = OPENAI_ERROR_COLUMN
+
+    def __init__(self, path: str, files: list[str]) -> None:
+        parsed = OpenAIBatchTable(files)
+        table = parsed.table
+        for name in ("n", "json_schema"):  # absent when no line sets it: a plain job, no samples
+            if table.column(name).null_count == table.num_rows:
+                table = table.drop_columns([name])
+        self._table = table
+        self.unsupported_fields = dict(sorted(parsed.unsupported_fields.items()))
+        super().__init__(path, self._table.schema, self._table.num_rows)
+        self.files = files
+
+    @property
+    def requests(self) -> pa.Table:
+        """Every line's custom_id and messages (null for a completion), in input order."""
+        return self._table.select(["custom_id", "messages"])
+
+    def _read(self, batch_rows: int, columns: Sequence[str] | None) -> Iterator[pa.RecordBatch]:
+        table = self._table if columns is None else self._table.select(list(columns))
+        yield from table.to_batches(max_chunksize=batch_rows)
+
+
 def open_input(path: str | os.PathLike[str]) -> InputSource:
     """Open and check an input; raises InputError naming the problem and the fix."""
     path = os.path.expanduser(os.fspath(path))
@@ -210,6 +242,14 @@ def open_input(path: str | os.PathLike[str]) -> InputSource:
     fmt, files = _resolve(path)
     if fmt is InputFormat.PARQUET:
         return ParquetSource(path, files)
+    openai = [is_openai_batch(f) for f in files if not _is_blank(f)]
+    if openai and all(openai):
+        return OpenAIBatchSource(path, files)
+    if any(openai):
+        raise InputError(
+            f"{path} mixes OpenAI batch request files and other JSON Lines files; "
+            "pass one kind at a time"
+        )
     return JsonlSource(path, files)
 
 

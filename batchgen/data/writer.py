@@ -44,11 +44,14 @@ JOB_FILE = "_job.json"
 STATS_FILE = "_stats.json"
 SUCCESS_FILE = "_SUCCESS"
 LOCK_FILE = "_lock"
+RESULTS_FILE = "results.jsonl"  # OpenAI batch output lines (--output-format openai)
 TMP_PREFIX = ".tmp-"
 _PART_RE = re.compile(r"part-(\d+)\.parquet")
 # What write_atomic's mkstemp names look like: TMP_PREFIX, the final name, "." and a random tail.
 # Any other ".tmp-..." entry is not ours, so it is neither deleted nor taken as a sign of ownership.
-_TMP_RE = re.compile(r"\.tmp-(part-\d+\.parquet|_job\.json|_stats\.json|_SUCCESS)\.\w+")
+_TMP_RE = re.compile(
+    r"\.tmp-(part-\d+\.parquet|_job\.json|_stats\.json|_SUCCESS|results\.jsonl)\.\w+"
+)
 WriteFn = Callable[[BinaryIO], None]
 _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 # Names an input column cannot keep in the output: the result row already has them.
@@ -177,6 +180,11 @@ class OutputDir:
             )
             os.remove(success)
 
+    def read_all(self) -> pa.Table:
+        """Every part concatenated in part order (the OpenAI results file is built from it)."""
+        tables = [pq.read_table(os.path.join(self.path, n)) for n in self.part_files()]
+        return pa.concat_tables(tables) if tables else pa.table({})
+
     def _check_owner(self) -> None:
         """Refuse a directory that holds files batchgen did not write and no _job.json."""
         names = os.listdir(self.path)
@@ -281,7 +289,7 @@ def _part_name(n: int) -> str:
 
 def _is_ours(name: str) -> bool:
     return (
-        name in (JOB_FILE, STATS_FILE, SUCCESS_FILE, LOCK_FILE)
+        name in (JOB_FILE, STATS_FILE, SUCCESS_FILE, LOCK_FILE, RESULTS_FILE)
         or _TMP_RE.fullmatch(name) is not None
         or _PART_RE.fullmatch(name) is not None
     )

@@ -1,0 +1,385 @@
+"""OpenAI batch request files as input: the parser on hand-made lines, then jobs through the CLI."""
+
+import json
+
+import pyarrow as pa
+import pytest
+from helpers import (
+    FAST,
+    assert_one_line_error,
+    read_stats,
+    rows_by_id,
+    run_cli,
+    write_jsonl,
+    write_parquet,
+)
+from transformers import AutoTokenizer
+
+from batchgen.data import InputFormat, open_input
+from batchgen.data.openai_batch import OPENAI_ERROR_COLUMN, is_openai_batch, parse_line
+from batchgen.data.openai_output import write_results
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def chat_line(cid, content, **body):
+    messages = [{"role": "user", "content": content}]
+    return {"custom_id": cid, "method": "POST", "url": CHAT,
+            "body": {"model": "any", "messages": messages, **body}}  # fmt: skip
+
+
+def completion_line(cid, prompt, **body):
+    return {"custom_id": cid, "method": "POST", "url": COMPLETIONS,
+            "body": {"model": "any", "prompt": prompt, **body}}  # fmt: skip
+
+
+def parse(obj, lineno=1):
+    return parse_line(obj if isinstance(obj, str) else json.dumps(obj), lineno)
+
+
+# -- the parser ------------------------------------------------------------------------------
+
+
+def test_parse_chat_line_maps_every_field():
+    schema = {"type": "object", "properties": {"label": {"type": "string"}}}
+    rec, unsupported = parse(
+        chat_line(
+            "a",
+            "hi",
+            max_completion_tokens=7,
+            max_tokens=99,
+            temperature=0.5,
+            top_p=0.9,
+            seed=4,
+            stop="\n",
+            n=2,
+            logprobs=True,
+            tools=[],
+            logit_bias={"1": 2},
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )  # fmt: skip
+    )
+    assert rec == {
+        "custom_id": "a",
+        "prompt": None,
+        "messages": json.dumps([{"role": "user", "content": "hi"}]),
+        "max_new_tokens": 7,  # max_completion_tokens wins over the older max_tokens
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 4,
+        "stop": ["\n"],
+        "n": 2,
+        "logprobs": True,
+        "json_schema": json.dumps(schema),
+        OPENAI_ERROR_COLUMN: None,
+    }
+    assert unsupported == ["logit_bias", "tools"]
+
+
+def test_parse_completion_line():
+    rec, unsupported = parse(
+        completion_line(
+            "b",
+            "the lazy dog",
+            max_tokens=3,
+            stop=["x", "y"],
+            logprobs=0,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
+    )
+    assert (rec["prompt"], rec["messages"], rec["max_new_tokens"]) == ("the lazy dog", None, 3)
+    assert (rec["stop"], rec["logprobs"]) == (["x", "y"], True)
+    assert json.loads(rec["json_schema"]) == {"type": "object"}
+    assert rec["temperature"] is None and rec["seed"] is None and rec[OPENAI_ERROR_COLUMN] is None
+    assert unsupported == []
+
+
+@pytest.mark.parametrize(
+    "line, cid, words",
+    [
+        ("{not json", "line-5", ["line 5", "not JSON"]),
+        ("[1, 2]", "line-5", ["line 5", "list, not an object"]),
+        ({"body": {"prompt": "x"}, "url": COMPLETIONS}, "line-5", ["no custom_id"]),
+        ({"custom_id": 3, "url": COMPLETIONS, "body": {}}, "line-5", ["custom_id is 3"]),
+        ({"custom_id": "c", "url": COMPLETIONS}, "c", ["no body"]),
+        ({"custom_id": "c", "url": "/v1/embeddings", "body": {"input": "x"}}, "c", ["url"]),
+        ({"custom_id": "c", "url": CHAT, "body": {"prompt": "x"}}, "c", ["messages"]),
+        ({"custom_id": "c", "url": COMPLETIONS, "body": {"messages": []}}, "c", ["no prompt"]),
+        ({"custom_id": "c", "url": COMPLETIONS, "body": {"prompt": [1, 2]}}, "c", ["list"]),
+        (completion_line("c", "x", max_tokens="8"), "c", ["max_tokens", "not an integer"]),
+        (completion_line("c", "x", max_tokens=0), "c", ["max_tokens is 0"]),
+        (completion_line("c", "x", temperature="hot"), "c", ["temperature", "not a number"]),
+        (completion_line("c", "x", seed=1.5), "c", ["seed"]),
+        (completion_line("c", "x", stop=[1]), "c", ["stop"]),
+        (chat_line("c", "x", logprobs=3), "c", ["logprobs"]),
+        (chat_line("c", "x", response_format={"type": "yaml"}), "c", ["response_format"]),
+        ({**completion_line("c", "x"), "method": "GET"}, "c", ["GET"]),
+    ],
+)
+def test_malformed_lines_are_one_line_row_errors(line, cid, words):
+    rec, _ = parse(line, lineno=5)
+    err = rec[OPENAI_ERROR_COLUMN]
+    assert rec["custom_id"] == cid and "\n" not in err and err.startswith("OpenAI batch line 5: ")
+    for w in words:
+        assert w in err, (w, err)
+    assert all(rec[k] is None for k in rec if k not in ("custom_id", OPENAI_ERROR_COLUMN))
+
+
+def test_detection(tmp_path):
+    batch = tmp_path / "req.jsonl"
+    batch.write_text("\n\n" + json.dumps(completion_line("a", "x")) + "\nnot json\n")
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "x", "body": "y"}])
+    assert is_openai_batch(str(batch)) and not is_openai_batch(str(plain))
+    source = open_input(batch)
+    assert source.format is InputFormat.OPENAI and source.num_rows == 2
+    assert open_input(plain).format is InputFormat.JSONL
+
+
+# -- jobs through the CLI --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dirs):
+    return tiny_dirs["llama"]
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    return AutoTokenizer.from_pretrained(model)
+
+
+def _run(src, out, model, *flags):
+    return run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 8, *flags)
+
+
+CHATS = ["label the sentiment of this review: great product", "the quick brown fox"]
+PROMPTS = ["a static cache keeps every shape fixed", "summarise the text in one sentence."]
+
+
+def test_duplicate_custom_id_fails_before_the_model_loads(tmp_path, model):
+    src = write_jsonl(tmp_path / "req.jsonl", [completion_line("a", "x"), chat_line("a", "y")])
+    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, exit_code=None)
+    assert r.exit_code != 0
+    assert_one_line_error(r, "custom_id 'a'", "line 1", "line 2")
+    assert not (tmp_path / "out").exists()
+
+
+def test_mixed_file_equals_plain_runs(tmp_path, model, tok):
+    """Greedy output of chat and completion lines, each with its own max_tokens and seed, equals
+    plain `batchgen run`s over the same prompts (--messages-column for the chat lines)."""
+    lines = [
+        chat_line("c0", CHATS[0], max_tokens=5, seed=1),
+        completion_line("p0", PROMPTS[0], max_tokens=3, seed=2),
+        chat_line("c1", CHATS[1], max_completion_tokens=6),
+        completion_line("p1", PROMPTS[1]),  # the job's --max-new-tokens 8
+    ]
+    out = tmp_path / "out"
+    _run(write_jsonl(tmp_path / "req.jsonl", lines), out, model)
+    rows = rows_by_id(out)
+    assert sorted(rows) == ["c0", "c1", "p0", "p1"]
+
+    plain = write_parquet(tmp_path / "p.parquet", {"prompt": PROMPTS, "max_new_tokens": [3, 8]})
+    _run(plain, tmp_path / "plain", model)
+    msgs = [json.dumps([{"role": "user", "content": c}]) for c in CHATS]
+    chats = write_parquet(tmp_path / "c.parquet", {"messages": msgs, "max_new_tokens": [5, 6]})
+    _run(chats, tmp_path / "chat", model, "--messages-column", "messages")
+    want = {**{f"p{i}": r for i, r in rows_by_id(tmp_path / "plain").items()},
+            **{f"c{i}": r for i, r in rows_by_id(tmp_path / "chat").items()}}  # fmt: skip
+    for cid, row in rows.items():
+        assert row["error"] is None, row
+        keys = ("text", "finish_reason", "prompt_tokens", "completion_tokens")
+        assert {k: row[k] for k in keys} == {k: want[cid][k] for k in keys}, cid
+    assert [rows[c]["completion_tokens"] for c in ("c0", "p0", "c1")] == [5, 3, 6]
+    # The request's prompt travels with its row; the chat one through the model's template.
+    assert rows["p0"]["prompt"] == PROMPTS[0] and rows["p0"]["messages"] is None
+    assert json.loads(rows["c0"]["messages"]) == [{"role": "user", "content": CHATS[0]}]
+    rendered = tok.apply_chat_template(json.loads(msgs[0]), tokenize=False,
+                                       add_generation_prompt=True)  # fmt: skip
+    assert rows["c0"]["prompt_tokens"] == len(tok(rendered, add_special_tokens=False)["input_ids"])
+
+
+def test_malformed_lines_become_error_rows(tmp_path, model):
+    text = "\n".join([
+        json.dumps(completion_line("ok0", PROMPTS[0])),
+        "{truncated",
+        json.dumps({"custom_id": "u", "url": "/v1/embeddings", "body": {"input": "x"}}),
+        json.dumps(chat_line("t", "x", temperature="warm")),
+        "",
+        json.dumps(chat_line("ok1", CHATS[1])),
+    ]) + "\n"  # fmt: skip
+    src = tmp_path / "req.jsonl"
+    src.write_text(text)
+    out = tmp_path / "out"
+    _run(src, out, model)
+    rows = rows_by_id(out)
+    assert sorted(rows) == ["line-2", "ok0", "ok1", "t", "u"]
+    for cid, words in {"line-2": ["line 2", "not JSON"], "u": ["line 3", "url"],
+                       "t": ["line 4", "temperature"]}.items():  # fmt: skip
+        row = rows[cid]
+        assert row["finish_reason"] == "error" and row["text"] is None
+        assert all(w in row["error"] for w in words), row["error"]
+    for cid in ("ok0", "ok1"):
+        assert rows[cid]["error"] is None and rows[cid]["completion_tokens"] >= 1
+    stats = read_stats(out)
+    assert stats["rows_error"] == 3 and (out / "_SUCCESS").exists()
+
+
+def test_unsupported_fields_are_reported(tmp_path, model, caplog):
+    lines = [
+        chat_line("a", CHATS[0], tools=[{"type": "function"}], frequency_penalty=0.5),
+        completion_line("b", PROMPTS[0], frequency_penalty=1.0, logit_bias={"5": 1}),
+        completion_line("c", PROMPTS[1]),
+    ]
+    out = tmp_path / "out"
+    _run(write_jsonl(tmp_path / "req.jsonl", lines), out, model)
+    assert read_stats(out)["openai_unsupported_fields"] == {
+        "frequency_penalty": 2,
+        "logit_bias": 1,
+        "tools": 1,
+    }
+    warnings = [r.getMessage() for r in caplog.records if "not supported" in r.getMessage()]
+    assert len(warnings) == 1
+    assert all(w in warnings[0] for w in ("frequency_penalty (2 lines)", "tools (1 line)"))
+    assert all(r["error"] is None for r in rows_by_id(out).values())
+
+
+def test_per_row_stop_cuts_only_its_row(tmp_path, model):
+    """The first run finds what a row writes; a stop string from inside that text, given on one
+    line only, cuts that line and leaves the same prompt on another line as it was."""
+    ref = tmp_path / "ref"
+    _run(write_jsonl(tmp_path / "ref.jsonl", [completion_line("a", PROMPTS[0])]), ref, model)
+    text = rows_by_id(ref)["a"]["text"]
+    stop = text[len(text) // 2 :][:2]
+    assert stop.strip() and text.index(stop) > 0, text
+    lines = [completion_line("cut", PROMPTS[0], stop=[stop]), completion_line("same", PROMPTS[0])]
+    out = tmp_path / "out"
+    _run(write_jsonl(tmp_path / "req.jsonl", lines), out, model)
+    rows = rows_by_id(out)
+    assert rows["cut"]["text"] == text[: text.index(stop)]
+    assert rows["cut"]["finish_reason"] == "stop"
+    assert rows["same"]["text"] == text
+
+
+def test_stop_column_in_a_plain_input_overrides_the_job_stop(tmp_path, model):
+    ref = tmp_path / "ref"
+    _run(write_parquet(tmp_path / "r.parquet", {"prompt": [PROMPTS[0]]}), ref, model)
+    text = rows_by_id(ref)[0]["text"]
+    stop = text[len(text) // 2 :][:2]
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": [PROMPTS[0]] * 2, "stop": [stop, None]})
+    _run(src, tmp_path / "out", model, "--stop", "nothing-like-this")
+    rows = rows_by_id(tmp_path / "out")
+    assert rows[0]["text"] == text[: text.index(stop)] and rows[1]["text"] == text
+
+
+# -- --output-format openai ------------------------------------------------------------------
+
+
+def _results(out):
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_openai_output_lines_in_input_order(tmp_path, model):
+    lines = [
+        completion_line("z-last-id", PROMPTS[1], max_tokens=3),
+        "{broken",
+        chat_line("a-first-id", CHATS[0], max_tokens=5),
+        completion_line("too-long", "the quick brown fox " * 60, max_tokens=100),
+        chat_line("m", CHATS[1]),
+    ]
+    src = tmp_path / "req.jsonl"
+    src.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    out = tmp_path / "out"
+    _run(src, out, model, "--output-format", "openai")
+    rows = rows_by_id(out)
+    got = _results(out)
+    assert [g["custom_id"] for g in got] == ["z-last-id", "line-2", "a-first-id", "too-long", "m"]
+    assert len({g["id"] for g in got}) == len({g["response"]["request_id"] for g in got}) == 5
+    for g in got:
+        row, resp = rows[g["custom_id"]], g["response"]
+        if row["error"] is not None:
+            assert resp["status_code"] == 400 and resp["body"] is None
+            assert g["error"]["message"] == row["error"]
+            continue
+        assert resp["status_code"] == 200 and g["error"] is None
+        body = resp["body"]
+        assert body["model"] == str(model)
+        assert body["usage"] == {
+            "prompt_tokens": row["prompt_tokens"],
+            "completion_tokens": row["completion_tokens"],
+            "total_tokens": row["prompt_tokens"] + row["completion_tokens"],
+        }
+        (choice,) = body["choices"]
+        assert choice["index"] == 0 and choice["finish_reason"] == row["finish_reason"]
+        if g["custom_id"] in ("a-first-id", "m"):
+            assert body["object"] == "chat.completion"
+            assert choice["message"] == {"role": "assistant", "content": row["text"]}
+        else:
+            assert body["object"] == "text_completion" and choice["text"] == row["text"]
+    assert [g["response"]["status_code"] for g in got] == [200, 400, 200, 400, 200]
+    assert "line 2" in got[1]["error"]["message"] and "positions" in got[3]["error"]["message"]
+
+    # A rerun of the complete job, and one that added the option afterwards, write the same lines.
+    plain = tmp_path / "plain"
+    _run(src, plain, model)
+    assert not (plain / "results.jsonl").exists()
+    _run(src, plain, model, "--output-format", "openai")
+    strip = [{**g, "response": {**g["response"], "body": g["response"]["body"] and
+              {**g["response"]["body"], "created": 0}}} for g in got]  # fmt: skip
+    again = [{**g, "response": {**g["response"], "body": g["response"]["body"] and
+              {**g["response"]["body"], "created": 0}}} for g in _results(plain)]  # fmt: skip
+    assert again == strip
+
+
+def test_openai_output_needs_an_openai_input(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": PROMPTS})
+    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
+                "--output-format", "openai", exit_code=None)  # fmt: skip
+    assert r.exit_code != 0
+    assert_one_line_error(r, "OpenAI batch request file")
+    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
+                "--output-format", "openai", "--shard", "0/2", exit_code=None)  # fmt: skip
+    assert_one_line_error(r, "shard")
+
+
+def test_output_lines_of_several_samples(tmp_path):
+    """Results with a sample_index (n samples of a request) are one line with a choice each."""
+    requests = pa.table({"custom_id": ["x", "y", "z"], "messages": ["[]", None, None]})
+    results = pa.table({
+        "id": ["y", "x", "x", "z", "z"],
+        "sample_index": [0, 1, 0, 0, 1],
+        "text": ["t", "b", "a", "ok", None],
+        "finish_reason": ["length", "stop", "length", "stop", "error"],
+        "prompt_tokens": [3, 5, 5, 2, 0],
+        "completion_tokens": [4, 1, 2, 1, 0],
+        "error": [None, None, None, None, "engine error"],
+    })  # fmt: skip
+    assert write_results(str(tmp_path), requests, results, "m", created=7) == 3
+    x, y, z = _results(tmp_path)
+    body = x["response"]["body"]
+    assert body["object"] == "chat.completion" and body["created"] == 7
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "a", "length"),
+        (1, "b", "stop"),
+    ]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert y["response"]["body"]["choices"][0]["text"] == "t"
+    assert z["response"]["status_code"] == 400 and z["error"]["message"] == "engine error"
+
+
+def test_n_and_response_format_are_applied(tmp_path, model):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    lines = [
+        completion_line("json", PROMPTS[0], max_tokens=40, response_format=fmt),
+        completion_line("three", PROMPTS[1], max_tokens=4, n=3, temperature=1.0),
+    ]
+    src = tmp_path / "req.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out"
+    _run(src, out, model, "--output-format", "openai")
+    got = {g["custom_id"]: g["response"]["body"]["choices"] for g in _results(out)}
+    (only,) = got["json"]
+    assert json.loads(only["text"]) in ({"ok": True}, {"ok": False})
+    assert [c["index"] for c in got["three"]] == [0, 1, 2]
+    assert len({c["text"] for c in got["three"]}) > 1  # three independent samples
