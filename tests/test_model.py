@@ -14,7 +14,13 @@ from paged import Pages, all_logits
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from batchgen.model.attention import PrefillSpan, decode_attention, prefill_attention
+from batchgen.model.attention import (
+    PrefillSpan,
+    decode_attention,
+    decode_mask,
+    prefill_attention,
+    prefill_mask,
+)
 from batchgen.model.config import RopeScaling
 from batchgen.model.kv_cache import PagedKVCache
 from batchgen.model.loader import load_model
@@ -149,7 +155,7 @@ def test_attention_over_scattered_blocks_equals_plain_attention(window):
     # decode: each row's last token, tables padded with the scratch block
     q = torch.randn(2, h, d)
     blocks = torch.tensor([tables[0], tables[1] + [0, 0]])
-    got = decode_attention(q, cache, blocks, torch.tensor(lens), window)
+    got = decode_attention(q, cache, blocks, decode_mask(torch.tensor(lens), 3 * bs, window))
     for i, n in enumerate(lens):
         want = _naive(q[i : i + 1], ks[i], vs[i], torch.tensor([n - 1]), window)[0]
         torch.testing.assert_close(got[i], want, **TOL)
@@ -157,11 +163,13 @@ def test_attention_over_scattered_blocks_equals_plain_attention(window):
     # prefill: the last 6 tokens of row 0 on top of its 4 cached ones
     q = torch.randn(6, h, d)
     span = PrefillSpan(0, 6, 4, torch.tensor(tables[0]))
-    got = prefill_attention(q, ks[0][4:], vs[0][4:], cache, span, window)
+    span.mask = prefill_mask(span, window, q.device)
+    got = prefill_attention(q, ks[0][4:], vs[0][4:], cache, span)
     torch.testing.assert_close(got, _naive(q, ks[0], vs[0], torch.arange(4, 10), window), **TOL)
     # and from an empty cache, on its own keys
     span = PrefillSpan(0, 6, 0, None)
-    got = prefill_attention(q, ks[0][:6], vs[0][:6], cache, span, window)
+    span.mask = prefill_mask(span, window, q.device)
+    got = prefill_attention(q, ks[0][:6], vs[0][:6], cache, span)
     torch.testing.assert_close(got, _naive(q, ks[0][:6], vs[0][:6], torch.arange(6), window), **TOL)
 
 

@@ -13,7 +13,11 @@ with no padding. Every token's key/value is written at its own cache slot first;
   when nothing of the sequence is cached yet, else to its blocks (cached prefix or earlier
   chunks + this chunk) with an offset causal mask.
 
-Sliding-window models (Mistral) add `query - key < window` to every mask.
+Sliding-window models (Mistral) add `query - key < window` to every mask. The masks depend
+on the step, not the layer: `StepAttention.with_masks` builds them once per forward and every
+layer reuses them (as it reuses the block tables). Grouped-query attention never copies K/V
+per query head: decodes fold a kv head's query heads into SDPA's query axis, prefill passes
+`enable_gqa=True`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class PrefillSpan:
     blocks: (
         torch.Tensor | None
     )  # (n,) blocks of positions [0, ctx_start + q_len); None if ctx_start == 0
+    mask: torch.Tensor | None = None  # (q_len, S) from with_masks; None: causal over its own keys
 
 
 @dataclass(slots=True)
@@ -45,6 +50,7 @@ class DecodeGroup:
     q_start: int
     blocks: torch.Tensor  # (B, n) block tables, padded with the scratch block
     lens: torch.Tensor  # (B,) context lengths, this token included
+    mask: torch.Tensor | None = None  # (B, 1, 1, n * block_size), from StepAttention.with_masks
 
 
 @dataclass(slots=True)
@@ -57,40 +63,66 @@ class StepAttention:
     decodes: tuple[DecodeGroup, ...] = ()
     prefills: tuple[PrefillSpan, ...] = ()
 
+    def with_masks(self, window: int | None, block_size: int) -> StepAttention:
+        """This step with its groups' and spans' attention masks built, for all layers."""
+        decodes = tuple(
+            DecodeGroup(
+                g.q_start,
+                g.blocks,
+                g.lens,
+                decode_mask(g.lens, g.blocks.shape[1] * block_size, window),
+            )
+            for g in self.decodes
+        )
+        prefills = tuple(
+            PrefillSpan(
+                s.q_start,
+                s.q_len,
+                s.ctx_start,
+                s.blocks,
+                prefill_mask(s, window, self.slots.device),
+            )
+            for s in self.prefills
+        )
+        return StepAttention(self.slots, self.num_decodes, decodes, prefills)
+
 
 def _window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     return (q_pos - k_pos) < window if window is not None else torch.ones_like(k_pos, dtype=torch.bool)  # fmt: skip
 
 
+def decode_mask(lens: torch.Tensor, s: int, window: int | None) -> torch.Tensor:
+    """(B,) context lengths over s gathered key slots -> (B, 1, 1, s) SDPA mask."""
+    k_pos = torch.arange(s, device=lens.device)[None, :]  # (1, S)
+    q_pos = (lens - 1)[:, None]  # (B, 1)
+    return ((k_pos <= q_pos) & _window_ok(q_pos, k_pos, window))[:, None, None, :]
+
+
+def prefill_mask(span: PrefillSpan, window: int | None, device: torch.device) -> torch.Tensor | None:  # fmt: skip
+    """The span's (q_len, ctx_start + q_len) mask; None where plain causal SDPA does."""
+    if span.blocks is None and window is None:
+        return None
+    q_pos = span.ctx_start + torch.arange(span.q_len, device=device)[:, None]  # (n, 1)
+    k_pos = torch.arange(span.ctx_start + span.q_len, device=device)[None, :]  # (1, S)
+    return (k_pos <= q_pos) & _window_ok(q_pos, k_pos, window)
+
+
 def decode_attention(
-    q: torch.Tensor,
-    cache: PagedKVCache,
-    blocks: torch.Tensor,
-    lens: torch.Tensor,
-    window: int | None,
+    q: torch.Tensor, cache: PagedKVCache, blocks: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """q (B, H, D), one query per sequence at position lens - 1 -> (B, H, D)."""
+    """q (B, H, D), one query per sequence, over its blocks (B, n) -> (B, H, D)."""
     b, h, d = q.shape
     k, v = cache.gather(blocks)  # (B, S, Hkv, D)
     hkv = k.shape[2]
-    k_pos = torch.arange(k.shape[1], device=q.device)[None, :]  # (1, S)
-    q_pos = (lens - 1)[:, None]  # (B, 1)
-    mask = (k_pos <= q_pos) & _window_ok(q_pos, k_pos, window)  # (B, S)
     # Grouped-query attention folded into the query axis: the g query heads of a kv head
     # are its g "query positions", (B, Hkv, g, D), so K/V need no copy per query head.
     y = F.scaled_dot_product_attention(
         q.view(b, hkv, h // hkv, d),
         k.transpose(1, 2),  # (B, Hkv, S, D)
         v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
+        attn_mask=mask,
     )
     return y.reshape(b, h, d)
-
-
-def _heads_first(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """(S, Hkv, D) -> (1, H, S, D), each kv head repeated for its query heads."""
-    x = x.transpose(0, 1)
-    return x.repeat_interleave(n_heads // x.shape[0], dim=0)[None]
 
 
 def prefill_attention(
@@ -99,22 +131,16 @@ def prefill_attention(
     v: torch.Tensor,
     cache: PagedKVCache,
     span: PrefillSpan,
-    window: int | None,
 ) -> torch.Tensor:
     """q (n, H, D) and the chunk's own k, v (n, Hkv, D) -> (n, H, D)."""
-    n, h, _ = q.shape
-    qh = q.transpose(0, 1)[None]  # (1, H, n, D)
+    n = q.shape[0]
     if span.blocks is not None:  # earlier tokens are cached: read them (and the chunk) back
         k, v = cache.gather(span.blocks)
         k, v = k[: span.ctx_start + n], v[: span.ctx_start + n]
-    kh, vh = _heads_first(k, h), _heads_first(v, h)
-    if span.blocks is None and window is None:
-        y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-    else:
-        q_pos = span.ctx_start + torch.arange(n, device=q.device)[:, None]  # (n, 1)
-        k_pos = torch.arange(k.shape[0], device=q.device)[None, :]  # (1, S)
-        mask = (k_pos <= q_pos) & _window_ok(q_pos, k_pos, window)
-        y = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, heads, len, D)
+    y = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True
+    )
     return y[0].transpose(0, 1)
 
 
@@ -124,15 +150,14 @@ def step_attention(
     v: torch.Tensor,
     cache: PagedKVCache,
     step: StepAttention,
-    window: int | None,
 ) -> torch.Tensor:
-    """q (T, H, D), k, v (T, Hkv, D) of a whole step -> (T, H, D)."""
+    """q (T, H, D), k, v (T, Hkv, D) of a whole step (masks built) -> (T, H, D)."""
     cache.write(step.slots, k, v)
     parts = []
     for g in step.decodes:
         qg = q[g.q_start : g.q_start + g.lens.shape[0]]
-        parts.append(decode_attention(qg, cache, g.blocks, g.lens, window))
+        parts.append(decode_attention(qg, cache, g.blocks, g.mask))
     for s in step.prefills:
         sl = slice(s.q_start, s.q_start + s.q_len)
-        parts.append(prefill_attention(q[sl], k[sl], v[sl], cache, s, window))
+        parts.append(prefill_attention(q[sl], k[sl], v[sl], cache, s))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

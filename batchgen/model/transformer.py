@@ -57,7 +57,6 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.window = cfg.sliding_window
         self.wqkv = nn.Linear(cfg.dim, cfg.qkv_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -80,7 +79,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = step_attention(q, k, v, self.kv_cache, step, self.window)  # (T, H, D)
+        y = step_attention(q, k, v, self.kv_cache, step)  # (T, H, D)
         return self.wo(y.reshape(t, q_size))
 
 
@@ -161,6 +160,7 @@ class Transformer(nn.Module):
         """tokens, positions (T,): a step's tokens, packed; step: where their keys/values go
         and what each attends to. Returns the float32 logits (S, vocab) of the tokens at
         logits_index (S,): those whose next token is sampled."""
+        step = step.with_masks(self.cfg.sliding_window, self.layers[0].attn.kv_cache.block_size)
         x = self.embed(tokens)  # (T, dim)
         rope = None
         if self.pos_embed is not None:
