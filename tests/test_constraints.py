@@ -23,6 +23,7 @@ from batchgen.engine.constraints import (
     ConstraintKind,
     apply_bitmask,
     parse_choices,
+    unpack_and_mask,
 )
 from batchgen.engine.sequence import FinishReason, SamplingParams
 from batchgen.llm import LLM
@@ -44,10 +45,11 @@ def test_apply_bitmask_keeps_exactly_the_set_bits():
         for t in tokens:
             word = int(mask[row, t // 32]) | (1 << (t % 32))
             mask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32 wrap
-    out = apply_bitmask(torch.zeros(2, vocab), mask)
-    for row, tokens in enumerate(allowed):
-        assert {i for i in range(vocab) if out[row, i] == 0} == tokens
-        assert all(out[row, i] == float("-inf") for i in range(vocab) if i not in tokens)
+    for apply in (apply_bitmask, unpack_and_mask):  # eager kernel, and the compiled ops
+        out = apply(torch.zeros(2, vocab), mask)
+        for row, tokens in enumerate(allowed):
+            assert {i for i in range(vocab) if out[row, i] == 0} == tokens
+            assert all(out[row, i] == float("-inf") for i in range(vocab) if i not in tokens)
 
 
 @pytest.mark.parametrize(

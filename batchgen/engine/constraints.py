@@ -61,8 +61,20 @@ def parse_choices(value: str | Seq[str]) -> tuple[str, ...]:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits (B, V); bitmask (B, ceil(V/32)) int32, bit j of word i allows token 32i+j.
-    Disallowed tokens get -inf. Pure tensor ops: traces into a compiled graph."""
+    """logits (B, V) float32; bitmask (B, ceil(V/32)) int32, bit j of word i allows token
+    32i+j. Disallowed tokens get -inf. Eagerly, xgrammar's kernel, in place (measured on the
+    CPU, 64 rows x 32k vocab: 0.04 ms against 5 ms for the tensor ops below); traced, tensor
+    ops that compile into the step's graph (and its CUDA graph)."""
+    if not torch.compiler.is_compiling():
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+        return logits
+    return unpack_and_mask(logits, bitmask)
+
+
+def unpack_and_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """apply_bitmask as plain tensor ops (what the compiled step runs)."""
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[-1]]
     return logits.masked_fill(allowed == 0, float("-inf"))
