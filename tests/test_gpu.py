@@ -210,6 +210,23 @@ def test_bf16_greedy_agrees_with_transformers(llm, model_dir):
     assert r["max_logprob_err"] <= 0.25 and r["mean_logprob_err"] <= 0.05, r
 
 
+def test_constrained_rows_in_cuda_graphed_decode(llm):
+    """--choice rows beside free rows: the mask is an input of the decode graph (one more
+    graph per shape, keyed by mask on/off), every constrained row valid."""
+    import re
+
+    from batchgen.engine.constraints import Constraint, ConstraintKind
+
+    c = Constraint(ConstraintKind.REGEX, "[a-z]{3,6}")
+    params = [
+        SamplingParams(max_new_tokens=12, temperature=1.0, seed=i, constraint=c if i % 2 else None)
+        for i in range(len(PROMPT_LENS))
+    ]
+    got = llm.generate(prompts(5), params)
+    assert all(re.fullmatch("[a-z]{3,6}", o.text) for o in got[1::2]), [o.text for o in got]
+    assert any(k[4] for k in llm.runner.shapes)  # a masked decode graph ran
+
+
 QUANT_PATHS = [
     (b, m) for b in ("torchao", "quanto") for m in ("int8", "int4", "fp8")
 ]  # torchao first: it is the default backend, so a timeout cuts quanto first
