@@ -31,23 +31,23 @@ def test_shipped_jobs_are_valid_on_the_embedded_default(spec):
     assert r.exit_code == 0, r.output
 
 
-def test_label_job_runs_on_the_embedded_default(tmp_path):
-    spec = ROOT / "jobs" / "label_sentiment.yaml"
-    r = CliRunner().invoke(main, ["run", str(spec), "--limit", "12", "--no-compile",
-                                  "-o", str(tmp_path / "out"), "-q"])  # fmt: skip
+def _run_spec(name: str, out) -> list[dict]:
+    """The first 12 rows of a shipped job spec, eagerly; its output rows."""
+    r = CliRunner().invoke(main, ["run", str(ROOT / "jobs" / name), "--limit", "12",
+                                  "--no-compile", "-o", str(out), "-q"])  # fmt: skip
     assert r.exit_code == 0, r.output
-    rows = pq.read_table(tmp_path / "out").to_pylist()
+    return pq.read_table(out).to_pylist()
+
+
+def test_label_job_runs_on_the_embedded_default(tmp_path):
+    rows = _run_spec("label_sentiment.yaml", tmp_path / "out")
     assert len(rows) == 12 and all(r["id"].startswith("r") for r in rows)
     assert {r["text"].strip() for r in rows} <= {"positive", "negative", "neutral"}
     assert sum(r["text"].strip() == r["label"] for r in rows) >= 6  # the demo model is ~78% right
 
 
 def test_choice_label_job_gives_only_labels(tmp_path):
-    spec = ROOT / "jobs" / "label_sentiment_choice.yaml"
-    r = CliRunner().invoke(main, ["run", str(spec), "--limit", "12", "--no-compile",
-                                  "-o", str(tmp_path / "out"), "-q"])  # fmt: skip
-    assert r.exit_code == 0, r.output
-    rows = pq.read_table(tmp_path / "out").to_pylist()
+    rows = _run_spec("label_sentiment_choice.yaml", tmp_path / "out")
     assert len(rows) == 12
     assert all(r["text"] in (" positive", " negative", " neutral") for r in rows)
     assert all(r["finish_reason"] == "stop" for r in rows)

@@ -104,25 +104,22 @@ class Engine:
             yield self._step(plan)
 
     def _add(self, r: Request) -> Completion | None:
+        """Queue r, or return its error completion if it cannot run."""
+        error = self._size_error(r) or self._check_constraint(r)
+        if error is None:
+            self.scheduler.add(r)
+            return None
+        return Completion(r.index, [], FinishReason.ERROR, r.prompt_len, error=error)
+
+    def _size_error(self, r: Request) -> str | None:
         limit = self.runner.max_positions
-        need = r.prompt_len + r.params.max_new_tokens
-        if need > limit:
+        if r.prompt_len + r.params.max_new_tokens > limit:
             why = f"exceeds the model's {limit} positions"
         elif not self.scheduler.fits(r):
             why = f"exceeds the KV cache's {self.scheduler.capacity_tokens} tokens; raise --kv-cache-tokens"
         else:
-            error = self._check_constraint(r)
-            if error is None:
-                self.scheduler.add(r)
-                return None
-            return Completion(r.index, [], FinishReason.ERROR, r.prompt_len, error=error)
-        return Completion(
-            index=r.index,
-            token_ids=[],
-            finish_reason=FinishReason.ERROR,
-            prompt_tokens=r.prompt_len,
-            error=f"prompt ({r.prompt_len} tokens) + max_new_tokens ({r.params.max_new_tokens}) {why}",
-        )
+            return None
+        return f"prompt ({r.prompt_len} tokens) + max_new_tokens ({r.params.max_new_tokens}) {why}"
 
     def _check_constraint(self, r: Request) -> str | None:
         if r.params.constraint is None:
