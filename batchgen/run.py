@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -17,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from batchgen.config import ConfigError, OutputFormat, RunConfig
+from batchgen.config import ConfigError, OutputFormat, RunConfig, Task
 from batchgen.data import InputSource, OutputDir, PartBuffer, open_input, output_schema
 from batchgen.data.openai_output import write_results
 from batchgen.data.reader import OpenAIBatchSource
@@ -83,8 +85,13 @@ def _row_record(row: Row, c: Completion | None, cfg: RunConfig) -> dict[str, Any
     rec = {"id": row.id, **row.passthrough}
     if row.sample_index is not None:
         rec["sample_index"] = row.sample_index
+    if cfg.task is Task.SCORE:  # the labels' probabilities, normalised over them
+        probs = _normalise(c.scores) if ok else None
+        rec["label"] = row.labels[probs.index(max(probs))] if ok else None
+        rec["scores"] = list(zip(row.labels, probs, strict=True)) if ok else None
+    else:
+        rec["text"] = c.text if ok else None
     rec.update(
-        text=c.text if ok else None,
         finish_reason=c.finish_reason.value if ok else FinishReason.ERROR.value,
         prompt_tokens=row.prompt_tokens,
         completion_tokens=c.completion_tokens if ok else 0,
@@ -95,6 +102,14 @@ def _row_record(row: Row, c: Completion | None, cfg: RunConfig) -> dict[str, Any
     if cfg.with_logprobs:
         rec["logprobs"] = c.logprobs if ok else None
     return rec
+
+
+def _normalise(logprobs: list[float]) -> list[float]:
+    """log P(label | prompt) per label -> P(label | prompt, one of the labels)."""
+    top = max(logprobs)
+    weights = [math.exp(x - top) for x in logprobs]
+    total = sum(weights)
+    return [w / total for w in weights]
 
 
 @dataclass(slots=True)
@@ -132,7 +147,9 @@ def open_job(cfg: RunConfig) -> Job:
     except ValueError as e:  # e.g. --device cuda on a machine without one
         raise ConfigError(str(e)) from None
     max_seq = model_cfg.max_position_embeddings
-    max_prompt = min(cfg.max_prompt_len, max_seq - cfg.max_new_tokens)
+    # room after the prompt: its new tokens, or a score job's labels (checked per row later)
+    room = cfg.max_new_tokens if cfg.task is Task.GENERATE else 1
+    max_prompt = min(cfg.max_prompt_len, max_seq - room)
     if max_prompt < 1:
         raise ConfigError(
             f"max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in the model's "
@@ -192,7 +209,12 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
     )
     passthrough = pa.schema([source.schema.field(c) for c in prep.passthrough])
     schema = output_schema(
-        prep.id_type, passthrough, cfg.with_token_ids, cfg.with_logprobs, samples=prep.samples
+        prep.id_type,
+        passthrough,
+        cfg.with_token_ids,
+        cfg.with_logprobs,
+        samples=prep.samples,
+        score=prep.score,
     )
     fingerprint = {**cfg.fingerprint(), **content_fingerprint(model_dir, source)}
     out = job_scope.enter_context(OutputDir(cfg.output_dir, fingerprint, cfg.overwrite))
@@ -258,7 +280,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
             progress.update(window.skipped + len(errors))
             for r in window.requests:
                 rows[n] = window.rows[r.index]
-                yield Request(n, r.prompt_ids, r.params)
+                yield dataclasses.replace(r, index=n)
                 n += 1
 
     last_flush = time.monotonic()

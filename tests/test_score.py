@@ -6,6 +6,16 @@ hits). The prompt is computed once per row: its candidates take its blocks from 
 import pytest
 import torch
 import transformers
+from helpers import (
+    FAST,
+    assert_one_line_error,
+    prompts,
+    read_output,
+    read_stats,
+    rows_by_id,
+    run_cli,
+    write_parquet,
+)
 from test_engine import MODELS, _llm, _prompts
 from test_engine import dirs as dirs  # noqa: F401  (the fixture)
 
@@ -122,3 +132,71 @@ def test_scored_and_generated_rows_run_together_and_survive_preemption(dirs, mon
     for i, alone in zip((1, 3), scored, strict=True):
         assert got[i].scores == pytest.approx(alone.scores, abs=1e-5)
     assert [got[i].token_ids for i in (0, 2, 4)] == [c.token_ids for c in generated]
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_dirs):
+    return tiny_dirs["llama"]
+
+
+def _softmax(xs: list[float]) -> list[float]:
+    t = torch.tensor(xs, dtype=torch.float64).softmax(0)
+    return t.tolist()
+
+
+def test_score_task_writes_label_probabilities_equal_to_transformers(tmp_path, llama):
+    texts = prompts(5)
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": texts, "text": texts})
+    labels = ["yes", "no", "maybe so"]
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", llama, *FAST, "--task", "score", "--choice", ",".join(labels))  # fmt: skip
+    table = read_output(out)
+    assert {"label", "scores", "text"} <= set(table.column_names)  # text: the input's, passed on
+    tok = transformers.AutoTokenizer.from_pretrained(llama)
+    cands = [tok(x, add_special_tokens=False)["input_ids"] for x in labels]
+    ref = hf_loglik(llama, [tok(t)["input_ids"] for t in texts], [cands] * len(texts))
+    for r in table.to_pylist():
+        probs = dict(r["scores"])
+        assert list(probs) == labels and r["error"] is None and r["completion_tokens"] == 0
+        assert list(probs.values()) == pytest.approx(_softmax(ref[r["id"]]), abs=1e-4)
+        assert r["label"] == max(probs, key=probs.get) and r["text"] == texts[r["id"]]
+    stats = read_stats(out)
+    assert stats["rows"] == 5 and stats["rows_error"] == 0
+
+
+def test_per_row_labels_and_rows_without_any(tmp_path, llama):
+    src = write_parquet(
+        tmp_path / "in.parquet",
+        {"prompt": prompts(3), "choice": [["up", "down"], None, ["left", "right", "on"]]},
+    )
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", llama, *FAST, "--task", "score")
+    got = rows_by_id(out)
+    assert [k for k, _ in got[0]["scores"]] == ["up", "down"]
+    assert [k for k, _ in got[2]["scores"]] == ["left", "right", "on"]
+    assert got[1]["scores"] is None and "no labels to score" in got[1]["error"]
+    assert sum(p for _, p in got[2]["scores"]) == pytest.approx(1.0)
+    # the job's --choice fills in for the row without its own; a rerun adds it exactly once
+    run_cli("run", src, "-o", out, "--model", llama, *FAST, "--task", "score", "--overwrite",
+            "--choice", "a,b")  # fmt: skip
+    got = rows_by_id(out)
+    assert [k for k, _ in got[1]["scores"]] == ["a", "b"] and len(got) == 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        ((), ("--choice", "choice column")),
+        (("--choice", "a,b", "--regex", "x+"), ("choice", "regex")),
+        (("--choice", "a,b", "--n", 2), ("--n",)),
+    ],
+)
+def test_score_jobs_that_cannot_run_fail_before_the_model_loads(tmp_path, llama, flags, words):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    r = run_cli("run", src, "-o", tmp_path / "out", "--model", llama, *FAST, "--task", "score",
+                *flags, exit_code=2)  # fmt: skip
+    assert_one_line_error(r, *words)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
