@@ -227,6 +227,25 @@ def test_constrained_rows_in_cuda_graphed_decode(llm):
     assert any(k[4] for k in llm.runner.shapes)  # a masked decode graph ran
 
 
+def test_scores_in_float32_on_cuda_equal_transformers(model_dir):
+    """--task score on the GPU: each label's log-probability equals transformers' (float32,
+    1e-3: TF32 matmuls may be on), with the labels sharing their prompt's blocks."""
+    engine = EngineConfig(max_num_seqs=8, block_size=16, kv_cache_tokens=4096)
+    llm = LLM(model_dir, dtype="float32", device="cuda", compile=True, engine=engine)
+    labels = [[5], [7, 8], [9, 10, 11]]
+    rows = prompts(3)  # 17-32 tokens: one full block each, shared by the three labels
+    got = llm.score(rows, labels)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = hf.to("cuda").eval()
+    with torch.no_grad():
+        for p, c in zip(rows, got, strict=True):
+            for lab, score in zip(labels, c.scores, strict=True):
+                lp = hf(torch.tensor([p + lab], device="cuda")).logits[0].float().log_softmax(-1)
+                ref = sum(lp[len(p) - 1 + j, t].item() for j, t in enumerate(lab))
+                assert abs(score - ref) < 1e-3, (score, ref)
+    assert all(c.cached_tokens == 2 * 16 for c in got)
+
+
 QUANT_PATHS = [
     (b, m) for b in ("torchao", "quanto") for m in ("int8", "int4", "fp8")
 ]  # torchao first: it is the default backend, so a timeout cuts quanto first
