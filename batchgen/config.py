@@ -10,7 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchgen.engine.config import EngineConfig
 from batchgen.scaleout.shard import Shard, ShardError
+
+# The engine's defaults are EngineConfig's; a RunConfig value of None leaves them to it.
+ENGINE_DEFAULTS = EngineConfig()
 
 
 class ConfigError(ValueError):
@@ -125,12 +129,12 @@ class RunConfig:
     quant_group_size: int | None = None  # int4's largest group; None: 128 (smaller where it must)
     max_prompt_len: int = 1024
     truncate: Truncate = Truncate.SKIP
-    max_num_seqs: int | None = None  # sequences in flight; None: 64 on CPU, 256 on GPU
-    max_num_batched_tokens: int | None = None  # tokens a step runs; None: 2048 CPU, 8192 GPU
-    block_size: int = 16  # KV cache block, in tokens
-    kv_cache_tokens: int | None = None  # None: the job's need (CPU), 80% of free memory (GPU)
-    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
-    window_rows: int = 8192  # rows read and tokenized ahead of the engine (its admission window)
+    max_num_seqs: int | None = None  # sequences in flight; None: per device (EngineConfig)
+    max_num_batched_tokens: int | None = None  # tokens a step runs; None: per device
+    block_size: int = ENGINE_DEFAULTS.block_size  # KV cache block, in tokens
+    kv_cache_tokens: int | None = None  # None: the job's need (CPU), free memory's share (GPU)
+    prefix_caching: bool = ENGINE_DEFAULTS.prefix_caching  # reuse KV blocks of prefixes seen
+    window_rows: int = ENGINE_DEFAULTS.read_ahead  # rows read and tokenized ahead of the engine
     # output
     rows_per_part: int = 4096
     flush_seconds: float = 60.0  # write a part at least this often, bounding work lost to a kill

@@ -108,10 +108,12 @@ def run_workers(cfg: RunConfig) -> MergeSummary:
     envs = plan_workers(cfg)
     n = len(envs)
     # Check the model, input and template once here rather than fail N times in the workers;
-    # on the CPU, so that the parent never takes memory on a GPU.
-    from batchgen.run import open_job
+    # on the CPU, so that the parent never takes memory on a GPU (and without the
+    # quantization, which the workers check on their own devices).
+    from batchgen.job import open_job
 
-    open_job(dataclasses.replace(cfg, device="cpu", dtype="float32", workers=1))
+    cpu = dict(device="cpu", dtype="float32", quantize="none", quant_group_size=None)
+    open_job(dataclasses.replace(cfg, **cpu, workers=1))
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.overwrite:
