@@ -8,18 +8,16 @@ import dataclasses
 
 import click
 
-from batchgen.config import (
+from batchgen.choices import (
     BOUNDS,
-    ENGINE_DEFAULTS,
     Choice,
-    ConfigError,
     Dtype,
     OutputFormat,
     QuantBackend,
     QuantMethod,
-    RunConfig,
     Truncate,
 )
+from batchgen.config import ENGINE_DEFAULTS, ConfigError, RunConfig
 from batchgen.engine.config import EngineConfig
 from batchgen.jobspec import is_job_spec, load_job_spec, resolve_path
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchgen.config import ConfigError, OutputFormat, RunConfig
+from batchgen.choices import OutputFormat
+from batchgen.config import ConfigError, RunConfig
 from batchgen.data import InputSource, open_input
 from batchgen.data.reader import OpenAIBatchSource
 from batchgen.engine.constraints import ConstraintError

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from batchgen.engine.config import EngineConfig
 from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Completion, Request, SamplingParams
@@ -18,39 +18,18 @@ from batchgen.quant import quantize_model
 
 
 class LLM:
-    """A model loaded and an engine over it. The arguments are resolved into a ModelSpec
-    (model_spec.py), as `batchgen run` resolves its flags; `LLM.from_spec` takes one."""
+    """A model loaded and an engine over it."""
 
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        compile: bool | None = None,
-        engine: EngineConfig | None = None,
-        allow_pickle: bool = False,
-        quantize: str = "none",
-        quant_backend: str = "auto",
-        lora: str | Path | None = None,
-        quant_group_size: int | None = None,
-    ) -> None:
-        spec = ModelSpec.resolve(
-            model,
-            dtype=dtype,
-            device=device,
-            compile=compile,
-            engine=engine,
-            allow_pickle=allow_pickle,
-            quantize=quantize,
-            quant_backend=quant_backend,
-            lora=lora,
-            quant_group_size=quant_group_size,
-        )
-        self._load(spec)
+    def __init__(self, model: str | Path | None = None, **options: Any) -> None:
+        """model: a local save_pretrained directory (None: the embedded default model).
+        options, resolved as `batchgen run` resolves its flags (ModelSpec.resolve, where
+        their defaults are): dtype, device, compile, engine (an EngineConfig), allow_pickle,
+        quantize, quant_backend, quant_group_size, lora."""
+        self._load(ModelSpec.resolve(model, **options))
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> LLM:
+        """Build from a spec already resolved (open_job's)."""
         llm = cls.__new__(cls)
         llm._load(spec)
         return llm

@@ -16,7 +16,8 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from batchgen.config import OutputFormat, RunConfig
+from batchgen.choices import OutputFormat
+from batchgen.config import RunConfig
 from batchgen.data import InputSource, OutputDir, PartBuffer, output_schema
 from batchgen.data.openai_output import write_results
 from batchgen.data.reader import OpenAIBatchSource

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from batchgen.config import Choice, ConfigError, RunConfig
+from batchgen.choices import Choice
+from batchgen.config import ConfigError, RunConfig
 from batchgen.scaleout.merge import MergeSummary, merge
 from batchgen.scaleout.shard import Shard, without_array_task
 
