@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from batchgen.choices import Dtype
 from batchgen.config import ConfigError
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Grammars
@@ -27,7 +28,11 @@ from batchgen.model.lora import LoraAdapter, check_adapter
 from batchgen.quant import QuantScheme, make_scheme
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default-model"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    Dtype.FLOAT32: torch.float32,
+    Dtype.BFLOAT16: torch.bfloat16,
+    Dtype.FLOAT16: torch.float16,
+}
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -42,7 +47,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
+    if dtype == Dtype.AUTO:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
