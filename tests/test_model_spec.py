@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST, prompts, rows_by_id, run_cli, write_parquet
+import yaml
+from helpers import FAST, assert_one_line_error, prompts, rows_by_id, run_cli, write_parquet
 from transformers import AutoTokenizer
 
 from batchgen.config import ConfigError, RunConfig
@@ -105,3 +106,17 @@ def test_a_device_that_is_not_there_is_a_config_error_for_both(tmp_path, model, 
         open_job(_job(tmp_path, model, device="cuda"))
     with pytest.raises(ConfigError, match="no CUDA GPU"):
         LLM(model, device="cuda")
+
+
+def test_a_scheme_that_cannot_run_is_refused_before_the_output_is_claimed(tmp_path, model):
+    """The scheme is resolved with the rest of the spec, so `run` and `plan` refuse it before
+    anything is written (it was checked only at load, after the output was claimed)."""
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({
+        "input": str(src), "output": str(tmp_path / "out"), "model": str(model), "device": "cpu",
+        "quantize": "int4", "quant_backend": "quanto", "dtype": "bfloat16"}))  # fmt: skip
+    for command in ("run", "plan"):
+        r = run_cli(command, spec, exit_code=2)
+        assert_one_line_error(r, "int4 with backend quanto is not available on cpu with bfloat16")
+    assert not (tmp_path / "out").exists()
