@@ -19,7 +19,6 @@ class Job:
     """A job opened and checked: its model resolved (the engine is built from spec), its
     input open, its rows' preparation set up."""
 
-    cfg: RunConfig
     spec: ModelSpec
     source: InputSource
     prep: Preparer
@@ -71,4 +70,4 @@ def open_job(cfg: RunConfig) -> Job:
             spec.grammars.compile(prep.defaults.constraint)
         except ConstraintError as e:
             raise ConfigError(str(e)) from None
-    return Job(cfg, spec, source, prep)
+    return Job(spec, source, prep)
