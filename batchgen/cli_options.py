@@ -8,16 +8,8 @@ import dataclasses
 
 import click
 
-from batchgen.choices import (
-    BOUNDS,
-    Choice,
-    Dtype,
-    OutputFormat,
-    QuantBackend,
-    QuantMethod,
-    Truncate,
-)
-from batchgen.config import ENGINE_DEFAULTS, ConfigError, RunConfig
+from batchgen.choices import BOUNDS, Choice
+from batchgen.config import ENGINE_DEFAULTS, ConfigError, RunConfig, choice_fields
 from batchgen.engine.config import EngineConfig
 from batchgen.jobspec import is_job_spec, load_job_spec, resolve_path
 
@@ -29,10 +21,6 @@ def _default(name: str):
     return None
 
 
-def _choice(choice: type[Choice]) -> click.Choice:
-    return click.Choice([c.value for c in choice])
-
-
 def _per_device(name: str) -> str:
     """EngineConfig's default of a knob whose RunConfig default is None, for its help."""
     cpu, gpu = (getattr(EngineConfig.for_device(d), name) for d in ("cpu", "cuda"))
@@ -40,8 +28,10 @@ def _per_device(name: str) -> str:
 
 
 def _opt(*decls: str, **kw):
-    """An option whose default and help come from RunConfig, so there is one source."""
+    """An option whose default, range or choices come from RunConfig, so there is one source."""
     name = decls[0].lstrip("-").split("/")[0].replace("-", "_")
+    if name in choice_fields():  # the values of its Choice enum
+        kw["type"] = click.Choice([c.value for c in choice_fields()[name]])
     if name in BOUNDS and kw.get("type") in (int, float):  # RunConfig's range, checked by click
         b = BOUNDS[name]
         kw["type"] = (click.IntRange if kw["type"] is int else click.FloatRange)(
@@ -63,7 +53,7 @@ def data_options(f):
         _opt("--limit", type=int, help="Only the first N input rows."),
         _opt("--max-new-tokens", type=int, help="Tokens to generate per row (a max_new_tokens column overrides per row)."),
         _opt("--max-prompt-len", type=int, help="Longest prompt in tokens (the largest length bucket)."),
-        _opt("--truncate", type=_choice(Truncate), help="Prompts over --max-prompt-len: skip (error record), error (stop the job), left/right (cut)."),
+        _opt("--truncate", help="Prompts over --max-prompt-len: skip (error record), error (stop the job), left/right (cut)."),
         _opt("--max-num-seqs", type=int, help=f"Sequences in flight at once (the largest decode batch). {_per_device('max_num_seqs')}"),
         _opt("--max-num-batched-tokens", type=int, help=f"Tokens one engine step may run: decodes plus prompt chunks (long prompts are prefilled in chunks). {_per_device('max_num_batched_tokens')}"),
         _opt("--block-size", type=int, help="KV cache block size in tokens (the paging and prefix-caching unit)."),
@@ -90,17 +80,17 @@ def run_options(f):
         _opt("--regex", help="Structured output: the output matches this regular expression (a regex column overrides per row)."),
         _opt("--json-schema", help="Structured output: a JSON schema file the output must match (a json_schema column of schema text overrides per row)."),
         _opt("--device", help="auto, cpu, cuda, cuda:N."),
-        _opt("--dtype", type=_choice(Dtype), help="auto = bfloat16 on GPU, float32 on CPU."),
+        _opt("--dtype", help="auto = bfloat16 on GPU, float32 on CPU."),
         _opt("--compile/--no-compile", help="torch.compile prefill and decode (decode as CUDA graphs). Default: on with a GPU, off on the CPU, where compiling costs 10-70 s a shape and measured no faster."),
         _opt("--lora", help="PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), merged into the model's weights at load, before --quantize."),
-        _opt("--quantize", type=_choice(QuantMethod), help="Weight-only quantization."),
-        _opt("--quant-backend", type=_choice(QuantBackend), help="Quantization library (auto picks per device)."),
+        _opt("--quantize", help="Weight-only quantization."),
+        _opt("--quant-backend", help="Quantization library (auto picks per device)."),
         _opt("--quant-group-size", type=int, help="int4: the largest group of input channels (32, 64, 128, 256); a layer it does not divide gets the largest one that does. Default: 128."),
         _opt("--rows-per-part", type=int, help="Rows per output Parquet part file."),
         _opt("--flush-seconds", type=float, help="Write a part at least this often."),
         _opt("--with-token-ids", is_flag=True, help="Add a token_ids column."),
         _opt("--with-logprobs", is_flag=True, help="Add a logprobs column (log-probability of each generated token)."),
-        _opt("--output-format", type=click.Choice([f.value for f in OutputFormat]), help="openai: also write OUTPUT/results.jsonl, OpenAI batch output lines in input order (OpenAI batch input only)."),
+        _opt("--output-format", help="openai: also write OUTPUT/results.jsonl, OpenAI batch output lines in input order (OpenAI batch input only)."),
         _opt("--overwrite", is_flag=True, help="Replace another job's results in --output."),
         _opt("--quiet", "-q", is_flag=True, help="No progress bar (for schedulers' logs)."),
         _opt("--allow-pickle", is_flag=True, help="Allow loading pytorch_model.bin pickle checkpoints (can run code)."),

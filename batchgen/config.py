@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -90,7 +91,7 @@ class RunConfig:
         for key in ("input", "output"):
             if not getattr(self, key).strip():
                 raise ConfigError(f"{key} is empty; pass a path")
-        for key, choice in _choice_fields().items():
+        for key, choice in choice_fields().items():
             value = getattr(self, key)
             try:
                 setattr(self, key, choice(value))
@@ -172,7 +173,7 @@ class RunConfig:
         out = {k: getattr(self, k) for k in self.keys() if k not in skip}
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())
-        out.update((k, getattr(self, k).value) for k in _choice_fields() if k in out)
+        out.update((k, getattr(self, k).value) for k in choice_fields() if k in out)
         for key in ("choice", "regex", "json_schema"):  # unconstrained jobs keep theirs
             if out[key] is None:
                 del out[key]
@@ -214,7 +215,8 @@ def read_json_schema(path: str) -> str:
     return text
 
 
-def _choice_fields() -> dict[str, type[Choice]]:
+@functools.cache
+def choice_fields() -> dict[str, type[Choice]]:
     """RunConfig's fields typed with a Choice, and that Choice."""
     hints = typing.get_type_hints(RunConfig)
     return {k: h for k, h in hints.items() if isinstance(h, type) and issubclass(h, Choice)}
