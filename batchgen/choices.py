@@ -43,6 +43,11 @@ class QuantBackend(Choice):
     QUANTO = "quanto"
 
 
+class Task(Choice):
+    GENERATE = "generate"  # sample a completion per row (and sample)
+    SCORE = "score"  # the probability of each --choice label given the prompt; nothing sampled
+
+
 class OutputFormat(Choice):
     PARQUET = "parquet"  # part files, the default
     OPENAI = "openai"  # the part files, and OUTPUT/results.jsonl of OpenAI batch output lines

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from batchgen.choices import Task
 from batchgen.cli_options import build_config, data_options, run_options
 from batchgen.config import ConfigError
 
@@ -78,9 +79,9 @@ def run_cmd(ctx: click.Context, source: str, **flags) -> None:
     if not cfg.quiet:
         click.echo(f"\nwrote {cfg.output_dir}\n{stats.table()}")
     else:
-        click.echo(
-            f"wrote {cfg.output_dir}: {stats.rows} rows, {stats.to_dict()['output_tokens_per_s']:.1f} output tokens/s"
-        )
+        d = stats.to_dict()
+        rate = f"{d['rows_per_s']:.1f} rows/s" if cfg.task is Task.SCORE else f"{d['output_tokens_per_s']:.1f} output tokens/s"  # fmt: skip
+        click.echo(f"wrote {cfg.output_dir}: {stats.rows} rows, {rate}")
 
 
 @main.command("plan")

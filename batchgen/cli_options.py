@@ -75,6 +75,7 @@ def run_options(f):
         _opt("--seed", type=int, help="Job sampling seed: each row samples with its own seed, derived from this and its id, so rows are independent and a row's output does not depend on its batch, order or --limit (a seed column sets a row's seed itself)."),
         _opt("--stop", multiple=True, default=(), help="Stop string (repeatable)."),
         _opt("--ignore-eos", is_flag=True, help="Generate max_new_tokens even past EOS."),
+        _opt("--task", help="generate: sample a completion per row. score: the probability of each --choice label (or choice column) given the prompt, in `scores` and `label` columns; nothing is sampled."),
         _opt("--n", type=int, help="Sampled completions per row (an n column overrides per row): one output row each, keyed by (id, sample_index), each with its own seed; use with --temperature > 0."),
         _opt("--choice", help='Structured output: the output is one of these comma-separated labels, e.g. "positive,negative,neutral" (a choice list column overrides per row).'),
         _opt("--regex", help="Structured output: the output matches this regular expression (a regex column overrides per row)."),

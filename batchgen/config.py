@@ -17,6 +17,7 @@ from batchgen.choices import (
     OutputFormat,
     QuantBackend,
     QuantMethod,
+    Task,
     Truncate,
 )
 from batchgen.engine.config import EngineConfig
@@ -44,6 +45,7 @@ class RunConfig:
     passthrough: list[str] | None = None  # input columns copied to the output; None: all
     limit: int | None = None  # only the first N rows (for trying a job out)
     shard: Shard | None = None  # "I/N": this 1/N of the rows, written to OUTPUT/shard-I-of-N/
+    task: Task = Task.GENERATE
     # generation defaults; per-row columns max_new_tokens/temperature/top_p/seed override
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -54,7 +56,7 @@ class RunConfig:
     ignore_eos: bool = False
     n: int = 1  # sampled completions per row (an n column overrides), each its own record
     # structured outputs (one at most; choice/regex/json_schema columns override per row)
-    choice: list[str] | None = None  # the output is one of these labels
+    choice: list[str] | None = None  # the output is one of these labels (task score: scored)
     regex: str | None = None  # the output matches this regular expression
     json_schema: str | None = None  # a JSON schema file the output must match
     # engine
@@ -131,6 +133,8 @@ class RunConfig:
             raise ConfigError(
                 f"use one of choice, regex and json_schema, not {' and '.join(given)}"
             )
+        if self.task is Task.SCORE:
+            self._check_score()
         if self.messages_column and self.template:
             raise ConfigError("use either messages_column or template, not both")
         if self.output_format is OutputFormat.OPENAI and (self.shard or self.workers != 1):
@@ -138,6 +142,15 @@ class RunConfig:
                 "output_format openai writes one results.jsonl per job; run it without "
                 "shard and workers"
             )
+
+    def _check_score(self) -> None:
+        """Options that mean nothing when labels are scored, not sampled."""
+        if self.regex is not None or self.json_schema is not None:
+            raise ConfigError("task score scores --choice labels; drop --regex / --json-schema")
+        if self.n != 1:
+            raise ConfigError("task score samples nothing; drop --n")
+        if self.output_format is OutputFormat.OPENAI:
+            raise ConfigError("task score writes scores, not OpenAI completions; drop --output-format openai")  # fmt: skip
 
     @property
     def output_dir(self) -> str:
@@ -179,6 +192,8 @@ class RunConfig:
                 del out[key]
         if self.n == 1:  # so do jobs of one sample a row
             del out["n"]
+        if self.task is Task.GENERATE:  # and generating jobs
+            del out["task"]
         if self.json_schema is not None:  # the schema itself: editing the file makes another job
             out["json_schema"] = {"path": str(Path(self.json_schema).resolve()),
                                   "schema": read_json_schema(self.json_schema)}  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchgen.choices import OutputFormat
+from batchgen.choices import OutputFormat, Task
 from batchgen.config import ConfigError, RunConfig
 from batchgen.data import InputSource, open_input
 from batchgen.data.reader import OpenAIBatchSource
@@ -54,7 +54,9 @@ def open_job(cfg: RunConfig) -> Job:
             "OpenAI batch request file (lines with custom_id and body)"
         )
     max_seq = spec.model_cfg.max_position_embeddings
-    max_prompt = min(cfg.max_prompt_len, max_seq - cfg.max_new_tokens)
+    # room after the prompt: its new tokens, or a score job's labels (checked per row later)
+    room = cfg.max_new_tokens if cfg.task is Task.GENERATE else 1
+    max_prompt = min(cfg.max_prompt_len, max_seq - room)
     if max_prompt < 1:
         raise ConfigError(
             f"max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in the model's "

@@ -68,8 +68,35 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, per_row, strict=True)):
             ids = p if isinstance(p, list) else self.tokenizer(p)["input_ids"]
             requests.append(Request(i, list(ids), sp))
+        return self._run(requests)
+
+    def score(
+        self,
+        prompts: Sequence[str] | Sequence[list[int]],
+        candidates: Sequence[str | list[int]] | Sequence[Sequence[str | list[int]]],
+    ) -> list[Completion]:
+        """log P(candidate | prompt) of each candidate continuation (text, tokenized
+        without special tokens, or token ids), in `Completion.scores`; one candidate list
+        for all prompts or one per prompt. Nothing is sampled."""
+        per_row = [candidates] * len(prompts) if _is_candidate_list(candidates) else candidates
+        requests = []
+        for i, (p, cands) in enumerate(zip(prompts, per_row, strict=True)):
+            ids = p if isinstance(p, list) else self.tokenizer(p)["input_ids"]
+            conts = tuple(tuple(self._candidate_ids(c)) for c in cands)
+            requests.append(Request(i, list(ids), candidates=conts))
+        return self._run(requests)
+
+    def _candidate_ids(self, c: str | list[int]) -> list[int]:
+        return c if isinstance(c, list) else self.tokenizer(c, add_special_tokens=False)["input_ids"]  # fmt: skip
+
+    def _run(self, requests: list[Request]) -> list[Completion]:
         results: list[Completion | None] = [None] * len(requests)
         for report in self.engine.generate(requests):
             for c in report.finished:
                 results[c.index] = c
         return results  # type: ignore[return-value]
+
+
+def _is_candidate_list(x: Sequence) -> bool:
+    """One list of candidates (texts or id lists), rather than one list per prompt?"""
+    return all(isinstance(c, str) or (isinstance(c, list) and all(isinstance(t, int) for t in c)) for c in x)  # fmt: skip

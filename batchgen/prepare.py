@@ -15,9 +15,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.config import ConfigError, RunConfig, read_json_schema
+from batchgen.config import ConfigError, RunConfig, Task, read_json_schema
 from batchgen.data import InputError, InputFormat, InputSource, PromptBuilder, RowError, default_ids
-from batchgen.data.writer import RESERVED_COLUMNS
+from batchgen.data.writer import reserved_columns
 from batchgen.engine.constraints import Constraint, ConstraintError, ConstraintKind, parse_choices
 from batchgen.engine.sequence import Request, SamplingParams
 from batchgen.seeds import row_seed
@@ -33,7 +33,10 @@ CONSTRAINT_COLUMNS = tuple(k.value for k in ConstraintKind)
 
 
 def job_constraint(cfg: RunConfig) -> Constraint | None:
-    """The job's --choice / --regex / --json-schema, or None."""
+    """The job's --choice / --regex / --json-schema, or None (a score job's labels are
+    scored, not a constraint)."""
+    if cfg.task is Task.SCORE:
+        return None
     if cfg.choice is not None:
         try:
             return Constraint(ConstraintKind.CHOICE, parse_choices(cfg.choice))
@@ -82,6 +85,7 @@ class Row:
     prompt_tokens: int = 0
     error: str | None = None
     sample_index: int | None = None  # which of the row's n samples (None: a job without n)
+    labels: tuple[str, ...] = ()  # task score: the labels its request scores, in order
 
 
 @dataclass(slots=True)
@@ -144,6 +148,16 @@ class Preparer:
         self.passthrough = self._passthrough(cfg, source)
         self.overrides = [c for c in OVERRIDE_COLUMNS if c in source.columns]
         self.constraint_columns = [c for c in CONSTRAINT_COLUMNS if c in source.columns]
+        self.score = cfg.task is Task.SCORE
+        if self.score:  # a choice column holds the row's labels to score; nothing constrains
+            self.constraint_columns = [c for c in self.constraint_columns if c == "choice"]
+            if cfg.choice is None and not self.constraint_columns:
+                raise ConfigError(
+                    "task score needs labels to score: pass --choice a,b,c or give the input a "
+                    "choice column (a list of labels per row)"
+                )
+            self.labels = _parse_labels(cfg.choice) if cfg.choice is not None else ()
+            self.label_ids = self._label_ids(self.labels)
         # n samples per row (--n or an n column): one output record per (id, sample_index)
         self.n_column = "n" in source.columns
         self.samples = cfg.n > 1 or self.n_column
@@ -183,14 +197,15 @@ class Preparer:
             return [c for c in cfg.passthrough if c != id_column]
         if source.format is InputFormat.OPENAI:
             return [c for c in OPENAI_PASSTHROUGH if c in source.columns]
-        clash = [c for c in source.columns if c in RESERVED_COLUMNS and c != id_column]
+        reserved = reserved_columns(score=cfg.task is Task.SCORE)
+        clash = [c for c in source.columns if c in reserved and c != id_column]
         if clash:
             log.warning(
                 "input column(s) %s not copied to the output, which has columns of that name%s",
                 ", ".join(map(repr, clash)),
                 " (--id-column id uses the input's ids)" if "id" in clash else "",
             )
-        return [c for c in source.columns if c not in RESERVED_COLUMNS and c != id_column]
+        return [c for c in source.columns if c not in reserved and c != id_column]
 
     @property
     def id_type(self):
@@ -276,10 +291,39 @@ class Preparer:
                 for row in samples:
                     row.error = e.message
                 continue
+            if self.score:
+                try:
+                    labels, cands = self._row_labels(rec)
+                except RowError as e:
+                    samples[0].error = e.message
+                    continue
+                samples[0].prompt_tokens, samples[0].labels = len(ids_), labels
+                requests.append(Request(first, ids_, params[0], candidates=cands))
+                continue
             for j, p in enumerate(params):  # the samples share the prompt's cache blocks
                 samples[j].prompt_tokens = len(ids_)
                 requests.append(Request(first + j, ids_, p))
         return Window(rows, requests, skipped)
+
+    def _row_labels(self, rec: dict) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+        """A score row's labels (its choice column's, else the job's) and their token ids."""
+        if rec.get("choice") is None:
+            if not self.labels:
+                raise RowError("no labels to score: the row's choice is null and there is no --choice")  # fmt: skip
+            return self.labels, self.label_ids
+        try:
+            labels = _parse_labels(rec["choice"])
+            return labels, self._label_ids(labels)
+        except ConfigError as e:
+            raise RowError(str(e)) from None
+
+    def _label_ids(self, labels: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each label's tokens as a continuation of the prompt (no special tokens)."""
+        ids = tokenize(self.tokenizer, list(labels), add_special_tokens=False)
+        for label, x in zip(labels, ids, strict=True):
+            if not x:
+                raise ConfigError(f"choice: the label {label!r} tokenizes to no tokens")
+        return tuple(tuple(x) for x in ids)
 
     def _key(self, rid: Any, k: int) -> Any:
         """A record's key in the output: its id, or (id, sample_index) with samples."""
@@ -332,6 +376,13 @@ class Preparer:
             return dataclasses.replace(self.defaults, **values)
         except (ValueError, TypeError) as e:
             raise RowError(f"bad per-row sampling value: {e}") from e
+
+
+def _parse_labels(value: Any) -> tuple[str, ...]:
+    try:
+        return parse_choices(value)
+    except ConstraintError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:

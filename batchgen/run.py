@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -16,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from batchgen.choices import OutputFormat
+from batchgen.choices import OutputFormat, Task
 from batchgen.config import RunConfig
 from batchgen.data import InputSource, OutputDir, PartBuffer, output_schema
 from batchgen.data.openai_output import write_results
@@ -71,8 +73,13 @@ def _row_record(row: Row, c: Completion | None, cfg: RunConfig) -> dict[str, Any
     rec = {"id": row.id, **row.passthrough}
     if row.sample_index is not None:
         rec["sample_index"] = row.sample_index
+    if cfg.task is Task.SCORE:  # the labels' probabilities, normalised over them
+        probs = _normalise(c.scores) if ok else None
+        rec["label"] = row.labels[probs.index(max(probs))] if ok else None
+        rec["scores"] = list(zip(row.labels, probs, strict=True)) if ok else None
+    else:
+        rec["text"] = c.text if ok else None
     rec.update(
-        text=c.text if ok else None,
         finish_reason=c.finish_reason.value if ok else FinishReason.ERROR.value,
         prompt_tokens=row.prompt_tokens,
         completion_tokens=c.completion_tokens if ok else 0,
@@ -83,6 +90,14 @@ def _row_record(row: Row, c: Completion | None, cfg: RunConfig) -> dict[str, Any
     if cfg.with_logprobs:
         rec["logprobs"] = c.logprobs if ok else None
     return rec
+
+
+def _normalise(logprobs: list[float]) -> list[float]:
+    """log P(label | prompt) per label -> P(label | prompt, one of the labels)."""
+    top = max(logprobs)
+    weights = [math.exp(x - top) for x in logprobs]
+    total = sum(weights)
+    return [w / total for w in weights]
 
 
 def run(cfg: RunConfig) -> RunStats:
@@ -108,7 +123,12 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
     model_dir, device = spec.model_dir, spec.device
     passthrough = pa.schema([source.schema.field(c) for c in prep.passthrough])
     schema = output_schema(
-        prep.id_type, passthrough, cfg.with_token_ids, cfg.with_logprobs, samples=prep.samples
+        prep.id_type,
+        passthrough,
+        cfg.with_token_ids,
+        cfg.with_logprobs,
+        samples=prep.samples,
+        score=prep.score,
     )
     fingerprint = {**cfg.fingerprint(), **content_fingerprint(model_dir, source)}
     out = job_scope.enter_context(OutputDir(cfg.output_dir, fingerprint, cfg.overwrite))
@@ -163,7 +183,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
             progress.update(window.skipped + len(errors))
             for r in window.requests:
                 rows[n] = window.rows[r.index]
-                yield Request(n, r.prompt_ids, r.params)
+                yield dataclasses.replace(r, index=n)
                 n += 1
 
     last_flush = time.monotonic()

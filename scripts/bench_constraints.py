@@ -1,5 +1,7 @@
-"""The cost of structured outputs: the labeling workload of scripts/bench.py run by `batchgen
-run` with and without `--choice`, A B A B, whole processes, medians of rows/s.
+"""The cost of structured outputs and of label scores: the labeling workload of
+scripts/bench.py run by `batchgen run` free, with `--choice`, and with `--task score --choice`,
+and transformers' scoring script (hf_baseline.py --mode score, batch 16), in turn (A B C D A B
+C D), whole processes, medians of rows/s. The scores of batchgen and transformers are compared.
 
     python scripts/bench_constraints.py --pairs 2            # llama-55m shape, 192 rows, CPU
 
@@ -43,21 +45,43 @@ def main(argv=None) -> dict:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     data = root / "labeling.parquet"
     pq.write_table(pa.table(bench.make_workload("labeling", a.rows, vocab)), data)
-    runs: dict[str, list[float]] = {"free": [], "choice": []}
+    runs: dict[str, list[float]] = {"free": [], "choice": [], "score": [], "hf-score": []}
+    variants = {"free": "", "choice": f"--choice {LABELS}", "score": f"--task score --choice {LABELS}"}  # fmt: skip
     for i in range(a.pairs):
-        for name, extra in (("free", ""), ("choice", f"--choice {LABELS}")):
-            a.batchgen_args = extra
+        for name in runs:
             out = root / f"{name}-{i}"
-            r = bench.timed(bench.batchgen_cmd(a, model, data, out), root / f"{name}-{i}.log")
-            rows = pq.read_table(out, columns=["text"]).column("text").to_pylist()
+            if name == "hf-score":
+                cmd = [*bench.hf_cmd(a, model, data, out, "score", 16), "--labels", LABELS]
+            else:
+                a.batchgen_args = variants[name]
+                cmd = bench.batchgen_cmd(a, model, data, out)
+            r = bench.timed(cmd, root / f"{name}-{i}.log")
             if name == "choice":
+                rows = pq.read_table(out, columns=["text"]).column("text").to_pylist()
                 assert all(t in LABELS.split(",") for t in rows), "a row outside its labels"
             runs[name].append(a.rows / r["wall_s"])
-            print(f"pair {i} {name:6s} {r['wall_s']:6.1f} s  {a.rows / r['wall_s']:5.2f} rows/s")
+            print(f"round {i} {name:8s} {r['wall_s']:6.1f} s  {a.rows / r['wall_s']:5.2f} rows/s")
+        _check_scores(root / f"score-{i}", root / f"hf-score-{i}")
     med = {k: statistics.median(v) for k, v in runs.items()}
     print(f"median rows/s: free {med['free']:.2f}, choice {med['choice']:.2f} "
-          f"({med['choice'] / med['free']:.2f}x)")  # fmt: skip
+          f"({med['choice'] / med['free']:.2f}x), score {med['score']:.2f}, transformers score "
+          f"{med['hf-score']:.2f} ({med['score'] / med['hf-score']:.2f}x)")  # fmt: skip
     return med
+
+
+def _check_scores(ours: Path, theirs: Path) -> None:
+    """batchgen's label probabilities against transformers' (softmax of its log-likelihoods)."""
+    import math
+
+    got = {r["id"]: dict(r["scores"]) for r in pq.read_table(ours, columns=["id", "scores"]).to_pylist()}  # fmt: skip
+    worst = 0.0
+    for r in pq.read_table(theirs).to_pylist():
+        top = max(r["scores"])
+        w = [math.exp(x - top) for x in r["scores"]]
+        ref = [x / sum(w) for x in w]
+        worst = max(worst, *(abs(p - q) for p, q in zip(got[r["id"]].values(), ref, strict=True)))
+    print(f"  scores: largest difference from transformers' {worst:.2e}")
+    assert worst < 1e-3, worst
 
 
 if __name__ == "__main__":

@@ -12,7 +12,11 @@ Modes:
   run to its longest row's max_new_tokens (what `pipeline(batch_size=N)` does);
 - sorted: the same on rows sorted by prompt length first;
 - cb: transformers' continuous batching manager (paged cache), per-row max_new_tokens,
-  at most batch-size requests per batch.
+  at most batch-size requests per batch;
+- score (with --labels a,b,c): no generation; rows sorted by prompt length, each chunk of
+  batch-size rows runs every (prompt + label) sequence in one right-padded forward, and the
+  label tokens' log-probabilities are summed (lm-evaluation-harness's multiple-choice
+  scoring); writes id and scores (the labels' log-probabilities, in label order).
 """
 
 from __future__ import annotations
@@ -75,12 +79,33 @@ def continuous(model, prompts: list[list[int]], news: list[int], batch: int) -> 
     return out
 
 
+def score(model, prompts: list[list[int]], labels: list[list[int]], batch: int, pad: int) -> dict[int, list[float]]:  # fmt: skip
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: dict[int, list[float]] = {}
+    with torch.no_grad():
+        for s in range(0, len(order), batch):
+            rows = order[s : s + batch]
+            seqs = [prompts[i] + lab for i in rows for lab in labels]
+            width = max(map(len, seqs))
+            ids = torch.tensor([q + [pad] * (width - len(q)) for q in seqs], device=model.device)
+            mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs], device=model.device)  # fmt: skip
+            lp = model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+            for j, i in enumerate(rows):
+                n = len(prompts[i])
+                out[i] = [
+                    sum(lp[j * len(labels) + k, n - 1 + t, x].item() for t, x in enumerate(lab))
+                    for k, lab in enumerate(labels)
+                ]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir")
     p.add_argument("input")
     p.add_argument("output")
-    p.add_argument("--mode", choices=("input", "sorted", "cb"), default="sorted")
+    p.add_argument("--mode", choices=("input", "sorted", "cb", "score"), default="sorted")
+    p.add_argument("--labels", help="score mode: comma-separated labels")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="float32")
@@ -95,6 +120,15 @@ def main() -> None:
     news = table.column("max_new_tokens").to_pylist()
     prompts = [tok(t)["input_ids"] for t in texts]
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    if a.mode == "score":
+        labels = [tok(x, add_special_tokens=False)["input_ids"] for x in a.labels.split(",")]
+        scores = score(model, prompts, labels, a.batch_size, pad)
+        ids = table.column("id")
+        pq.write_table(pa.table({"id": ids, "scores": [scores[i] for i in range(len(prompts))]}), a.output)  # fmt: skip
+        print(
+            f"score batch {a.batch_size}: {len(prompts)} rows in {time.perf_counter() - t0:.1f} s"
+        )
+        return
     if a.mode == "cb":
         out = continuous(model, prompts, news, a.batch_size)
     else:

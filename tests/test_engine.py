@@ -303,3 +303,16 @@ def test_decode_width_groups_cover_the_batch_in_order(seed):
     assert len(groups) <= 4 and all(hi > lo for lo, hi in groups)
     tight = groups if len(groups) < 4 else groups[:-1]
     assert all(widths[hi - 1] >= 0.6 * widths[lo] for lo, hi in tight)
+
+
+def test_samples_of_one_prompt_admitted_together_compute_it_once(dirs, plans):
+    """Four sampled copies of a 41-token prompt arrive together: the first computes it, the
+    others wait one step for its blocks and compute only the last, partial block's token."""
+    llm = _llm(dirs["llama"], EngineConfig(block_size=4))
+    (prompt,) = _prompts(9, [41])
+    params = [SamplingParams(max_new_tokens=3, temperature=1.0, seed=s) for s in range(4)]
+    got = llm.generate([prompt] * 4, params)
+    prompt_tokens = sum(s[2] for p in plans for s in p["prefills"])
+    assert prompt_tokens == 41 + 3 * 1
+    assert [c.cached_tokens for c in got] == [0, 40, 40, 40]
+    assert len({tuple(c.token_ids) for c in got}) > 1  # still sampled independently

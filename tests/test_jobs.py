@@ -54,6 +54,17 @@ def test_choice_label_job_gives_only_labels(tmp_path):
     assert sum(r["text"].strip() == r["label"] for r in rows) >= 9  # measured: 100/100 of 100
 
 
+def test_score_label_job_gives_probabilities_of_the_labels(tmp_path):
+    rows = _run_spec("label_sentiment_score.yaml", tmp_path / "out")
+    truth = {r["id"]: r["label"] for r in pq.read_table(ROOT / "batchgen/assets/samples/reviews.parquet").to_pylist()}  # fmt: skip
+    assert len(rows) == 12 and all(r["error"] is None for r in rows)
+    for r in rows:
+        probs = dict(r["scores"])
+        assert list(probs) == [" positive", " negative", " neutral"]
+        assert sum(probs.values()) == pytest.approx(1.0) and r["label"] == max(probs, key=probs.get)
+    assert sum(r["label"].strip() == truth[r["id"]] for r in rows) >= 9
+
+
 def test_docs_list_every_key():
     text = (ROOT / "docs" / "jobs.md").read_text()
     keys = [f.name for f in dataclasses.fields(RunConfig)]

@@ -54,6 +54,12 @@ class FakeModel:
         return seq.output_ids
 
 
+def _scored(s: Scheduled) -> range:
+    """The positions of a scored candidate's chunk whose logits score a token."""
+    lo = max(s.start, s.seq.request.score_from - 1)
+    return range(lo, min(s.start + s.num_tokens, s.seq.num_tokens - 1))
+
+
 class Harness:
     """Drives a scheduler with fake outputs, checking every plan and every transition."""
 
@@ -77,7 +83,8 @@ class Harness:
         check_plan(sched, plan, running_before)
         self._transitions()
         sampled = [(self.model.token(s.seq), -0.5) for s in plan.scheduled if s.samples]
-        done = sched.update(plan, sampled)
+        scored = [[-0.25] * len(_scored(s)) for s in plan.prefills if s.seq.request.scoring]
+        done = sched.update(plan, sampled, scored)
         for seq in done:
             assert seq.status is F and seq.block_table == []
             assert seq not in self.finished, "a sequence finished twice"
@@ -117,12 +124,13 @@ def check_plan(sched: Scheduler, plan: StepPlan, running_before: list[Sequence])
         seq = s.seq
         assert seq.status is R
         assert s.start == seq.num_computed and 1 <= s.num_tokens <= seq.num_uncomputed
-        assert s.samples == (s.start + s.num_tokens == seq.num_tokens)
+        ends = s.start + s.num_tokens == seq.num_tokens
+        assert s.samples == (ends and not seq.request.scoring)  # a scored candidate never samples
         # the table holds exactly the blocks of the tokens computed by the end of the step
         assert len(seq.block_table) == -(-(s.start + s.num_tokens) // bs)
     assert all(s.num_tokens == 1 and s.samples for s in plan.decodes)
     # only the last prefill may stop short of its sequence's end (a chunk cut by the budget)
-    assert all(s.samples for s in plan.prefills[:-1])
+    assert all(s.start + s.num_tokens == s.seq.num_tokens for s in plan.prefills[:-1])
     for seq in plan.preempted:
         assert seq.status is W and seq.block_table == [] and seq.num_computed == 0
         assert seq not in sched.running and seq.num_preemptions >= 1
@@ -149,6 +157,10 @@ def check_pool(sched: Scheduler) -> None:
         holders.get(b, 0) for b in range(pool.num_blocks)
     ]
     assert set(pool.free) == {b for b in range(1, pool.num_blocks) if not holders.get(b)}
+    # a block waited for is one its running sequence computes and has not cached yet
+    for key, seq in sched.pending.items():
+        assert seq.status is R and not pool.is_cached(key)
+        assert key in seq.block_keys[seq.num_registered :]
 
 
 def _sched(num_blocks=17, block_size=4, max_num_seqs=4, budget=64, caching=True) -> Scheduler:
@@ -356,17 +368,42 @@ def test_a_cached_prefix_is_taken_at_admission():
     h.run()
 
 
-def test_the_same_prefix_admitted_in_one_step_is_computed_by_each():
+def test_a_prefix_being_computed_is_waited_for_then_hit():
     sched = _sched()
+    h = Harness(sched)
+    a = h.add(Request(0, PREFIX + [60], SamplingParams(max_new_tokens=4)))
+    b = h.add(Request(1, PREFIX + [70], SamplingParams(max_new_tokens=2)))
+    c = h.add(_req(2, 5))  # shares nothing: admitted past the waiting b
+    plan = h.step()
+    assert [s.seq for s in plan.prefills] == [a, c] and b.status is W
+    plan = h.step()  # a cached them: b takes them and computes its last token only
+    assert plan.admitted == [b] and b.block_table[:2] == a.block_table[:2]
+    assert b.num_cached_prompt == 8 and Scheduled(b, 8, 1, True) in plan.prefills
+    assert not sched.pending
+    h.run()
+
+
+def test_a_prefix_computed_in_chunks_is_waited_for_to_its_end():
+    sched = _sched(budget=4)  # a's first chunk is its first block only
     h = Harness(sched)
     a = h.add(Request(0, PREFIX + [60], SamplingParams(max_new_tokens=2)))
     b = h.add(Request(1, PREFIX + [70], SamplingParams(max_new_tokens=2)))
     plan = h.step()
-    assert [s.start for s in plan.prefills] == [0, 0] and sched.pool.hits == 0
-    # the first to register a prefix caches it; the other's copy stays private
-    assert sched.pool.key[a.block_table[0]] is not None
-    assert sched.pool.key[b.block_table[0]] is None
-    assert set(a.block_table).isdisjoint(b.block_table)
+    assert plan.prefills == [Scheduled(a, 0, 4, False)]
+    assert list(sched.pending.values()) == [a] and b.status is W  # block 2 is in the works
+    h.step()
+    assert b.status is W
+    h.run()
+    assert b.num_cached_prompt == 8 and not sched.pending
+
+
+def test_without_prefix_caching_nothing_waits():
+    sched = _sched(caching=False)
+    h = Harness(sched)
+    h.add(Request(0, PREFIX + [60], SamplingParams(max_new_tokens=2)))
+    h.add(Request(1, PREFIX + [70], SamplingParams(max_new_tokens=2)))
+    plan = h.step()
+    assert [s.start for s in plan.prefills] == [0, 0] and not sched.pending
     h.run()
 
 
@@ -398,8 +435,10 @@ def test_no_prefix_caching_computes_every_prompt_token():
 
 def _workload(seed: int):
     """A random scheduler and requests with random arrival steps, lengths, limits, EOS
-    positions and shared prefixes; the pool is tight enough to preempt in many seeds."""
+    positions and shared prefixes, some of them scored candidates (score_from set); the pool
+    is tight enough to preempt in many seeds."""
     rng = random.Random(seed)
+    scoring = random.Random(seed + 1000)  # apart, so the other draws stay as they were
     bs = rng.choice([1, 2, 4, 8])
     templates = [[rng.randint(2, 500) for _ in range(rng.randint(1, 24))] for _ in range(3)]
     n = rng.randint(1, 30)
@@ -408,11 +447,12 @@ def _workload(seed: int):
         prefix = rng.choice(templates) if rng.random() < 0.5 else []
         prompt = prefix + [rng.randint(2, 500) for _ in range(rng.randint(1, 24))]
         params = SamplingParams(max_new_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.2)
-        requests.append(Request(i, prompt, params))
+        score_from = scoring.randint(1, len(prompt) - 1) if len(prompt) > 1 and scoring.random() < 0.25 else None  # fmt: skip
+        requests.append(Request(i, prompt, params, score_from=score_from))
         arrivals.append(rng.randint(0, 30))
         if rng.random() < 0.3:
             eos_at[i] = rng.randint(0, 20)
-    longest = max(r.prompt_len + r.params.max_new_tokens for r in requests)
+    longest = max(r.max_tokens for r in requests)
     need = -(-longest // bs)
     num_blocks = 1 + rng.randint(need, 3 * need)
     sched = Scheduler(
@@ -441,9 +481,13 @@ def _run_workload(seed: int) -> Harness:
     # every request finished exactly once, with its own tokens, and nothing is held
     assert sorted(s.request.index for s in h.finished) == list(range(len(requests)))
     for r in requests:
+        (seq,) = [s for s in h.finished if s.request.index == r.index]
+        if r.scoring:  # nothing generated; one log-probability per scored token, once
+            assert seq.output_ids == [] and seq.finish_reason is FinishReason.STOP
+            assert seq.logprobs == [-0.25] * (r.prompt_len - r.score_from)
+            continue
         out = h.output(r.index)
         assert out == model.expected(r), f"request {r.index}"
-        (seq,) = [s for s in h.finished if s.request.index == r.index]
         if seq.finish_reason is FinishReason.LENGTH:
             assert len(out) == r.params.max_new_tokens
         else:
@@ -464,13 +508,15 @@ def test_random_workloads_keep_every_invariant(seed):
 def test_random_workloads_preempt_chunk_and_hit_the_cache():
     """The seeds above exercise what they are meant to: preemption, chunked prefill and
     prefix-cache hits each happen in several of them."""
-    preempting = chunking = hitting = 0
+    preempting = chunking = hitting = scoring = 0
     for seed in range(30):
         h = _run_workload(seed)
         preempting += h.sched.num_preemptions > 0
-        chunking += any(not s.samples for p in h.plans for s in p.prefills)
+        chunking += any(not s.samples and not s.seq.request.scoring for p in h.plans for s in p.prefills)  # fmt: skip
         hitting += any(s.num_cached_prompt for s in h.finished)
+        scoring += any(s.request.scoring and s.num_preemptions for s in h.finished)
     assert preempting >= 5 and chunking >= 5 and hitting >= 5, (preempting, chunking, hitting)
+    assert scoring >= 2, scoring  # scored candidates preempted and recomputed
 
 
 # --------------------------------------------------------------------------- plain data
@@ -519,3 +565,32 @@ def test_engine_config_validation_and_pool_sizing():
     gpu = EngineConfig.for_device("cuda", max_num_seqs=None, block_size=8)
     assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.block_size) == (256, 8192, 8)
     assert EngineConfig.for_device("cpu") == EngineConfig()
+
+
+def test_a_scored_candidate_computes_from_the_token_before_its_first_scored_one():
+    sched = _sched()
+    h = Harness(sched)
+    h.add(Request(0, PREFIX + [60], SamplingParams(max_new_tokens=1)))
+    h.run()  # both prefix blocks are cached
+    # scored from position 8: its logits come from position 7, in the second prefix block
+    c = h.add(Request(1, PREFIX + [61, 62], score_from=8))
+    plan = h.step()
+    assert plan.prefills == [Scheduled(c, 4, 6, False)] and plan.decodes == []
+    assert c.num_cached_prompt == 4
+    assert c.status is F and c.logprobs == [-0.25, -0.25] and c.output_ids == []
+    # a request scored from a block boundary + 1 takes the whole prefix
+    d = h.add(Request(2, PREFIX + [61, 62], score_from=9))
+    plan = h.step()
+    assert plan.prefills == [Scheduled(d, 8, 2, False)] and d.logprobs == [-0.25]
+
+
+def test_a_request_as_large_as_the_pool_is_admitted_when_alone():
+    # 4 usable blocks; the 16-token prompt needs all of them at once (no watermark left)
+    sched = _sched(num_blocks=5, max_num_seqs=2)
+    h = Harness(sched)
+    a = h.add(_req(0, 15, max_new=1))
+    h.add(_req(1, 2, max_new=1))
+    plan = h.step()
+    assert plan.admitted == [a] and plan.prefills[0].num_tokens == 15  # 4 blocks
+    h.run()
+    assert len(h.finished) == 2

@@ -56,6 +56,12 @@ WriteFn = Callable[[BinaryIO], None]
 _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 # Names an input column cannot keep in the output: the result row already has them.
 RESERVED_COLUMNS = frozenset({"id", "sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs"})
+SCORE_COLUMNS = frozenset({"label", "scores"})  # a score job's results, in place of text
+
+
+def reserved_columns(score: bool = False) -> frozenset[str]:
+    """Output columns of a job: an input column cannot keep one of these names."""
+    return (RESERVED_COLUMNS - {"text"}) | SCORE_COLUMNS if score else RESERVED_COLUMNS
 
 
 def output_schema(
@@ -64,20 +70,28 @@ def output_schema(
     with_token_ids: bool = False,
     with_logprobs: bool = False,
     samples: bool = False,
+    score: bool = False,
 ) -> pa.Schema:
     """The one definition of a result row: id (and sample_index, for n samples a row),
-    passthrough input columns, generation fields."""
-    clash = [n for n in passthrough.names if n in RESERVED_COLUMNS]
+    passthrough input columns, generation fields (a score job: the label and the
+    probability of each label, in place of text)."""
+    reserved = reserved_columns(score)
+    clash = [n for n in passthrough.names if n in reserved]
     if clash:
         raise InputError(
             f"passthrough column(s) {', '.join(map(repr, clash))} clash with output columns "
-            f"{sorted(RESERVED_COLUMNS)}; leave them out of the passthrough list"
+            f"{sorted(reserved)}; leave them out of the passthrough list"
         )
+    result = (
+        [pa.field("label", pa.string()), pa.field("scores", pa.map_(pa.string(), pa.float64()))]
+        if score
+        else [pa.field("text", pa.string())]
+    )
     fields = [
         pa.field("id", id_type),
         *([pa.field("sample_index", pa.int32())] if samples else []),
         *passthrough.remove_metadata(),
-        pa.field("text", pa.string()),
+        *result,
         pa.field("finish_reason", pa.string()),
         pa.field("prompt_tokens", pa.int32()),
         pa.field("completion_tokens", pa.int32()),

@@ -90,6 +90,9 @@ class BlockPool:
             if self.ref_count[b] == 0:
                 self.free[b] = None
 
+    def is_cached(self, key: int) -> bool:
+        return self.prefix_caching and key in self.cached
+
     def take_cached(self, keys: Sequence[int]) -> list[int]:
         """The blocks caching the longest run of `keys` from the start, each with one more
         reference (a block on the free list comes off it)."""

@@ -7,6 +7,10 @@ admitted, so nothing drains at a window boundary and a 10-million-row input is n
 The KV pool is sized and allocated at the first request (engine/config.py) and kept, with
 its prefix cache, across calls.
 Every step's accounting comes back as a value (`StepReport`) for the caller to sum.
+
+A scored request (`Request.candidates`, the score task) runs as one sequence per candidate,
+prompt + candidate; the scheduler has the first compute the prompt and the others hit its
+blocks. The request completes, with each candidate's log-probability, when all have.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -44,6 +48,19 @@ class StepReport:
     prefill: bool = False  # the step ran prompt tokens (else decode only)
 
 
+@dataclass(slots=True)
+class _ScoredRow:
+    """A scored request in flight: its candidates' log-probabilities as they finish."""
+
+    request: Request
+    scores: list[float | None]
+    cached_tokens: int = 0
+
+    @property
+    def done(self) -> bool:
+        return all(x is not None for x in self.scores)
+
+
 class Engine:
     def __init__(
         self,
@@ -58,10 +75,11 @@ class Engine:
         self.grammars = grammars  # None: constrained requests are refused
         self.constrainer = Constrainer(grammars) if grammars is not None else None
         self.scheduler: Scheduler | None = None  # made with the pool, at the first request
+        self._candidates: dict[Sequence, tuple[_ScoredRow, int]] = {}  # seq -> (row, which)
 
     def _start(self, first: list[Request]) -> Scheduler:
         """Size and allocate the KV pool (from the first requests on the CPU), once."""
-        longest = max((r.prompt_len + r.params.max_new_tokens for r in first), default=1)
+        longest = max((p.max_tokens for r in first for p in self._expand(r)), default=1)
         longest = min(longest, self.runner.max_positions)
         free = self.runner.free_device_bytes()
         blocks = self.config.pool_blocks(longest, free, self.runner.kv_bytes_per_block())
@@ -103,22 +121,39 @@ class Engine:
                 raise RuntimeError("the scheduler planned an empty step with work waiting")
             yield self._step(plan)
 
+    @staticmethod
+    def _expand(r: Request) -> list[Request]:
+        """The sequences r runs as: itself, or one per candidate of a scored request."""
+        if not r.candidates:
+            return [r]
+        n = r.prompt_len
+        return [replace(r, prompt_ids=r.prompt_ids + list(c), candidates=(), score_from=n) for c in r.candidates]  # fmt: skip
+
     def _add(self, r: Request) -> Completion | None:
         """Queue r, or return its error completion if it cannot run."""
-        error = self._size_error(r) or self._check_constraint(r)
-        if error is None:
+        parts = self._expand(r)
+        error = self._size_error(r, max(parts, key=lambda c: c.max_tokens)) or self._check_constraint(r)  # fmt: skip
+        if error is not None:
+            return Completion(r.index, [], FinishReason.ERROR, r.prompt_len, error=error)
+        if not r.candidates:
             self.scheduler.add(r)
             return None
-        return Completion(r.index, [], FinishReason.ERROR, r.prompt_len, error=error)
+        row = _ScoredRow(r, [None] * len(parts))
+        for j, part in enumerate(parts):
+            self._candidates[self.scheduler.add(part)] = (row, j)
+        return None
 
-    def _size_error(self, r: Request) -> str | None:
+    def _size_error(self, r: Request, longest: Request) -> str | None:
+        """Why r cannot run (longest: its longest sequence), or None."""
         limit = self.runner.max_positions
-        if r.prompt_len + r.params.max_new_tokens > limit:
+        if longest.max_tokens > limit:
             why = f"exceeds the model's {limit} positions"
-        elif not self.scheduler.fits(r):
+        elif not self.scheduler.fits(longest):
             why = f"exceeds the KV cache's {self.scheduler.capacity_tokens} tokens; raise --kv-cache-tokens"
         else:
             return None
+        if r.candidates:
+            return f"prompt ({r.prompt_len} tokens) + its longest candidate ({longest.prompt_len - r.prompt_len}) {why}"  # fmt: skip
         return f"prompt ({r.prompt_len} tokens) + max_new_tokens ({r.params.max_new_tokens}) {why}"
 
     def _check_constraint(self, r: Request) -> str | None:
@@ -135,8 +170,8 @@ class Engine:
     def _step(self, plan: StepPlan) -> StepReport:
         sched, constrainer = self.scheduler, self.constrainer
         bitmask = constrainer.bitmask(plan, self.runner.device) if constrainer else None
-        sampled, timing = self.runner.execute(plan, bitmask)
-        finished = sched.update(plan, sampled)
+        sampled, scored, timing = self.runner.execute(plan, bitmask)
+        finished = sched.update(plan, sampled, scored)
         if bitmask is not None:  # grammars take the new tokens; one that accepted EOS ends
             live = [s.seq for s in plan.scheduled if s.samples and s.seq not in finished]
             for seq in constrainer.accept(live):
@@ -153,7 +188,7 @@ class Engine:
             for seq in finished:
                 constrainer.release(seq)
         return StepReport(
-            finished=[self._completion(seq) for seq in finished],
+            finished=[c for seq in finished if (c := self._completion(seq)) is not None],
             prompt_tokens=sum(s.num_tokens for s in plan.prefills),
             cached_tokens=sum(seq.num_cached_prompt for seq in plan.admitted),
             decode_rows=len(plan.decodes),
@@ -164,7 +199,10 @@ class Engine:
             prefill=bool(plan.prefills),
         )
 
-    def _completion(self, seq: Sequence) -> Completion:
+    def _completion(self, seq: Sequence) -> Completion | None:
+        """seq's completion; for a scored candidate, its row's once every candidate is in."""
+        if seq.request.scoring:
+            return self._scored_completion(seq)
         ids, logprobs = seq.output_ids, seq.logprobs
         if seq.keep is not None:
             ids, logprobs = ids[: seq.keep], logprobs[: seq.keep]
@@ -179,4 +217,20 @@ class Engine:
             text=text,
             logprobs=logprobs,
             cached_tokens=seq.num_cached_prompt,
+        )
+
+    def _scored_completion(self, seq: Sequence) -> Completion | None:
+        row, j = self._candidates.pop(seq)
+        row.scores[j] = sum(seq.logprobs)
+        row.cached_tokens += seq.num_cached_prompt
+        if not row.done:
+            return None
+        r = row.request
+        return Completion(
+            index=r.index,
+            token_ids=[],
+            finish_reason=FinishReason.STOP,
+            prompt_tokens=r.prompt_len,
+            cached_tokens=row.cached_tokens,
+            scores=row.scores,
         )

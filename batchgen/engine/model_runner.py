@@ -14,7 +14,8 @@ per-sequence attention has data-dependent shapes, and their large matmuls leave 
 launch overhead to save.
 
 The host reads each step's sampled tokens (one small copy): the scheduler needs them to
-plan the next step.
+plan the next step. A scored candidate's chunk (the score task) adds its scored positions
+to the LM head's rows: the log-probability of each next token, nothing sampled.
 """
 
 from __future__ import annotations
@@ -159,6 +160,16 @@ class ModelRunner:
         bitmask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.model(tokens, positions, step, logits_index)  # (S, V)
+        return self._sample(logits, sampling, steps, greedy_only, bitmask)
+
+    @staticmethod
+    def _sample(
+        logits: torch.Tensor,
+        sampling: SamplingTensors,
+        steps: torch.Tensor,
+        greedy_only: bool,
+        bitmask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if bitmask is not None:  # constrained rows: tokens outside their grammar get -inf
             logits = apply_bitmask(logits, bitmask)
         tok = sample(logits, sampling, steps, greedy_only)
@@ -183,8 +194,9 @@ class ModelRunner:
 
     def execute(
         self, plan: StepPlan, bitmask: torch.Tensor | None = None
-    ) -> tuple[list[tuple[int, float]], StepTiming]:
-        """Run one step; returns (token, logprob) per sampling sequence in plan order.
+    ) -> tuple[list[tuple[int, float]], list[list[float]], StepTiming]:
+        """Run one step; returns (token, logprob) per sampling sequence in plan order, and
+        the scored tokens' log-probabilities per scored candidate's chunk in plan order.
         bitmask: (sampling sequences, words) allowed-token masks in plan order, or None."""
         if self.compiled and not plan.prefills:
             return self._execute_compiled_decode(plan, bitmask)
@@ -209,8 +221,14 @@ class ModelRunner:
                 lens.append(s.start + 1)
             groups.append(DecodeGroup(lo, torch.tensor(tables, device=dev), torch.tensor(lens, device=dev)))  # fmt: skip
         spans = []
+        scored: list[list[int]] = []  # per scored chunk: its positions in the step's tokens
+        targets: list[int] = []  # the token each scored position predicts
         for s in plan.prefills:
             q_start = len(tokens)
+            if s.seq.request.scoring:
+                rows = self._scored_positions(s)
+                scored.append([q_start + p - s.start for p in rows])
+                targets += [s.seq.token_ids[p + 1] for p in rows]
             self._add_tokens(s, tokens, positions, slots)
             blocks = None
             if s.start:
@@ -226,36 +244,44 @@ class ModelRunner:
             decodes=tuple(groups),
             prefills=tuple(spans),
         )
+        score_index = [i for rows in scored for i in rows]
         t0 = time.perf_counter()
-        if not index:  # only non-final prefill chunks: no token to sample
-            self.model(
-                torch.tensor(tokens, device=dev),
-                torch.tensor(positions, device=dev),
-                step,
-                torch.zeros(1, dtype=torch.long, device=dev),
-            )
+        logits = self.model(
+            torch.tensor(tokens, device=dev),
+            torch.tensor(positions, device=dev),
+            step,
+            torch.tensor(index + score_index or [0], device=dev),  # [0]: nothing is read
+        )
+        score_lp: list[float] = []
+        if score_index:
+            lp = logits[len(index) :].float().log_softmax(-1)
+            score_lp = lp.gather(-1, torch.tensor(targets, device=dev)[:, None])[:, 0].tolist()
+        per_chunk, at = [], 0
+        for rows in scored:
+            per_chunk.append(score_lp[at : at + len(rows)])
+            at += len(rows)
+        if not index:  # prefill chunks that sample nothing
             _sync(dev)
-            return [], StepTiming(time.perf_counter() - t0)
+            return [], per_chunk, StepTiming(time.perf_counter() - t0)
         samp, steps = sampling.tensors(dev)
         if bitmask is not None:  # to the packed order: decodes by width, then prefills
             nd = len(order)
             bitmask = bitmask[torch.tensor(order + list(range(nd, len(index))), device=dev)]
-        tok, lp = self._forward(
-            torch.tensor(tokens, device=dev),
-            torch.tensor(positions, device=dev),
-            step,
-            torch.tensor(index, device=dev),
-            samp,
-            steps,
-            sampling.greedy_only,
-            bitmask,
-        )
+        tok, lp = self._sample(logits[: len(index)], samp, steps, sampling.greedy_only, bitmask)
         out = list(zip(tok.tolist(), lp.tolist(), strict=True))
         nd = len(order)
         decoded = [None] * nd  # back to plan order
         for j, i in enumerate(order):
             decoded[i] = out[j]
-        return decoded + out[nd:], StepTiming(time.perf_counter() - t0)
+        return decoded + out[nd:], per_chunk, StepTiming(time.perf_counter() - t0)
+
+    @staticmethod
+    def _scored_positions(s: Scheduled) -> range:
+        """Positions of chunk s whose logits score a candidate token (the next one): from
+        the one before the first scored token to the one before the last token."""
+        seq = s.seq
+        lo = max(s.start, seq.request.score_from - 1)
+        return range(lo, min(s.start + s.num_tokens, seq.num_tokens - 1))
 
     def _add_tokens(self, s: Scheduled, tokens: list, positions: list, slots: list) -> None:
         bs, table = self.block_size, s.seq.block_table
@@ -307,5 +333,5 @@ class ModelRunner:
         dt = time.perf_counter() - t0
         if key not in self.shapes:
             self.shapes.add(key)
-            return out, StepTiming(0.0, dt, pad)
-        return out, StepTiming(dt, 0.0, pad)
+            return out, [], StepTiming(0.0, dt, pad)
+        return out, [], StepTiming(dt, 0.0, pad)

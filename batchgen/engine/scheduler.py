@@ -13,7 +13,16 @@ Each step is a plan {sequence: tokens this step} under one token budget
    decoding together have similar context lengths and the longest work starts early. On
    admission the longest run of the prompt's full blocks already in the prefix cache is
    taken instead of computed. A sequence is admitted only if, after its blocks, a
-   watermark of 1% of the pool stays free for the running sequences' growth.
+   watermark of 1% of the pool stays free for the running sequences' growth. A waiting
+   sequence whose next prompt block is being computed right now by a running one (the same
+   prompt, or a shared prefix: samples of one row, candidates of a scored row, a few-shot
+   preamble) waits for it, a step or a few, and then hits it instead of computing it twice;
+   the sequences behind it are admitted meanwhile.
+
+A scored candidate (the score task: `Request.score_from`) samples nothing: its tokens run
+as prefill, the runner hands back the log-probability of each token from `score_from` on,
+and the sequence ends once all of them are computed. Its prefix-cache hit stops before
+the position that predicts its first scored token, which must run.
 
 The runner executes the plan and hands back one sampled token per sequence whose last
 known token was computed this step; `update` appends them, ends sequences at EOS or
@@ -84,18 +93,21 @@ class Scheduler:
         # Blocks kept free at admission for the running sequences' growth, vLLM's 1%
         # watermark: a preemption costs little (its blocks stay in the prefix cache).
         self.watermark = max(1, pool.num_usable // 100)
+        # Prefix keys of full blocks that running sequences are computing and have not cached
+        # yet: a waiting sequence needing one waits for it (see _awaits_prefix).
+        self.pending: dict[int, Sequence] = {}
 
     # ---------------------------------------------------------------- queue
 
     def fits(self, request: Request) -> bool:
         """Could the request run alone in an empty pool?"""
-        need = request.prompt_len + request.params.max_new_tokens
+        need = request.max_tokens
         return self.pool.blocks_for(need) <= self.pool.num_usable
 
     def add(self, request: Request) -> Sequence:
         if not self.fits(request):
             raise ValueError(
-                f"request {request.index} needs {request.prompt_len + request.params.max_new_tokens}"
+                f"request {request.index} needs {request.max_tokens}"
                 f" cache slots; the pool holds {self.pool.num_usable * self.block_size}"
             )
         seq = Sequence(request, self._arrivals)
@@ -140,6 +152,7 @@ class Scheduler:
             self._add_to_plan(plan, seq, n)
             budget -= n
             i += 1
+        deferred = []
         while (
             not plan.preempted
             and self.waiting
@@ -147,6 +160,9 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0][1]
+            if self._awaits_prefix(seq):
+                deferred.append(heapq.heappop(self.waiting))
+                continue
             if not self._admit(seq, budget):
                 break
             heapq.heappop(self.waiting)
@@ -156,10 +172,13 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             self._add_to_plan(plan, seq, n)
             budget -= n
+        for item in deferred:
+            heapq.heappush(self.waiting, item)
         return plan
 
     def _add_to_plan(self, plan: StepPlan, seq: Sequence, n: int) -> None:
-        s = Scheduled(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens)
+        last = seq.num_computed + n == seq.num_tokens
+        s = Scheduled(seq, seq.num_computed, n, last and not seq.request.scoring)
         # A decode: one token that samples, of a sequence past its prompt (a 1-token prompt
         # or chunk remainder is prefill, and counted as prompt tokens).
         decode = n == 1 and s.samples and seq.num_computed >= seq.prompt_len
@@ -176,22 +195,50 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Take seq's cached prefix and blocks for its first chunk; False (and nothing
-        taken) if that would leave fewer free blocks than the watermark."""
-        keys = self._keys(seq, (seq.num_tokens - 1) // self.block_size)  # >= 1 token to compute
+        taken) if that would leave fewer free blocks than the watermark while others run."""
+        keys = self._keys(seq, self._hittable_blocks(seq))
         hit = self.pool.take_cached(keys)
         n = min(seq.num_tokens - len(hit) * self.block_size, budget)
         need = self.pool.blocks_for(len(hit) * self.block_size + n) - len(hit)
-        if need + self.watermark > self.pool.num_free:
+        reserve = self.watermark if self.running else 0  # alone, it may take the whole pool
+        if need + reserve > self.pool.num_free:
             self.pool.release(hit)
             return False
         self.pool.record_lookup(len(keys), len(hit))
         seq.block_table = hit + self.pool.allocate(need)
         seq.num_computed = len(hit) * self.block_size
         seq.num_registered = len(hit)
+        if self.pool.prefix_caching:
+            for k in keys[len(hit) :]:
+                self.pending.setdefault(k, seq)
         if not seq.num_preemptions:
             seq.num_cached_prompt = seq.num_computed
         seq.status = SeqStatus.RUNNING
         return True
+
+    def _hittable_blocks(self, seq: Sequence) -> int:
+        """Leading full blocks of seq a prefix-cache hit may cover: at least its last token
+        must run (to sample from), and for a scored candidate the one before its first
+        scored token (whose logits score it)."""
+        last = seq.num_tokens - 1
+        if seq.request.scoring:
+            last = min(last, seq.request.score_from - 1)
+        return last // self.block_size
+
+    def _awaits_prefix(self, seq: Sequence) -> bool:
+        """Is the first block of seq's prefix not in the cache one a running sequence is
+        computing? Then seq should wait and hit it, not compute it too."""
+        if not self.pending:
+            return False
+        for k in self._keys(seq, self._hittable_blocks(seq)):
+            if not self.pool.is_cached(k):
+                return k in self.pending
+        return False
+
+    def _forget_pending(self, seq: Sequence) -> None:
+        for k in seq.block_keys:
+            if self.pending.get(k) is seq:
+                del self.pending[k]
 
     def _keys(self, seq: Sequence, n_blocks: int) -> list[int]:
         """Prefix-cache keys of seq's first n_blocks full blocks (computed once, kept)."""
@@ -202,7 +249,10 @@ class Scheduler:
         return keys[:n_blocks]
 
     def _preempt(self, seq: Sequence) -> None:
+        self._forget_pending(seq)
         self.pool.release(seq.block_table)
+        if seq.request.scoring:  # its scored tokens run again
+            seq.logprobs = []
         seq.block_table, seq.num_computed, seq.num_registered = [], 0, 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -211,16 +261,30 @@ class Scheduler:
 
     # ---------------------------------------------------------------- results
 
-    def update(self, plan: StepPlan, sampled: Seq[tuple[int, float]]) -> list[Sequence]:
+    def update(
+        self,
+        plan: StepPlan,
+        sampled: Seq[tuple[int, float]],
+        scored: Seq[Seq[float]] = (),
+    ) -> list[Sequence]:
         """Apply a step's results: sampled (token, logprob) for each scheduled sequence
-        that samples, in plan order. Returns the sequences that finished."""
+        that samples, in plan order, and the scored tokens' log-probabilities of each
+        scored candidate's chunk, in plan order. Returns the sequences that finished."""
         samplers = [s for s in plan.scheduled if s.samples]
         if len(samplers) != len(sampled):
             raise ValueError(f"{len(sampled)} sampled tokens for {len(samplers)} sequences")
+        scorers = [s.seq for s in plan.prefills if s.seq.request.scoring]
+        if len(scorers) != len(scored):
+            raise ValueError(f"{len(scored)} scored chunks for {len(scorers)} candidates")
         for s in plan.scheduled:
             s.seq.num_computed += s.num_tokens
             self._cache_full_blocks(s.seq)
         finished = []
+        for seq, logprobs in zip(scorers, scored, strict=True):
+            seq.logprobs.extend(logprobs)
+            if seq.num_computed == seq.num_tokens:
+                self.finish(seq, FinishReason.STOP)
+                finished.append(seq)
         for s, (tok, logprob) in zip(samplers, sampled, strict=True):
             seq = s.seq
             seq.token_ids.append(tok)
@@ -240,6 +304,8 @@ class Scheduler:
             keys = self._keys(seq, n_full)
             for j in range(seq.num_registered, n_full):
                 self.pool.cache(seq.block_table[j], keys[j])
+                if self.pending.get(keys[j]) is seq:
+                    del self.pending[keys[j]]
             seq.num_registered = n_full
 
     def finish(self, seq: Sequence, reason: FinishReason, keep: int | None = None) -> None:
@@ -247,6 +313,7 @@ class Scheduler:
         if seq.status is not SeqStatus.RUNNING:
             raise RuntimeError(f"request {seq.request.index} finished while {seq.status.value}")
         self.running.remove(seq)
+        self._forget_pending(seq)
         self.pool.release(seq.block_table)
         seq.block_table = []
         seq.status, seq.finish_reason, seq.keep = SeqStatus.FINISHED, reason, keep

@@ -52,15 +52,31 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class Request:
-    """One prompt to run: already tokenized."""
+    """One prompt to run: already tokenized.
+
+    With `candidates` (the score task) nothing is generated: the engine scores each
+    candidate continuation (its log-probability given the prompt) as its own sequence,
+    `prompt + candidate` with `score_from = len(prompt)`, and the prompt's blocks are
+    computed once and shared through the prefix cache."""
 
     index: int  # position in the caller's list; results come back keyed by it
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    candidates: tuple[tuple[int, ...], ...] = ()  # continuations to score instead of generating
+    score_from: int | None = None  # a candidate's sequence: tokens from here are scored
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def scoring(self) -> bool:
+        return self.score_from is not None
+
+    @property
+    def max_tokens(self) -> int:
+        """Cache slots the request may need: prompt and generated tokens."""
+        return self.prompt_len + (0 if self.scoring else self.params.max_new_tokens)
 
 
 @dataclass(slots=True)
@@ -73,6 +89,7 @@ class Completion:
     error: str | None = None
     logprobs: list[float] | None = None  # of each generated token
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    scores: list[float] | None = None  # score task: log P(candidate | prompt), per candidate
 
     @property
     def completion_tokens(self) -> int:
@@ -93,7 +110,7 @@ class Sequence:
     request: Request
     arrival: int  # order of arrival, for tie-breaks
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # of each generated token
+    logprobs: list[float] = field(default_factory=list)  # of each generated (or scored) token
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
