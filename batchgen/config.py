@@ -3,95 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchgen.choices import (
+    BOUNDS,
+    Choice,
+    Dtype,
+    OutputFormat,
+    QuantBackend,
+    QuantMethod,
+    Task,
+    Truncate,
+)
+from batchgen.engine.config import EngineConfig
 from batchgen.scaleout.shard import Shard, ShardError
+
+# The engine's defaults are EngineConfig's; a RunConfig value of None leaves them to it.
+ENGINE_DEFAULTS = EngineConfig()
 
 
 class ConfigError(ValueError):
     pass
-
-
-class Choice(str, enum.Enum):
-    """An option's allowed values, declared once: RunConfig converts to it, the CLI lists it.
-    A member is its value wherever a string is wanted (==, f-strings, json)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Truncate(Choice):
-    SKIP = "skip"  # the row gets an error record; the job goes on
-    ERROR = "error"  # the job stops at the first too-long prompt
-    LEFT = "left"  # keep the prompt's end
-    RIGHT = "right"  # keep the prompt's start
-
-
-class Dtype(Choice):
-    AUTO = "auto"  # bfloat16 on a GPU, float32 on the CPU
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-
-
-class QuantMethod(Choice):
-    NONE = "none"
-    INT8 = "int8"  # symmetric, one scale per output channel
-    INT4 = "int4"  # affine, one scale and zero point per group of input channels
-    FP8 = "fp8"  # float8 e4m3, one scale per output channel
-
-
-class QuantBackend(Choice):
-    AUTO = "auto"  # chosen per device, method and dtype (quant.default_backend)
-    TORCHAO = "torchao"
-    QUANTO = "quanto"
-
-
-class Task(Choice):
-    GENERATE = "generate"  # sample a completion per row (and sample)
-    SCORE = "score"  # the probability of each --choice label given the prompt; nothing sampled
-
-
-class OutputFormat(Choice):
-    PARQUET = "parquet"  # part files, the default
-    OPENAI = "openai"  # the part files, and OUTPUT/results.jsonl of OpenAI batch output lines
-
-
-@dataclass(frozen=True, slots=True)
-class Bound:
-    """The range of a numeric option: low (excluded if low_open) up to high (None: no limit)."""
-
-    low: float
-    high: float | None = None
-    low_open: bool = False
-
-    def __contains__(self, value: float) -> bool:
-        above = value > self.low if self.low_open else value >= self.low
-        return above and (self.high is None or value <= self.high)
-
-    def __str__(self) -> str:
-        if self.high is None:
-            return f"{'>' if self.low_open else '>='} {self.low}"
-        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}]"
-
-
-# Numeric options' ranges, checked in RunConfig and given to click as IntRange/FloatRange, so a
-# flag and a job spec value are refused alike. The sampling ones are SamplingParams' checks.
-BOUNDS = {
-    **dict.fromkeys(("max_new_tokens", "max_prompt_len", "max_num_batched_tokens", "window_rows",
-                     "rows_per_part", "max_num_seqs", "block_size", "kv_cache_tokens", "limit",
-                     "threads", "n"), Bound(1)),
-    "temperature": Bound(0),
-    "top_k": Bound(0),
-    "top_p": Bound(0, 1, low_open=True),
-    "seed": Bound(0, 2**31 - 1),
-    "flush_seconds": Bound(0),
-}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -131,12 +68,12 @@ class RunConfig:
     quant_group_size: int | None = None  # int4's largest group; None: 128 (smaller where it must)
     max_prompt_len: int = 1024
     truncate: Truncate = Truncate.SKIP
-    max_num_seqs: int | None = None  # sequences in flight; None: 64 on CPU, 256 on GPU
-    max_num_batched_tokens: int | None = None  # tokens a step runs; None: 2048 CPU, 8192 GPU
-    block_size: int = 16  # KV cache block, in tokens
-    kv_cache_tokens: int | None = None  # None: the job's need (CPU), 80% of free memory (GPU)
-    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
-    window_rows: int = 8192  # rows read and tokenized ahead of the engine (its admission window)
+    max_num_seqs: int | None = None  # sequences in flight; None: per device (EngineConfig)
+    max_num_batched_tokens: int | None = None  # tokens a step runs; None: per device
+    block_size: int = ENGINE_DEFAULTS.block_size  # KV cache block, in tokens
+    kv_cache_tokens: int | None = None  # None: the job's need (CPU), free memory's share (GPU)
+    prefix_caching: bool = ENGINE_DEFAULTS.prefix_caching  # reuse KV blocks of prefixes seen
+    window_rows: int = ENGINE_DEFAULTS.read_ahead  # rows read and tokenized ahead of the engine
     # output
     rows_per_part: int = 4096
     flush_seconds: float = 60.0  # write a part at least this often, bounding work lost to a kill
@@ -156,7 +93,7 @@ class RunConfig:
         for key in ("input", "output"):
             if not getattr(self, key).strip():
                 raise ConfigError(f"{key} is empty; pass a path")
-        for key, choice in _choice_fields().items():
+        for key, choice in choice_fields().items():
             value = getattr(self, key)
             try:
                 setattr(self, key, choice(value))
@@ -249,7 +186,7 @@ class RunConfig:
         out = {k: getattr(self, k) for k in self.keys() if k not in skip}
         out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
         out["output"] = str(Path(self.output).resolve())
-        out.update((k, getattr(self, k).value) for k in _choice_fields() if k in out)
+        out.update((k, getattr(self, k).value) for k in choice_fields() if k in out)
         for key in ("choice", "regex", "json_schema"):  # unconstrained jobs keep theirs
             if out[key] is None:
                 del out[key]
@@ -293,7 +230,8 @@ def read_json_schema(path: str) -> str:
     return text
 
 
-def _choice_fields() -> dict[str, type[Choice]]:
+@functools.cache
+def choice_fields() -> dict[str, type[Choice]]:
     """RunConfig's fields typed with a Choice, and that Choice."""
     hints = typing.get_type_hints(RunConfig)
     return {k: h for k, h in hints.items() if isinstance(h, type) and issubclass(h, Choice)}

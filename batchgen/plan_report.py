@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Any
 
 from batchgen.config import RunConfig
-from batchgen.run import open_job
+from batchgen.job import open_job
 
 
 def _edge(n: int) -> int:
@@ -17,7 +17,8 @@ def _edge(n: int) -> int:
 
 def make_plan(cfg: RunConfig) -> dict[str, Any]:
     job = open_job(cfg)
-    eng = job.engine
+    spec = job.spec
+    eng = spec.engine
     hist: Counter = Counter()
     rows = errors = prompt_tokens = output_tokens = longest = 0
     for _, window in job.prep.windows(done=set()):
@@ -28,14 +29,14 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
             prompt_tokens += r.prompt_len
             output_tokens += r.params.max_new_tokens
             longest = max(longest, r.prompt_len + r.params.max_new_tokens)
-    kv_per_token = job.model_cfg.kv_bytes_per_token(job.dtype.itemsize)
-    blocks = None if job.device.type == "cuda" and eng.kv_cache_tokens is None else (
+    kv_per_token = spec.model_cfg.kv_bytes_per_token(spec.dtype.itemsize)
+    blocks = None if spec.device.type == "cuda" and eng.kv_cache_tokens is None else (
         eng.pool_blocks(longest, None, kv_per_token * eng.block_size)
     )  # fmt: skip
     return {
         "input": cfg.input,
-        "model": str(job.model_dir),
-        "dtype": str(job.dtype).removeprefix("torch."),
+        "model": str(spec.model_dir),
+        "dtype": str(spec.dtype).removeprefix("torch."),
         "rows": rows,
         "rows_error": errors,
         "prompt_tokens": prompt_tokens,

@@ -12,36 +12,24 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import torch
 
-from batchgen.config import ConfigError, OutputFormat, RunConfig, Task
-from batchgen.data import InputSource, OutputDir, PartBuffer, open_input, output_schema
+from batchgen.choices import OutputFormat, Task
+from batchgen.config import RunConfig
+from batchgen.data import InputSource, OutputDir, PartBuffer, output_schema
 from batchgen.data.openai_output import write_results
 from batchgen.data.reader import OpenAIBatchSource
 from batchgen.data.writer import RESULTS_FILE
-from batchgen.engine.config import EngineConfig
-from batchgen.engine.constraints import ConstraintError, Grammars
 from batchgen.engine.sequence import Completion, FinishReason, Request
 from batchgen.fingerprint import content_fingerprint
-from batchgen.llm import (
-    DEFAULT_MODEL,
-    LLM,
-    eos_token_ids,
-    load_tokenizer,
-    resolve_device,
-    resolve_dtype,
-)
-from batchgen.memory import check_allocation
-from batchgen.model.config import ModelConfig
-from batchgen.model.loader import config_from_hf, read_hf_config
-from batchgen.model.lora import check_adapter
+from batchgen.job import open_job
+from batchgen.llm import LLM
 from batchgen.nvml import NvmlSampler
-from batchgen.prepare import Preparer, Row
+from batchgen.prepare import Row
 from batchgen.stats import RunStats, peak_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -112,75 +100,6 @@ def _normalise(logprobs: list[float]) -> list[float]:
     return [w / total for w in weights]
 
 
-@dataclass(slots=True)
-class Job:
-    """A job opened and checked without loading the weights."""
-
-    cfg: RunConfig
-    model_dir: Path
-    model_cfg: ModelConfig
-    source: InputSource
-    tokenizer: Any
-    device: torch.device
-    dtype: torch.dtype
-    prep: Preparer
-    engine: EngineConfig
-
-
-def open_job(cfg: RunConfig) -> Job:
-    """Check everything that can fail before the model loads: model config, input file
-    and columns, prompt template, length limits."""
-    model_dir = Path(cfg.model) if cfg.model else DEFAULT_MODEL
-    model_cfg = config_from_hf(read_hf_config(model_dir))
-    if cfg.lora is not None:  # before the output is claimed: a bad adapter leaves no trace
-        check_adapter(cfg.lora, model_cfg)
-    source = open_input(cfg.input)
-    if cfg.output_format is OutputFormat.OPENAI and not isinstance(source, OpenAIBatchSource):
-        raise ConfigError(
-            f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is not an "
-            "OpenAI batch request file (lines with custom_id and body)"
-        )
-    tokenizer = load_tokenizer(model_dir)
-    try:
-        device = resolve_device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, device)
-    except ValueError as e:  # e.g. --device cuda on a machine without one
-        raise ConfigError(str(e)) from None
-    max_seq = model_cfg.max_position_embeddings
-    # room after the prompt: its new tokens, or a score job's labels (checked per row later)
-    room = cfg.max_new_tokens if cfg.task is Task.GENERATE else 1
-    max_prompt = min(cfg.max_prompt_len, max_seq - room)
-    if max_prompt < 1:
-        raise ConfigError(
-            f"max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in the model's "
-            f"{max_seq} positions"
-        )
-    try:
-        engine = EngineConfig.for_device(
-            device.type,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            block_size=cfg.block_size,
-            kv_cache_tokens=cfg.kv_cache_tokens,
-            prefix_caching=cfg.prefix_caching,
-            read_ahead=cfg.window_rows,
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if cfg.kv_cache_tokens:  # an explicit size is checked against memory before allocating
-        per_token = model_cfg.kv_bytes_per_token(dtype.itemsize)
-        what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
-        check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", device)
-    prep = Preparer(cfg, source, tokenizer, max_prompt)
-    if prep.defaults.constraint is not None:  # a job's grammar that cannot compile: before loading
-        eos = eos_token_ids(model_dir, tokenizer)
-        try:
-            Grammars(tokenizer, model_cfg.vocab_size, eos).compile(prep.defaults.constraint)
-        except ConstraintError as e:
-            raise ConfigError(str(e)) from None
-    return Job(cfg, model_dir, model_cfg, source, tokenizer, device, dtype, prep, engine)
-
-
 def run(cfg: RunConfig) -> RunStats:
     """Run one job to completion (or to a signal); returns its statistics."""
     # The output directory stays locked from its opening to the job's end, however it ends.
@@ -200,13 +119,8 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
             "OpenAI batch body field(s) not supported, ignored: %s",
             ", ".join(f"{k} ({n} line{'s' * (n > 1)})" for k, n in unsupported.items()),
         )
-    model_dir, model_cfg, source, device, prep = (
-        job.model_dir,
-        job.model_cfg,
-        job.source,
-        job.device,
-        job.prep,
-    )
+    spec, source, prep = job.spec, job.source, job.prep
+    model_dir, device = spec.model_dir, spec.device
     passthrough = pa.schema([source.schema.field(c) for c in prep.passthrough])
     schema = output_schema(
         prep.id_type,
@@ -231,29 +145,18 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
         return stats
 
     t0 = time.perf_counter()
-    llm = LLM(
-        model_dir,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        compile=cfg.compile,
-        engine=job.engine,
-        allow_pickle=cfg.allow_pickle,
-        quantize=cfg.quantize,
-        quant_backend=cfg.quant_backend,
-        lora=cfg.lora,
-        quant_group_size=cfg.quant_group_size,
-    )
+    llm = LLM.from_spec(spec)
     stats.load_s = time.perf_counter() - t0
     stats.extra.update(
         model=str(model_dir),
-        family=model_cfg.family.value,
+        family=spec.model_cfg.family.value,
         device=str(device),
-        dtype=str(llm.dtype).removeprefix("torch."),
-        compiled=llm.compile,
-        max_num_seqs=job.engine.max_num_seqs,
-        max_num_batched_tokens=job.engine.max_num_batched_tokens,
-        block_size=job.engine.block_size,
-        prefix_caching=job.engine.prefix_caching,
+        dtype=str(spec.dtype).removeprefix("torch."),
+        compiled=spec.compile,
+        max_num_seqs=spec.engine.max_num_seqs,
+        max_num_batched_tokens=spec.engine.max_num_batched_tokens,
+        block_size=spec.engine.block_size,
+        prefix_caching=spec.engine.prefix_caching,
     )
     # The model, quantization scheme and adapter travel with every part file, not only _stats.json.
     meta = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batchgen.config import Truncate
+from batchgen.choices import Truncate
 from batchgen.data.errors import RowError
 
 

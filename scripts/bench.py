@@ -125,7 +125,7 @@ def floor_seconds(model: Path, work: dict[str, list], matmul_flops: float) -> fl
     head for output tokens only, attention over each token's context) at the measured rate."""
     import roofline
 
-    from batchgen.model.loader import config_from_hf, read_hf_config
+    from batchgen.model.hf_config import config_from_hf, read_hf_config
 
     cfg = config_from_hf(read_hf_config(model))
     cost = roofline.ModelCost.from_config(cfg, 4)

@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from batchgen.engine.config import EngineConfig  # noqa: E402
 from batchgen.engine.sequence import Request, SamplingParams  # noqa: E402
-from batchgen.llm import DEFAULT_MODEL, LLM  # noqa: E402
+from batchgen.llm import LLM  # noqa: E402
+from batchgen.model_spec import DEFAULT_MODEL  # noqa: E402
 from batchgen.quant import QuantUnavailableError, weight_bytes  # noqa: E402
 
 

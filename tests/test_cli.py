@@ -21,8 +21,8 @@ from transformers import AutoTokenizer
 
 from batchgen.config import RunConfig
 from batchgen.engine.sequence import SamplingParams
+from batchgen.job import open_job
 from batchgen.llm import LLM
-from batchgen.run import open_job
 
 N = 12
 
@@ -292,8 +292,8 @@ def test_greedy_cli_equals_the_python_api(tmp_path, tiny_dirs, family):
     # the engine the CLI builds from the same flags
     job = open_job(RunConfig(input=str(src), output=str(out), model=str(model), device="cpu",
                              kv_cache_tokens=4096, max_new_tokens=10))  # fmt: skip
-    assert job.engine.kv_cache_tokens == 4096
-    llm = LLM(model, device="cpu", compile=False, engine=job.engine)
+    assert job.spec.engine.kv_cache_tokens == 4096
+    llm = LLM(model, device="cpu", compile=False, engine=job.spec.engine)
     want = llm.generate(texts, SamplingParams(max_new_tokens=10))
     rows = rows_by_id(out)
     for i, c in enumerate(want):

@@ -17,7 +17,8 @@ from tiny_models import save_tiny_model
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
-from batchgen.model.loader import config_from_hf, load_model, read_hf_config
+from batchgen.model.hf_config import config_from_hf, read_hf_config
+from batchgen.model.loader import load_model
 from batchgen.model.lora import LoraError, check_adapter, merge_lora
 
 LLAMA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -14,7 +14,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # None: sized from the job (CPU) or free memory (GPU)
     gpu_memory_utilization: float = 0.8  # share of free GPU memory the KV pool may take
     prefix_caching: bool = True  # reuse full blocks of earlier prompts with the same tokens
-    read_ahead: int = 1024  # tokenized requests kept waiting; admitted longest first
+    read_ahead: int = 8192  # tokenized requests kept waiting; admitted longest first
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "read_ahead"):

@@ -1,6 +1,6 @@
 """Architecture description of a decoder, independent of any file format.
 
-`ModelConfig` says *what* to build; `batchgen.model.loader` knows how Hugging Face
+`ModelConfig` says *what* to build; `batchgen.model.hf_config` knows how Hugging Face
 `config.json` files map onto it.
 """
 

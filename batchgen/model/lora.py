@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from batchgen.model.config import Family, ModelConfig
-from batchgen.model.loader import ModelLoadError, weight_slot
+from batchgen.model.hf_config import ModelLoadError
+from batchgen.model.loader import weight_slot
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -253,11 +254,13 @@ def check_adapter(path: str | Path, cfg: ModelConfig) -> LoraAdapter:
 
 
 @torch.no_grad()
-def merge_lora(model: torch.nn.Module, path: str | Path) -> LoraAdapter:
-    """Add the adapter at `path` into `model`'s weights, in place; returns what was merged."""
+def merge_lora(model: torch.nn.Module, adapter: str | Path | LoraAdapter) -> LoraAdapter:
+    """Add the adapter (a directory, or one check_adapter returned) into `model`'s weights,
+    in place; returns what was merged."""
     from safetensors import safe_open
 
-    adapter = check_adapter(path, model.cfg)
+    if not isinstance(adapter, LoraAdapter):
+        adapter = check_adapter(adapter, model.cfg)
     params = dict(model.named_parameters())
     with safe_open(str(adapter.path / WEIGHTS_FILE), framework="pt", device="cpu") as f:
         for m in adapter.merges:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.config import QuantBackend, QuantMethod  # declared once, with the other options
+from batchgen.choices import QuantBackend, QuantMethod  # declared once, with the other options
 
 
 class QuantUnavailableError(ValueError):

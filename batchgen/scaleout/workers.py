@@ -24,7 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from batchgen.config import Choice, ConfigError, RunConfig
+from batchgen.choices import Choice
+from batchgen.config import ConfigError, RunConfig
 from batchgen.scaleout.merge import MergeSummary, merge
 from batchgen.scaleout.shard import Shard, without_array_task
 
@@ -108,10 +109,12 @@ def run_workers(cfg: RunConfig) -> MergeSummary:
     envs = plan_workers(cfg)
     n = len(envs)
     # Check the model, input and template once here rather than fail N times in the workers;
-    # on the CPU, so that the parent never takes memory on a GPU.
-    from batchgen.run import open_job
+    # on the CPU, so that the parent never takes memory on a GPU (and without the
+    # quantization, which the workers check on their own devices).
+    from batchgen.job import open_job
 
-    open_job(dataclasses.replace(cfg, device="cpu", dtype="float32", workers=1))
+    cpu = dict(device="cpu", dtype="float32", quantize="none", quant_group_size=None)
+    open_job(dataclasses.replace(cfg, **cpu, workers=1))
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.overwrite:

@@ -1,0 +1,75 @@
+"""open_job(config): one job resolved and checked, without loading the weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchgen.choices import OutputFormat, Task
+from batchgen.config import ConfigError, RunConfig
+from batchgen.data import InputSource, open_input
+from batchgen.data.reader import OpenAIBatchSource
+from batchgen.engine.constraints import ConstraintError
+from batchgen.memory import check_allocation
+from batchgen.model_spec import ModelSpec
+from batchgen.prepare import Preparer
+
+
+@dataclass(slots=True)
+class Job:
+    """A job opened and checked: its model resolved (the engine is built from spec), its
+    input open, its rows' preparation set up."""
+
+    spec: ModelSpec
+    source: InputSource
+    prep: Preparer
+
+
+def open_job(cfg: RunConfig) -> Job:
+    """Check everything that can fail before the model loads: model config, adapter,
+    quantization, input file and columns, prompt template, length limits, the job's
+    constraint."""
+    spec = ModelSpec.resolve(
+        cfg.model,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        compile=cfg.compile,
+        engine={
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "block_size": cfg.block_size,
+            "kv_cache_tokens": cfg.kv_cache_tokens,
+            "prefix_caching": cfg.prefix_caching,
+            "read_ahead": cfg.window_rows,
+        },
+        allow_pickle=cfg.allow_pickle,
+        quantize=cfg.quantize,
+        quant_backend=cfg.quant_backend,
+        lora=cfg.lora,
+        quant_group_size=cfg.quant_group_size,
+    )
+    source = open_input(cfg.input)
+    if cfg.output_format is OutputFormat.OPENAI and not isinstance(source, OpenAIBatchSource):
+        raise ConfigError(
+            f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is not an "
+            "OpenAI batch request file (lines with custom_id and body)"
+        )
+    max_seq = spec.model_cfg.max_position_embeddings
+    # room after the prompt: its new tokens, or a score job's labels (checked per row later)
+    room = cfg.max_new_tokens if cfg.task is Task.GENERATE else 1
+    max_prompt = min(cfg.max_prompt_len, max_seq - room)
+    if max_prompt < 1:
+        raise ConfigError(
+            f"max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in the model's "
+            f"{max_seq} positions"
+        )
+    if cfg.kv_cache_tokens:  # an explicit size is checked against memory before allocating
+        per_token = spec.model_cfg.kv_bytes_per_token(spec.dtype.itemsize)
+        what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
+        check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", spec.device)
+    prep = Preparer(cfg, source, spec.tokenizer, max_prompt)
+    if prep.defaults.constraint is not None:  # a job's grammar that cannot compile: before loading
+        try:  # compiled into spec.grammars' cache, which the engine then uses
+            spec.grammars.compile(prep.defaults.constraint)
+        except ConstraintError as e:
+            raise ConfigError(str(e)) from None
+    return Job(spec, source, prep)

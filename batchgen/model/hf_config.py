@@ -1,0 +1,162 @@
+"""Hugging Face `config.json` -> ModelConfig: the keys of each family, their defaults, RoPE
+scaling and activation names. The one module that reads config.json's layout; the weights'
+layout is loader.py's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from batchgen.model.config import Family, ModelConfig, NormKind, PositionKind, RopeScaling
+
+SUPPORTED_FAMILIES = tuple(f.value for f in Family)
+
+
+class ModelLoadError(Exception):
+    pass
+
+
+class UnsupportedModelError(ModelLoadError):
+    pass
+
+
+def read_hf_config(path: Path) -> dict:
+    """config.json as a dict, checked to describe a model we can build (config_from_hf)."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(
+            f"{path} is not a model directory: no config.json. Pass --model a local directory "
+            "saved with save_pretrained (config.json + *.safetensors); hub names are not fetched."
+        )
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except (ValueError, OSError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ModelLoadError(
+            f"{cfg_file} is not readable JSON ({e}); restore it from the model's source"
+        ) from None
+    if not isinstance(hf, dict):
+        raise ModelLoadError(
+            f"{cfg_file} must hold a JSON object; restore it from the model's source"
+        )
+    try:
+        config_from_hf(hf)
+    except ModelLoadError as e:
+        raise type(e)(f"{cfg_file}: {e}") from None
+    return hf
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling]:
+    # transformers 5 writes `rope_parameters`; 4.x wrote `rope_theta` + `rope_scaling`.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, RopeScaling()
+    if kind not in RopeScaling.SUPPORTED:
+        raise UnsupportedModelError(
+            f"rope scaling {kind!r} is not supported; supported: {', '.join(RopeScaling.SUPPORTED)}"
+        )
+    return theta, RopeScaling(
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
+        ),
+    )
+
+
+def _activation(name: str) -> str:
+    table = {
+        "silu": "silu",
+        "swish": "silu",
+        "gelu_new": "gelu_tanh",
+        "gelu_pytorch_tanh": "gelu_tanh",
+        "gelu": "gelu",
+    }
+    if name not in table:
+        raise UnsupportedModelError(
+            f"activation {name!r} is not supported; supported: {', '.join(table)}"
+        )
+    return table[name]
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """The ModelConfig of a config.json; ModelLoadError for a missing or malformed entry."""
+    try:
+        return _config_from_hf(hf)
+    except KeyError as e:
+        raise ModelLoadError(
+            f"no {e.args[0]!r}, which a {hf.get('model_type')} config.json needs; "
+            "restore the file from the model's source"
+        ) from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ModelLoadError(
+            f"not a valid {hf.get('model_type')} config ({e}); restore it from the model's source"
+        ) from None
+
+
+def _config_from_hf(hf: dict) -> ModelConfig:
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_FAMILIES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported. Supported families: "
+            f"{', '.join(SUPPORTED_FAMILIES)}."
+        )
+    family = Family(model_type)
+    if family == Family.GPT2:
+        dim, n_heads = hf["n_embd"], hf["n_head"]
+        return ModelConfig(
+            family=family,
+            vocab_size=hf["vocab_size"],
+            dim=dim,
+            n_layers=hf["n_layer"],
+            n_heads=n_heads,
+            n_kv_heads=n_heads,
+            head_dim=dim // n_heads,
+            intermediate_size=hf.get("n_inner") or 4 * dim,
+            max_position_embeddings=hf["n_positions"],
+            norm=NormKind.LAYER,
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            position=PositionKind.LEARNED,
+            activation=_activation(hf.get("activation_function", "gelu_new")),
+            gated_mlp=False,
+            qkv_bias=True,
+            o_bias=True,
+            mlp_bias=True,
+            tie_embeddings=True,
+        )
+    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
+        raise UnsupportedModelError("GPT-2 attention variants are not supported")
+    n_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    theta, scaling = _rope(hf)
+    attn_bias = bool(hf.get("attention_bias", False))
+    sliding = hf.get("sliding_window")
+    if family in (Family.QWEN2, Family.QWEN3) and not hf.get("use_sliding_window", False):
+        sliding = None
+    return ModelConfig(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        activation=_activation(hf.get("hidden_act", "silu")),
+        qkv_bias=True if family == Family.QWEN2 else attn_bias,
+        o_bias=attn_bias if family in (Family.LLAMA, Family.QWEN3) else False,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=family == Family.QWEN3,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=sliding,
+    )

@@ -1,0 +1,142 @@
+"""ModelSpec: a model and how to run it, resolved once.
+
+`batchgen run` (job.open_job) and the Python API (`LLM`) resolve their arguments here and
+nowhere else: the device, dtype and compile flag, config.json (read once), the tokenizer
+(loaded once), the EOS ids, the quantization scheme (checked to run on the device), the LoRA
+adapter (checked to fit), the engine's knobs over the device's defaults (EngineConfig.for_device)
+and the grammar compiler of the vocabulary. Nothing here reads weights, so a wrong choice fails
+before the model loads; `LLM.from_spec` then builds the model and the engine from the spec.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchgen.choices import Dtype
+from batchgen.config import ConfigError
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.constraints import Grammars
+from batchgen.model.config import ModelConfig
+from batchgen.model.hf_config import config_from_hf, read_hf_config
+from batchgen.model.lora import LoraAdapter, check_adapter
+from batchgen.quant import QuantScheme, make_scheme
+
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "default-model"
+DTYPES = {
+    Dtype.FLOAT32: torch.float32,
+    Dtype.BFLOAT16: torch.bfloat16,
+    Dtype.FLOAT16: torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    device = str(device)
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device} asked for, but torch sees no CUDA GPU; use --device cpu"
+        )
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == Dtype.AUTO:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_compile(compile: bool | None, device: torch.device) -> bool:
+    """None: compile on a GPU, run eager on the CPU. Measured (docs/benchmarks.md): on the
+    CPU, inductor's graphs decode no faster than eager for the models we ran, and each
+    shape costs 10-70 s to compile; on a GPU, compiled decode runs as CUDA graphs."""
+    return device.type == "cuda" if compile is None else compile
+
+
+def eos_token_ids(model_dir: Path, hf: dict, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json, else config.json (hf), else the tokenizer."""
+    gen = model_dir / "generation_config.json"
+    for cfg in (json.loads(gen.read_text()) if gen.is_file() else {}, hf):
+        eos = cfg.get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Everything the engine is built from, resolved; no weights."""
+
+    model_dir: Path
+    model_cfg: ModelConfig
+    tokenizer: Any
+    eos_ids: tuple[int, ...]
+    device: torch.device
+    dtype: torch.dtype
+    compile: bool
+    quant: QuantScheme  # resolved and checked; quantize_model fills in what it produced
+    lora: LoraAdapter | None  # checked against model_cfg, merged at load
+    engine: EngineConfig
+    grammars: Grammars  # compiles lazily, caching: a job's constraint is compiled once
+    allow_pickle: bool = False
+
+    @classmethod
+    def resolve(
+        cls,
+        model: str | Path | None = None,
+        *,
+        dtype: str = "auto",
+        device: str | torch.device = "auto",
+        compile: bool | None = None,
+        engine: EngineConfig | Mapping[str, Any] | None = None,
+        allow_pickle: bool = False,
+        quantize: str = "none",
+        quant_backend: str = "auto",
+        lora: str | Path | None = None,
+        quant_group_size: int | None = None,
+    ) -> ModelSpec:
+        """engine: an EngineConfig as it is, or values (None: unset) over the device's
+        defaults. ConfigError for a device, dtype or engine value that cannot be;
+        ModelLoadError, LoraError, QuantUnavailableError for the model, adapter, scheme."""
+        model_dir = Path(model) if model is not None else DEFAULT_MODEL
+        hf = read_hf_config(model_dir)
+        model_cfg = config_from_hf(hf)
+        adapter = check_adapter(lora, model_cfg) if lora is not None else None
+        try:
+            dev = resolve_device(device)
+            dt = resolve_dtype(dtype, dev)
+            if not isinstance(engine, EngineConfig):
+                engine = EngineConfig.for_device(dev.type, **(engine or {}))
+        except ValueError as e:  # e.g. --device cuda on a machine without one
+            raise ConfigError(str(e)) from None
+        quant = make_scheme(quantize, quant_backend, dev, dt, group_size=quant_group_size)
+        tokenizer = load_tokenizer(model_dir)
+        eos = eos_token_ids(model_dir, hf, tokenizer)
+        return cls(
+            model_dir=model_dir,
+            model_cfg=model_cfg,
+            tokenizer=tokenizer,
+            eos_ids=tuple(eos),
+            device=dev,
+            dtype=dt,
+            compile=resolve_compile(compile, dev),
+            quant=quant,
+            lora=adapter,
+            engine=engine,
+            grammars=Grammars(tokenizer, model_cfg.vocab_size, eos),
+            allow_pickle=allow_pickle,
+        )
