@@ -178,8 +178,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
         for _, window in prep.windows(done):
             errors = [_row_record(r, None, cfg) for r in window.errors]
             buffer.add(errors)
-            stats.rows += len(errors)
-            stats.rows_error += len(errors)
+            stats.add_error_rows(len(errors))
             progress.update(window.skipped + len(errors))
             for r in window.requests:
                 rows[n] = window.rows[r.index]
@@ -193,14 +192,10 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
     with _stop_on_signals() as signals:
         try:
             for report in llm.engine.generate(requests()):
-                stats.add_step(report)
+                stats.add_step(report)  # its cost and its finished rows
                 if report.finished:
                     done_now = report.finished
                     buffer.add(_row_record(rows.pop(c.index), c, cfg) for c in done_now)
-                    stats.rows += len(done_now)
-                    stats.rows_error += sum(c.error is not None for c in done_now)
-                    stats.prompt_tokens += sum(c.prompt_tokens for c in done_now)
-                    stats.output_tokens += sum(c.completion_tokens for c in done_now)
                     progress.update(len(done_now))
                     progress.set_postfix_str(f"{stats.rate(stats.output_tokens):.0f} out tok/s")
                 if time.monotonic() - last_flush > cfg.flush_seconds:

@@ -42,7 +42,17 @@ class RunStats:
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # model, device, quantization, gpu, ...
 
+    def add_error_rows(self, n: int) -> None:
+        """Rows that became error records before reaching the engine."""
+        self.rows += n
+        self.rows_error += n
+
     def add_step(self, r: StepReport) -> None:
+        """One engine step: the rows it finished and what it ran."""
+        self.rows += len(r.finished)
+        self.rows_error += sum(c.error is not None for c in r.finished)
+        self.prompt_tokens += sum(c.prompt_tokens for c in r.finished)
+        self.output_tokens += sum(c.completion_tokens for c in r.finished)
         if not (r.prompt_tokens or r.decode_rows):  # only rows rejected before running
             return
         self.steps += 1

@@ -134,3 +134,20 @@ def test_quiet_prints_one_line(tmp_path, tiny_dirs):
     assert "prompt tokens computed" not in r.stdout
     assert "batchgen:" not in r.stderr  # no progress bar
     assert read_stats(out)["rows"] == 3
+
+
+def test_run_stats_are_the_sum_of_step_reports():
+    from batchgen.engine.engine import StepReport
+    from batchgen.engine.sequence import Completion, FinishReason
+    from batchgen.stats import RunStats
+
+    ok = Completion(0, [5, 6, 7], FinishReason.LENGTH, prompt_tokens=4)
+    bad = Completion(1, [], FinishReason.ERROR, prompt_tokens=9, error="too long")
+    stats = RunStats()
+    stats.add_step(StepReport(finished=[bad]))  # rejected before running: no step counted
+    stats.add_step(StepReport(prompt_tokens=4, prefill=True, seconds=0.5))
+    stats.add_step(StepReport(finished=[ok], decode_rows=1, seconds=0.25, cached_tokens=2))
+    stats.add_error_rows(2)
+    assert (stats.rows, stats.rows_error, stats.prompt_tokens, stats.output_tokens) == (4, 3, 13, 3)
+    assert (stats.steps, stats.decode_steps, stats.prefill_s, stats.decode_s) == (2, 1, 0.5, 0.25)
+    assert (stats.computed_prompt_tokens, stats.cached_prompt_tokens) == (4, 2)
