@@ -3,8 +3,8 @@
 `open_input` does every check that can fail on the input as a whole (path, format, a readable
 footer or first block) so that a bad input is reported before a model is loaded. `iter_batches`
 then streams record batches in a stable order without materialising the input. Each batch comes
-with the global index of its first row, so a row's default id (its index in the whole input) is
-the same on every run.
+with the global index of its first row, so a row's number (its index in the whole input, the id
+of an input without an id column) is the same on every run.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 # One JSON block is parsed at a time; its size bounds memory and the longest line pyarrow can read.
 # Column types are inferred from each file's first block.
 JSON_BLOCK_BYTES = 4 << 20
+# The input column of row ids by default, and the output's name for row numbers where there is none.
+DEFAULT_ID_COLUMN = "id"
 _SUPPORTED = (
     "a .parquet file, a .jsonl/.json (JSON Lines) file, a directory or glob of those, "
     "or a directory written by datasets' save_to_disk"
@@ -56,7 +58,6 @@ class InputSource:
     format: InputFormat
 
     files: list[str]  # every file the input reads, in reading order
-    id_column: str | None = None  # the column of row ids the format defines, if any
     error_column: str | None = None  # a column whose non-null value makes its row an error
 
     def __init__(self, path: str, schema: pa.Schema, num_rows: int | None) -> None:
@@ -67,6 +68,11 @@ class InputSource:
     @property
     def columns(self) -> list[str]:
         return list(self.schema.names)
+
+    @property
+    def id_column(self) -> str | None:
+        """The id column without --id-column: one named `id`, if the input has it."""
+        return DEFAULT_ID_COLUMN if DEFAULT_ID_COLUMN in self.schema.names else None
 
     def require_columns(self, names: Iterable[str]) -> None:
         missing = [n for n in names if n not in self.schema.names]
@@ -203,8 +209,11 @@ class OpenAIBatchSource(InputSource):
     """OpenAI batch request files, parsed whole when opened (openai_batch.py)."""
 
     format = InputFormat.OPENAI
-    id_column = "custom_id"
     error_column = OPENAI_ERROR_COLUMN
+
+    @property
+    def id_column(self) -> str:
+        return "custom_id"
 
     def __init__(self, path: str, files: list[str]) -> None:
         parsed = OpenAIBatchTable(files)

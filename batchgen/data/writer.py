@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.data.errors import InputError, OutputBusy, OutputError
+from batchgen.data.reader import DEFAULT_ID_COLUMN
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,9 @@ _TMP_RE = re.compile(
 )
 WriteFn = Callable[[BinaryIO], None]
 _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
-# Names an input column cannot keep in the output: the result row already has them.
-RESERVED_COLUMNS = frozenset({"id", "sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs"})
+# Names an input column cannot keep in the output: the result row already has them. The id
+# column keeps its input name (`id` for row numbers), so it is reserved only for the passthrough.
+RESERVED_COLUMNS = frozenset({"sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs"})
 
 
 def output_schema(
@@ -64,17 +66,23 @@ def output_schema(
     with_token_ids: bool = False,
     with_logprobs: bool = False,
     samples: bool = False,
+    id_column: str = DEFAULT_ID_COLUMN,
 ) -> pa.Schema:
-    """The one definition of a result row: id (and sample_index, for n samples a row),
-    passthrough input columns, generation fields."""
-    clash = [n for n in passthrough.names if n in RESERVED_COLUMNS]
+    """The one definition of a result row: the id under its input column's name (and
+    sample_index, for n samples a row), passthrough input columns, generation fields."""
+    if id_column in RESERVED_COLUMNS:
+        raise InputError(
+            f"id column {id_column!r} has the name of an output column, and the output keeps "
+            "the id column's name; rename it in the input"
+        )
+    clash = [n for n in passthrough.names if n in RESERVED_COLUMNS or n == id_column]
     if clash:
         raise InputError(
             f"passthrough column(s) {', '.join(map(repr, clash))} clash with output columns "
-            f"{sorted(RESERVED_COLUMNS)}; leave them out of the passthrough list"
+            f"{sorted({id_column, *RESERVED_COLUMNS})}; leave them out of the passthrough list"
         )
     fields = [
-        pa.field("id", id_type),
+        pa.field(id_column, id_type),
         *([pa.field("sample_index", pa.int32())] if samples else []),
         *passthrough.remove_metadata(),
         pa.field("text", pa.string()),
@@ -135,20 +143,25 @@ class OutputDir:
     def part_files(self) -> list[str]:
         return [_part_name(n) for n in sorted(self._part_numbers())]
 
-    def done_ids(self) -> set[Any]:
-        """Ids of rows with a result ((id, sample_index) pairs in a job with n samples). A
-        part that cannot be read is deleted and its rows redone."""
+    def done_ids(self, id_column: str = DEFAULT_ID_COLUMN) -> set[Any]:
+        """Ids of rows with a result ((id, sample_index) pairs in a job with n samples), read
+        from each part's `id_column`. A part that cannot be read is deleted and its rows
+        redone; one without that column is refused (its ids are under another name)."""
         done: set[Any] = set()
         for name in self.part_files():
             file = os.path.join(self.path, name)
             try:
-                table = pq.read_table(file)
-                if "sample_index" in table.column_names:
-                    pairs = zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist(), strict=True)  # fmt: skip
-                    done.update(pairs)
-                    continue
-                ids = table.column("id")
-            except (pa.ArrowException, OSError, KeyError) as e:
+                names = pq.read_schema(file).names
+                if id_column not in names:
+                    raise InputError(
+                        f"output part {file} has no id column {id_column!r}, so its rows cannot "
+                        "be matched to the input (written by an older batchgen, which named "
+                        "every id column `id`?); pass --overwrite to redo the job, or pick "
+                        "another output directory"
+                    )
+                samples = "sample_index" in names
+                table = pq.read_table(file, columns=[id_column, "sample_index"][: 1 + samples])
+            except (pa.ArrowException, OSError) as e:
                 log.warning(
                     "deleting unreadable output part %s (its rows will be redone): %s", file, e
                 )
@@ -156,7 +169,8 @@ class OutputDir:
                 # The job is not complete until those rows are done again.
                 self._unmark_success()
                 continue
-            done.update(ids.to_pylist())
+            ids = table.column(id_column).to_pylist()
+            done.update(zip(ids, table.column("sample_index").to_pylist(), strict=True) if samples else ids)  # fmt: skip
         return done
 
     def write_part(self, table: pa.Table) -> str:
