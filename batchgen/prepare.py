@@ -17,8 +17,8 @@ import pyarrow as pa
 
 from batchgen.config import ConfigError, RunConfig, read_json_schema
 from batchgen.data import InputError, InputFormat, InputSource, PromptBuilder, RowError, default_ids
-from batchgen.data.reader import DEFAULT_ID_COLUMN
-from batchgen.data.writer import RESERVED_COLUMNS
+from batchgen.data.records import RESERVED_COLUMNS
+from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.engine.constraints import Constraint, ConstraintError, ConstraintKind, parse_choices
 from batchgen.engine.sequence import Request, SamplingParams
 from batchgen.seeds import row_seed

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from helpers import BASE_COLUMNS, FAST, prompts, run_cli, write_parquet
 
 from batchgen.cli import main
-from batchgen.data.writer import OutputDir, PartBuffer, output_schema
+from batchgen.data import OutputDir, PartBuffer, output_schema
 from batchgen.scaleout.merge import IncompleteOutput, MergeError, merge
 from batchgen.scaleout.shard import Shard, shard_of
 

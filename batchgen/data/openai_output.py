@@ -16,7 +16,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.data.writer import RESULTS_FILE, write_atomic
+from batchgen.data.atomic import write_atomic
+from batchgen.data.writer import RESULTS_FILE
 
 _RESULT_COLUMNS = (
     "custom_id",

@@ -33,8 +33,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.data.reader import DEFAULT_ID_COLUMN
-from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE, write_atomic
+from batchgen.data.atomic import write_atomic
+from batchgen.data.source import DEFAULT_ID_COLUMN
+from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE
 from batchgen.scaleout.shard import Shard
 
 MERGED_FILE = "merged.parquet"
