@@ -17,7 +17,8 @@ import pyarrow as pa
 
 from batchgen.config import ConfigError, RunConfig, Task, read_json_schema
 from batchgen.data import InputError, InputFormat, InputSource, PromptBuilder, RowError, default_ids
-from batchgen.data.writer import reserved_columns
+from batchgen.data.records import reserved_columns
+from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.engine.constraints import Constraint, ConstraintError, ConstraintKind, parse_choices
 from batchgen.engine.sequence import Request, SamplingParams
 from batchgen.seeds import row_seed
@@ -74,6 +75,8 @@ def row_constraint(rec: dict[str, Any], columns: list[str]) -> Constraint | None
 
 # An optional input column of stop strings (a string or a list) that replaces --stop for its row.
 STOP_COLUMN = "stop"
+# The fix for bad ids where row numbers would do.
+ROW_NUMBERS_FIX = "use row numbers as ids (no --id-column, and no input column named id)"
 # Columns of an OpenAI batch file copied to the output by default (the request's prompt).
 OPENAI_PASSTHROUGH = ("prompt", "messages")
 
@@ -174,7 +177,7 @@ class Preparer:
             raise InputError(
                 f"id column {id_column!r} is {source.schema.field(id_column).type}, and "
                 "floating-point ids (NaN never equals itself) break exactly-once output; cast it "
-                "to int or string, or omit --id-column to use row numbers"
+                f"to int or string, or {ROW_NUMBERS_FIX}"
             )
         self.columns = [c for c in source.columns if c in needed]
         self.defaults = SamplingParams(
@@ -190,8 +193,8 @@ class Preparer:
 
     @staticmethod
     def _passthrough(cfg: RunConfig, source: InputSource) -> list[str]:
-        """Input columns copied to the output: the id column is the output's `id`, and by
-        default a column named like an output column (e.g. `text`) is left out."""
+        """Input columns copied to the output besides the id column; by default a column
+        named like an output column (e.g. `text`) is left out."""
         id_column = cfg.id_column or source.id_column
         if cfg.passthrough is not None:
             return [c for c in cfg.passthrough if c != id_column]
@@ -201,11 +204,15 @@ class Preparer:
         clash = [c for c in source.columns if c in reserved and c != id_column]
         if clash:
             log.warning(
-                "input column(s) %s not copied to the output, which has columns of that name%s",
+                "input column(s) %s not copied to the output, which has columns of that name",
                 ", ".join(map(repr, clash)),
-                " (--id-column id uses the input's ids)" if "id" in clash else "",
             )
         return [c for c in source.columns if c not in reserved and c != id_column]
+
+    @property
+    def output_id_column(self) -> str:
+        """The output's id column: the input's id column under its own name, else `id`."""
+        return self.id_column or DEFAULT_ID_COLUMN
 
     @property
     def id_type(self):
@@ -354,7 +361,7 @@ class Preparer:
         if rid in self._seen_ids:
             raise InputError(
                 f"id column {self.id_column!r} has the value {rid!r} twice; ids must be unique "
-                "for exactly-once output (omit --id-column to use row numbers)"
+                f"for exactly-once output; fix the input, or {ROW_NUMBERS_FIX}"
             )
         self._seen_ids.add(rid)
 

@@ -67,10 +67,10 @@ def _stop_on_signals():
             signal.signal(s, h)
 
 
-def _row_record(row: Row, c: Completion | None, cfg: RunConfig) -> dict[str, Any]:
+def _row_record(row: Row, c: Completion | None, cfg: RunConfig, id_column: str) -> dict[str, Any]:
     """The output record of a row: its completion, or its error (c None or c.error set)."""
     ok = c is not None and c.error is None
-    rec = {"id": row.id, **row.passthrough}
+    rec = {id_column: row.id, **row.passthrough}
     if row.sample_index is not None:
         rec["sample_index"] = row.sample_index
     if cfg.task is Task.SCORE:  # the labels' probabilities, normalised over them
@@ -122,17 +122,24 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
     spec, source, prep = job.spec, job.source, job.prep
     model_dir, device = spec.model_dir, spec.device
     passthrough = pa.schema([source.schema.field(c) for c in prep.passthrough])
+    id_column = prep.output_id_column
     schema = output_schema(
         prep.id_type,
         passthrough,
         cfg.with_token_ids,
         cfg.with_logprobs,
         samples=prep.samples,
+        id_column=id_column,
         score=prep.score,
     )
-    fingerprint = {**cfg.fingerprint(), **content_fingerprint(model_dir, source)}
+    # The id column as resolved (an input's `id` column is one without --id-column).
+    fingerprint = {
+        **cfg.fingerprint(),
+        "id_column": prep.id_column,
+        **content_fingerprint(model_dir, source),
+    }
     out = job_scope.enter_context(OutputDir(cfg.output_dir, fingerprint, cfg.overwrite))
-    done = out.done_ids()  # ids, or (id, sample_index) pairs with samples
+    done = out.done_ids(id_column)  # ids, or (id, sample_index) pairs with samples
     stats.rows_skipped_done = len(done)
     if out.is_complete:
         log.warning(
@@ -163,6 +170,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
         "model": str(model_dir),
         "dtype": stats.extra["dtype"],
         "quantization": llm.quant.to_dict(),
+        "id_column": id_column,
     }
     if llm.lora is not None:
         stats.extra["lora"] = meta["lora"] = llm.lora.to_dict()
@@ -176,7 +184,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
         """Every row not done yet, as one stream; error rows are written as read."""
         n = 0
         for _, window in prep.windows(done):
-            errors = [_row_record(r, None, cfg) for r in window.errors]
+            errors = [_row_record(r, None, cfg, id_column) for r in window.errors]
             buffer.add(errors)
             stats.add_error_rows(len(errors))
             progress.update(window.skipped + len(errors))
@@ -195,7 +203,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
                 stats.add_step(report)  # its cost and its finished rows
                 if report.finished:
                     done_now = report.finished
-                    buffer.add(_row_record(rows.pop(c.index), c, cfg) for c in done_now)
+                    buffer.add(_row_record(rows.pop(c.index), c, cfg, id_column) for c in done_now)
                     progress.update(len(done_now))
                     progress.set_postfix_str(f"{stats.rate(stats.output_tokens):.0f} out tok/s")
                 if time.monotonic() - last_flush > cfg.flush_seconds:

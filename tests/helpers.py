@@ -110,13 +110,14 @@ def read_output(out: Path) -> pa.Table:
     return pa.concat_tables(pq.read_table(p) for p in parts)
 
 
-def rows_by_id(out: Path) -> dict[Any, dict[str, Any]]:
-    """Output rows keyed by id; fails on a duplicate id."""
+def rows_by_id(out: Path, id_column: str = "id") -> dict[Any, dict[str, Any]]:
+    """Output rows keyed by their id column (`id`: row numbers, or an input column of that
+    name); fails on a duplicate id."""
     rows = read_output(out).to_pylist()
-    ids = [r["id"] for r in rows]
+    ids = [r[id_column] for r in rows]
     dupes = sorted({i for i in ids if ids.count(i) > 1}, key=str)
     assert not dupes, f"ids written more than once: {dupes}"
-    return {r["id"]: r for r in rows}
+    return {r[id_column]: r for r in rows}
 
 
 def read_stats(out: Path) -> dict[str, Any]:

@@ -91,12 +91,13 @@ def test_python_api_checks_types_too():
 # --- 3. float ids ---
 
 
-def test_float_id_column_is_refused(tmp_path, model):
+@pytest.mark.parametrize("column", ["uid", "id"])  # named, or the default id column
+def test_float_id_column_is_refused(tmp_path, model, column):
     src = write_parquet(tmp_path / "in.parquet",
-                        {"prompt": prompts(4), "uid": [1.0, float("nan"), float("nan"), 2.0]})  # fmt: skip
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
-                "--id-column", "uid", exit_code=2)  # fmt: skip
-    assert_one_line_error(r, "id column 'uid'", "cast it to int or string")
+                        {"prompt": prompts(4), column: [1.0, float("nan"), float("nan"), 2.0]})  # fmt: skip
+    flag = ("--id-column", column) if column != "id" else ()
+    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, *flag, exit_code=2)
+    assert_one_line_error(r, f"id column {column!r}", "cast it to int or string")
     assert not (tmp_path / "out").exists()
 
 

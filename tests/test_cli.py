@@ -10,6 +10,7 @@ import torch
 from helpers import (
     BASE_COLUMNS,
     FAST,
+    assert_one_line_error,
     prompts,
     read_output,
     rows_by_id,
@@ -186,22 +187,62 @@ def test_messages_column_uses_the_chat_template(tmp_path, model, tok):
         assert "messages" in rows[i]["error"]
 
 
-def test_id_column(tmp_path, model):
-    """String ids in any order come back once each, with their own row; an input column
-    named `id` works as the id column."""
+def test_id_column_keeps_its_name(tmp_path, model):
+    """--id-column row_id: string ids in any order come back once each under `row_id`, with
+    their own row, and no `id`; an input column named `id` beside it is just passed through."""
     ids = [f"r{(i * 7) % N:02d}" for i in range(N)]
-    for col in ("uid", "id"):
-        src = write_parquet(tmp_path / f"{col}.parquet", {col: ids, "prompt": prompts(N)})
-        out = tmp_path / f"out-{col}"
-        run_cli("run", src, "-o", out, "--model", model, *FAST, "--id-column", col,
+    others = [f"other-{i}" for i in range(N)]
+    for cols in ({"row_id": ids, "prompt": prompts(N)},
+                 {"row_id": ids, "id": others, "prompt": prompts(N)}):  # fmt: skip
+        src = write_parquet(tmp_path / "in.parquet", cols)
+        out = tmp_path / f"out-{len(cols)}"
+        run_cli("run", src, "-o", out, "--model", model, *FAST, "--id-column", "row_id",
                 "--max-new-tokens", 4)  # fmt: skip
         table = read_output(out)
-        assert table.schema.names == ["id", "prompt", *BASE_COLUMNS]
-        assert table.schema.field("id").type == pa.string()
-        rows = rows_by_id(out)
+        assert table.schema.names == [*cols, *BASE_COLUMNS]
+        assert table.schema.field("row_id").type == pa.string()
+        meta = json.loads(table.schema.metadata[b"batchgen"])
+        assert meta["id_column"] == "row_id"
+        rows = rows_by_id(out, "row_id")
         assert sorted(rows) == sorted(ids)
         for i, rid in enumerate(ids):
             assert rows[rid]["prompt"] == prompts(N)[i]
+            assert rows[rid].get("id", others[i]) == others[i]
+
+
+def test_an_input_id_column_is_the_default_id(tmp_path, model, caplog):
+    """Without --id-column, an input column named `id` holds the ids (kept, no warning, no row
+    numbers), and the run is the same job as one with --id-column id; without such a column
+    the ids are the row numbers, as `id`."""
+    ids = [f"r{(i * 7) % N:02d}" for i in range(N)]
+    src = write_parquet(tmp_path / "in.parquet", {"id": ids, "prompt": prompts(N)})
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 4)
+    assert "not copied" not in caplog.text
+    table = read_output(out)
+    assert table.schema.names == ["id", "prompt", *BASE_COLUMNS]
+    rows = rows_by_id(out)
+    assert sorted(rows) == sorted(ids)
+    assert all(rows[rid]["prompt"] == prompts(N)[i] for i, rid in enumerate(ids))
+    parts = {p.name: p.read_bytes() for p in out.glob("part-*.parquet")}
+    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 4,
+            "--id-column", "id")  # fmt: skip
+    assert "already holds this job's complete results" in caplog.text
+    assert {p.name: p.read_bytes() for p in out.glob("part-*.parquet")} == parts
+
+    plain = write_parquet(tmp_path / "plain.parquet", {"prompt": prompts(N)})
+    run_cli("run", plain, "-o", tmp_path / "plain", "--model", model, *FAST,
+            "--max-new-tokens", 4)  # fmt: skip
+    assert read_output(tmp_path / "plain").schema.field("id").type == pa.int64()
+    assert sorted(rows_by_id(tmp_path / "plain")) == list(range(N))
+
+
+def test_id_column_named_like_an_output_column_is_refused(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"text": prompts(3), "prompt": prompts(3)})
+    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
+                "--id-column", "text", exit_code=2)  # fmt: skip
+    assert_one_line_error(r, "id column 'text'", "output column", "rename it")
+    assert not (tmp_path / "out").exists()
 
 
 def test_duplicate_ids_fail_with_a_fix(tmp_path, model):

@@ -140,6 +140,30 @@ def test_rows_prepended_to_the_input_are_refused(tmp_path, model):
     assert sorted(rows_by_id(out)) == list(range(8))  # untouched
 
 
+def test_another_id_column_is_another_job(tmp_path, model):
+    """The id column is part of the job: a rerun naming another one is refused, and so are
+    parts that hold the ids under another name (an older batchgen wrote every id as `id`)."""
+    keys = [f"k{i}" for i in range(8)]
+    cols = {"a": keys, "b": keys[::-1], "prompt": prompts(8)}
+    src = write_parquet(tmp_path / "in.parquet", cols)
+    out = tmp_path / "out"
+    args = ("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 2,
+            "--rows-per-part", 4)  # fmt: skip
+    run_cli(*args, "--id-column", "a")
+    for other in (("--id-column", "b"), ()):  # another column, or row numbers
+        r = run_cli(*args, *other, exit_code=2)
+        assert_one_line_error(r, "another job", "id_column", "--overwrite")
+    part = out / "part-00000.parquet"
+    old = pq.read_table(part)
+    pq.write_table(old.rename_columns(["id", *old.column_names[1:]]), part)
+    (out / "_SUCCESS").unlink()
+    r = run_cli(*args, "--id-column", "a", exit_code=2)
+    assert_one_line_error(r, "has no id column 'a'", "--overwrite")
+    assert pq.read_table(part).equals(old.rename_columns(["id", *old.column_names[1:]]))
+    run_cli(*args, "--id-column", "a", "--overwrite")
+    assert sorted(rows_by_id(out, "a")) == sorted(keys)
+
+
 # --- 7. a job that never ran does not keep the directory ---
 
 

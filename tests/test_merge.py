@@ -6,9 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from helpers import BASE_COLUMNS, FAST, prompts, run_cli, write_parquet
 
 from batchgen.cli import main
-from batchgen.data.writer import OutputDir, PartBuffer, output_schema
+from batchgen.data import OutputDir, PartBuffer, output_schema
 from batchgen.scaleout.merge import IncompleteOutput, MergeError, merge
 from batchgen.scaleout.shard import Shard, shard_of
 
@@ -126,3 +127,26 @@ def test_row_count_checked_against_the_input(tmp_path):
             json.dumps(_job(shard=f"{i}/2", input=str(data), limit=9))
         )
     assert merge(out).rows == 9  # with limit 9, nine rows are all of them
+
+
+def test_cli_shards_with_an_id_column_merge_under_its_name(tmp_path, tiny_dirs):
+    """`batchgen run --shard I/N --id-column key`, then `batchgen merge`: every key once, under
+    `key`, and no `id` column."""
+    keys = [f"k{(i * 7919) % 1000:03d}" for i in range(12)]
+    src = write_parquet(tmp_path / "in.parquet", {"key": keys, "prompt": prompts(12)})
+    out = tmp_path / "out"
+    for i in range(2):
+        run_cli("run", src, "-o", out, "--model", tiny_dirs["llama"], *FAST, "--max-new-tokens",
+                2, "--id-column", "key", "--shard", f"{i}/2")  # fmt: skip
+    run_cli("merge", out)
+    merged = pq.read_table(out / "merged.parquet")
+    assert merged.schema.names == ["key", "prompt", *BASE_COLUMNS]
+    assert sorted(merged.column("key").to_pylist()) == sorted(keys)
+    assert json.loads(merged.schema.metadata[b"batchgen"])["id_column"] == "key"
+
+
+def test_shards_without_rows_merge_into_an_empty_file_of_the_id_column(tmp_path):
+    for i in range(2):
+        write_shard(tmp_path, Shard(i, 2), [], job={"id_column": "key"})
+    assert merge(tmp_path).rows == 0
+    assert pq.read_table(tmp_path / "merged.parquet").schema.names == ["key"]

@@ -7,6 +7,7 @@ import pytest
 from helpers import (
     FAST,
     assert_one_line_error,
+    read_output,
     read_stats,
     rows_by_id,
     run_cli,
@@ -175,7 +176,10 @@ def test_mixed_file_equals_plain_runs(tmp_path, model, tok):
     ]
     out = tmp_path / "out"
     _run(write_jsonl(tmp_path / "req.jsonl", lines), out, model)
-    rows = rows_by_id(out)
+    # The parts keep the input's id column, custom_id, under its name.
+    names = read_output(out).schema.names
+    assert names[0] == "custom_id" and "id" not in names
+    rows = rows_by_id(out, "custom_id")
     assert sorted(rows) == ["c0", "c1", "p0", "p1"]
 
     plain = write_parquet(tmp_path / "p.parquet", {"prompt": PROMPTS, "max_new_tokens": [3, 8]})
@@ -211,7 +215,7 @@ def test_malformed_lines_become_error_rows(tmp_path, model):
     src.write_text(text)
     out = tmp_path / "out"
     _run(src, out, model)
-    rows = rows_by_id(out)
+    rows = rows_by_id(out, "custom_id")
     assert sorted(rows) == ["line-2", "ok0", "ok1", "t", "u"]
     for cid, words in {"line-2": ["line 2", "not JSON"], "u": ["line 3", "url"],
                        "t": ["line 4", "temperature"]}.items():  # fmt: skip
@@ -240,7 +244,7 @@ def test_unsupported_fields_are_reported(tmp_path, model, caplog):
     warnings = [r.getMessage() for r in caplog.records if "not supported" in r.getMessage()]
     assert len(warnings) == 1
     assert all(w in warnings[0] for w in ("frequency_penalty (2 lines)", "tools (1 line)"))
-    assert all(r["error"] is None for r in rows_by_id(out).values())
+    assert all(r["error"] is None for r in rows_by_id(out, "custom_id").values())
 
 
 def test_per_row_stop_cuts_only_its_row(tmp_path, model):
@@ -248,13 +252,13 @@ def test_per_row_stop_cuts_only_its_row(tmp_path, model):
     line only, cuts that line and leaves the same prompt on another line as it was."""
     ref = tmp_path / "ref"
     _run(write_jsonl(tmp_path / "ref.jsonl", [completion_line("a", PROMPTS[0])]), ref, model)
-    text = rows_by_id(ref)["a"]["text"]
+    text = rows_by_id(ref, "custom_id")["a"]["text"]
     stop = text[len(text) // 2 :][:2]
     assert stop.strip() and text.index(stop) > 0, text
     lines = [completion_line("cut", PROMPTS[0], stop=[stop]), completion_line("same", PROMPTS[0])]
     out = tmp_path / "out"
     _run(write_jsonl(tmp_path / "req.jsonl", lines), out, model)
-    rows = rows_by_id(out)
+    rows = rows_by_id(out, "custom_id")
     assert rows["cut"]["text"] == text[: text.index(stop)]
     assert rows["cut"]["finish_reason"] == "stop"
     assert rows["same"]["text"] == text
@@ -290,7 +294,7 @@ def test_openai_output_lines_in_input_order(tmp_path, model):
     src.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     out = tmp_path / "out"
     _run(src, out, model, "--output-format", "openai")
-    rows = rows_by_id(out)
+    rows = rows_by_id(out, "custom_id")
     got = _results(out)
     assert [g["custom_id"] for g in got] == ["z-last-id", "line-2", "a-first-id", "too-long", "m"]
     assert len({g["id"] for g in got}) == len({g["response"]["request_id"] for g in got}) == 5
@@ -345,7 +349,7 @@ def test_output_lines_of_several_samples(tmp_path):
     """Results with a sample_index (n samples of a request) are one line with a choice each."""
     requests = pa.table({"custom_id": ["x", "y", "z"], "messages": ["[]", None, None]})
     results = pa.table({
-        "id": ["y", "x", "x", "z", "z"],
+        "custom_id": ["y", "x", "x", "z", "z"],
         "sample_index": [0, 1, 0, 0, 1],
         "text": ["t", "b", "a", "ok", None],
         "finish_reason": ["length", "stop", "length", "stop", "error"],

@@ -5,8 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchgen.data import InputFormat, default_ids, open_input
 from batchgen.data.errors import InputError
-from batchgen.data.reader import InputFormat, default_ids, open_input
 
 
 def _rows(n: int, start: int = 0) -> list[dict]:

@@ -28,11 +28,14 @@ FLAGS = (*FAST, "--max-new-tokens", 16, "--ignore-eos", "--max-num-seqs", 4,
          "--rows-per-part", 4, "--flush-seconds", 0)  # fmt: skip
 
 
+KEYS = [f"key-{(i * 7) % N:02d}" for i in range(N)]  # the ids of --id-column key
+
+
 @pytest.fixture(scope="module")
 def job(tiny_dirs, tmp_path_factory):
-    """The input and the results of an uninterrupted run of it."""
+    """The input and the results of an uninterrupted run of it, by row number."""
     d = tmp_path_factory.mktemp("resume")
-    src = write_parquet(d / "in.parquet", {"prompt": prompts(N), "k": list(range(N))})
+    src = write_parquet(d / "in.parquet", {"prompt": prompts(N), "k": list(range(N)), "key": KEYS})
     model = tiny_dirs["llama"]
     run_cli("run", src, "-o", d / "clean", "--model", model, *FLAGS)
     clean = rows_by_id(d / "clean")
@@ -40,35 +43,39 @@ def job(tiny_dirs, tmp_path_factory):
     return src, model, {i: r["text"] for i, r in clean.items()}
 
 
-def _check_complete(out, clean):
-    rows = rows_by_id(out)  # fails on a duplicate
-    assert sorted(rows) == list(range(N))
+def _check_complete(out, clean, id_column="id"):
+    rows = rows_by_id(out, id_column)  # fails on a duplicate
+    assert sorted(rows) == sorted(clean)
     assert {i: r["text"] for i, r in rows.items()} == clean
     assert all(r["error"] is None and r["completion_tokens"] == 16 for r in rows.values())
     assert (out / "_SUCCESS").exists()
     assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
 
 
-def test_sigkill_then_rerun_finishes_every_row_once(tmp_path, job):
+@pytest.mark.parametrize("id_column", ["id", "key"], ids=["row-numbers", "id-column"])
+def test_sigkill_then_rerun_finishes_every_row_once(tmp_path, job, id_column):
     src, model, clean = job
     out = tmp_path / "out"
     args = ("run", src, "-o", out, "--model", model, *FLAGS)
+    if id_column != "id":  # the same rows under their own ids (greedy: the same texts)
+        args = (*args, "--id-column", id_column)
+        clean = {KEYS[i]: text for i, text in clean.items()}
     proc = start_cli(*args)
     wait_for_part(out, proc)
     proc.kill()
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert not (out / "_SUCCESS").exists()
-    done = set(read_output(out).column("id").to_pylist())
+    done = set(read_output(out).column(id_column).to_pylist())
     assert 0 < len(done) < N, "the kill should land mid-job"
     parts_before = {p.name: p.read_bytes() for p in out.glob("part-*.parquet")}
 
     # What a kill mid-write leaves: temp files, one complete and one cut short, holding rows
     # that are not done. Neither may count as done, nor reach the output.
-    todo = sorted(set(range(N)) - done)[:4]
+    todo = sorted(set(clean) - done)[:4]
     table = read_output(out)
     row = table.to_pylist()[0]
-    bogus = [{**row, "id": i, "text": "BOGUS"} for i in todo]
+    bogus = [{**row, id_column: i, "text": "BOGUS"} for i in todo]
     pq.write_table(pa.Table.from_pylist(bogus, schema=table.schema),
                    out / ".tmp-part-00090.parquet.abc123")  # fmt: skip
     data = (out / ".tmp-part-00090.parquet.abc123").read_bytes()
@@ -77,7 +84,7 @@ def test_sigkill_then_rerun_finishes_every_row_once(tmp_path, job):
     rerun = subprocess.run(cli_command(*args), cwd=ROOT, capture_output=True, text=True,
                            timeout=300)  # fmt: skip
     assert rerun.returncode == 0, rerun.stderr
-    _check_complete(out, clean)
+    _check_complete(out, clean, id_column)
     for name, data in parts_before.items():  # finished parts are kept as they were
         assert (out / name).read_bytes() == data
     stats = read_stats(out)

@@ -16,8 +16,8 @@ def model(tiny_dirs):
     return tiny_dirs["llama"]
 
 
-def _tokens(out) -> dict:
-    return {i: r["token_ids"] for i, r in rows_by_id(out).items()}
+def _tokens(out, id_column: str = "id") -> dict:
+    return {i: r["token_ids"] for i, r in rows_by_id(out, id_column).items()}
 
 
 def test_row_seed_is_stable_and_separates_rows():
@@ -64,8 +64,8 @@ def test_seed_column_pins_a_row_whatever_its_id(tmp_path, model):
     for name, path in (("out", src), ("other", other)):
         run_cli("run", path, "-o", tmp_path / name, "--model", model, *SAMPLED,
                 "--id-column", "key", "--seed", 9)  # fmt: skip
-    rows = _tokens(tmp_path / "out")
-    assert rows["a"] == rows["b"] == _tokens(tmp_path / "other")["zz"]
+    rows = _tokens(tmp_path / "out", "key")
+    assert rows["a"] == rows["b"] == _tokens(tmp_path / "other", "key")["zz"]
     # without a seed value, rows fall back to their own derived seeds
     assert len({tuple(rows[k]) for k in "acd"}) == 3
 
@@ -79,7 +79,7 @@ def test_a_row_is_the_same_under_limit_and_in_another_order(tmp_path, model):
     for name, (path, *extra) in runs.items():
         run_cli("run", path, "-o", tmp_path / name, "--model", model, *SAMPLED,
                 "--id-column", "key", "--max-num-seqs", 4 if name == "flipped" else 8, *extra)  # fmt: skip
-    full = _tokens(tmp_path / "all")
-    assert _tokens(tmp_path / "flipped") == full
-    limited = _tokens(tmp_path / "limit")
+    full = _tokens(tmp_path / "all", "key")
+    assert _tokens(tmp_path / "flipped", "key") == full
+    limited = _tokens(tmp_path / "limit", "key")
     assert sorted(limited) == ids[:3] and all(limited[i] == full[i] for i in limited)

@@ -12,11 +12,11 @@ def model(tiny_dirs):
     return tiny_dirs["llama"]
 
 
-def _samples(out) -> dict:
+def _samples(out, id_column: str = "id") -> dict:
     rows = read_output(out).to_pylist()
-    keys = [(r["id"], r["sample_index"]) for r in rows]
+    keys = [(r[id_column], r["sample_index"]) for r in rows]
     assert len(keys) == len(set(keys)), "a (id, sample_index) written twice"
-    return {(r["id"], r["sample_index"]): r for r in rows}
+    return dict(zip(keys, rows, strict=True))
 
 
 def test_n_samples_are_distinct_and_sample_0_is_the_plain_row(tmp_path, model):
@@ -40,19 +40,27 @@ def test_n_column_overrides_per_row_and_a_bad_n_is_an_error_record(tmp_path, mod
     assert "bad per-row n" in got[(2, 0)]["error"]
 
 
-def test_resume_completes_every_sample_exactly_once(tmp_path, model):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
+@pytest.mark.parametrize("id_column", ["id", "key"], ids=["row-numbers", "id-column"])
+def test_resume_completes_every_sample_exactly_once(tmp_path, model, id_column):
+    keys = ["d", "b", "a", "c"]
+    src = write_parquet(tmp_path / "in.parquet", {"key": keys, "prompt": prompts(4)})
     out = tmp_path / "out"
     args = ("run", src, "-o", out, "--model", model, *SAMPLED, "--n", 3, "--rows-per-part", 2)
+    if id_column != "id":
+        args = (*args, "--id-column", id_column)
     run_cli(*args)
-    first = _samples(out)
+    first = _samples(out, id_column)
+    ids = keys if id_column != "id" else range(4)
+    assert sorted(first) == sorted((i, k) for i in ids for k in range(3))
+    names = read_output(out).schema.names
+    assert names[:2] == [id_column, "sample_index"] and ("id" in names) == (id_column == "id")
     parts = sorted(out.glob("part-*.parquet"))
     assert len(parts) >= 3
     for p in parts[1::2]:  # as if the job had been killed before these were written
         p.unlink()
     (out / "_SUCCESS").unlink()
     run_cli(*args)
-    again = _samples(out)
+    again = _samples(out, id_column)
     assert sorted(again) == sorted(first)
     assert all(again[k]["token_ids"] == first[k]["token_ids"] for k in first)
     assert (out / "_SUCCESS").exists()

@@ -139,7 +139,7 @@ def test_sharded_runs_write_every_row_once(tmp_path, tiny_gpt2, id_column):
     for i in range(n):
         cfg = RunConfig(**base, shard=f"{i}/{n}")
         stats = run(cfg)
-        shard_ids = _ids(cfg.output_dir)
+        shard_ids = _ids(cfg.output_dir, id_column or "id")
         assert stats.rows == len(shard_ids)
         assert all(shard_of(x, n) == i for x in shard_ids)
         ids += shard_ids
@@ -152,10 +152,10 @@ def test_sharded_runs_write_every_row_once(tmp_path, tiny_gpt2, id_column):
         cfg = RunConfig(**{**base, "output": str(tmp_path / "lim")}, shard=f"{i}/{n}", limit=10)
         run(cfg)
         assert (tmp_path / "lim" / Shard(i, n).dirname / "_SUCCESS").exists()
-        limited += _ids(cfg.output_dir)
+        limited += _ids(cfg.output_dir, id_column or "id")
     assert sorted(limited) == sorted(expected[:10])
 
 
-def _ids(directory) -> list:
+def _ids(directory, id_column: str = "id") -> list:
     return [x for p in sorted(Path(directory).glob("part-*.parquet"))
-            for x in pq.read_table(p, columns=["id"]).column("id").to_pylist()]  # fmt: skip
+            for x in pq.read_table(p, columns=[id_column]).column(id_column).to_pylist()]  # fmt: skip

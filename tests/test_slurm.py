@@ -128,13 +128,13 @@ def test_script_saves_requeues_and_resumes_on_usr1(tmp_path, tiny_gpt2):
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77_1"]
     assert not (shard_dir / "_SUCCESS").exists()
     saved = {
-        x for p in shard_dir.glob("part-*.parquet") for x in pq.read_table(p)["id"].to_pylist()
+        x for p in shard_dir.glob("part-*.parquet") for x in pq.read_table(p)["key"].to_pylist()
     }
     assert saved
 
     rerun = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    ids = [x for p in shard_dir.glob("part-*.parquet") for x in pq.read_table(p)["id"].to_pylist()]
+    ids = [x for p in shard_dir.glob("part-*.parquet") for x in pq.read_table(p)["key"].to_pylist()]
     assert len(ids) == len(set(ids)) and saved < set(ids)
     again = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert again.returncode == 0 and "already complete" in again.stdout
@@ -196,7 +196,7 @@ def test_array_job_on_slurm_then_merge(slurm, tmp_path, tiny_gpt2):
     merged = subprocess.run([*BATCHGEN, "merge", str(out)], capture_output=True, text=True)
     assert merged.returncode == 0, merged.stdout + merged.stderr
     assert "total" in merged.stdout and "2/3" in merged.stdout
-    ids = pq.read_table(out / "merged.parquet").column("id").to_pylist()
+    ids = pq.read_table(out / "merged.parquet").column("key").to_pylist()
     assert sorted(ids) == [f"r{i:03d}" for i in range(30)]  # every row exactly once
 
 
@@ -234,5 +234,5 @@ def test_time_limit_signal_requeues_and_resumes_on_slurm(slurm, tmp_path, tiny_g
                             text=True)  # fmt: skip
     assert merged.returncode == 0, merged.stdout + merged.stderr
     assert "(resumed)" in merged.stdout
-    ids = pq.read_table(tmp_path / "out" / "merged.parquet").column("id").to_pylist()
+    ids = pq.read_table(tmp_path / "out" / "merged.parquet").column("key").to_pylist()
     assert sorted(ids) == [f"r{i:03d}" for i in range(200)]

@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import read_output
 
+from batchgen.data import OutputDir, PartBuffer, output_schema
 from batchgen.data.errors import InputError, OutputError
-from batchgen.data.writer import OutputDir, PartBuffer, output_schema
 
 JOB = {"input": "in.parquet", "model": "tiny", "options": {"max_new_tokens": 8, "stop": ["\n"]}}
 PASSTHROUGH = pa.schema([("label", pa.string())])
@@ -54,6 +54,28 @@ def test_output_schema_fields():
 def test_output_schema_refuses_clashing_passthrough():
     with pytest.raises(InputError, match="'text'"):
         output_schema(pa.int64(), pa.schema([("text", pa.string())]))
+
+
+def test_output_schema_keeps_the_id_columns_name():
+    other_id = pa.schema([("id", pa.string())])  # an input `id` that is not the id column
+    schema = output_schema(pa.string(), other_id, id_column="row_id")
+    assert schema.names[:2] == ["row_id", "id"] and schema.field("row_id").type == pa.string()
+    with pytest.raises(InputError, match="'row_id'"):  # the id column cannot pass through
+        output_schema(pa.int64(), pa.schema([("row_id", pa.int64())]), id_column="row_id")
+    with pytest.raises(InputError, match="id column 'error'"):
+        output_schema(pa.int64(), PASSTHROUGH, id_column="error")
+
+
+def test_done_ids_of_a_named_id_column(tmp_path):
+    out = OutputDir(tmp_path / "out", JOB)
+    schema = output_schema(pa.string(), PASSTHROUGH, samples=True, id_column="key")
+    rows = [{**_result(i), "key": f"k{i}", "sample_index": 1} for i in range(3)]
+    for r in rows:
+        del r["id"]
+    PartBuffer(out, 2, schema).add(rows)
+    assert out.done_ids("key") == {("k0", 1), ("k1", 1)}
+    with pytest.raises(InputError, match="no id column 'id'.*--overwrite"):
+        out.done_ids()
 
 
 def test_parts_and_done_ids(tmp_path):

@@ -2,8 +2,10 @@
 
 from batchgen.data.errors import InputError, OutputBusy, OutputError, RowError
 from batchgen.data.prompts import PromptBuilder
-from batchgen.data.reader import InputBatch, InputFormat, InputSource, default_ids, open_input
-from batchgen.data.writer import OutputDir, PartBuffer, output_schema
+from batchgen.data.reader import open_input
+from batchgen.data.records import PartBuffer, output_schema
+from batchgen.data.source import InputBatch, InputFormat, InputSource, default_ids
+from batchgen.data.writer import OutputDir
 
 __all__ = [
     "InputBatch",

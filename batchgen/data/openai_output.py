@@ -16,9 +16,17 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.data.writer import RESULTS_FILE, write_atomic
+from batchgen.data.atomic import write_atomic
+from batchgen.data.writer import RESULTS_FILE
 
-_RESULT_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+_RESULT_COLUMNS = (
+    "custom_id",
+    "text",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "error",
+)
 
 
 def write_results(
@@ -27,13 +35,13 @@ def write_results(
     """Write directory/results.jsonl atomically; returns the number of lines.
 
     requests: the OpenAI source's table (`custom_id`, `messages`, in input order); results: the
-    job's output rows (any order)."""
+    job's output rows (any order), whose id column is custom_id, the input's."""
     created = int(time.time()) if created is None else created
     # sample_index: several results of one request (n samples), where the job has it.
     columns = [c for c in (*_RESULT_COLUMNS, "sample_index") if c in results.schema.names]
     by_id: dict[Any, list[dict[str, Any]]] = {}
     for r in results.select(columns).to_pylist():
-        by_id.setdefault(r["id"], []).append(r)
+        by_id.setdefault(r["custom_id"], []).append(r)
     ids = requests.column("custom_id").to_pylist()
     chats = requests.column("messages").is_valid().to_pylist()
     lines = [

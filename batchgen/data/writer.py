@@ -22,21 +22,20 @@ temp files of a killed run deleted, and only once the directory is known to be b
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import logging
 import os
 import re
 import shutil
-import tempfile
-from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.data.errors import InputError, OutputBusy, OutputError
+from batchgen.data.atomic import WriteFn, os_error, write_atomic
+from batchgen.data.errors import InputError, OutputBusy
+from batchgen.data.source import DEFAULT_ID_COLUMN
 
 log = logging.getLogger(__name__)
 
@@ -45,63 +44,12 @@ STATS_FILE = "_stats.json"
 SUCCESS_FILE = "_SUCCESS"
 LOCK_FILE = "_lock"
 RESULTS_FILE = "results.jsonl"  # OpenAI batch output lines (--output-format openai)
-TMP_PREFIX = ".tmp-"
 _PART_RE = re.compile(r"part-(\d+)\.parquet")
 # What write_atomic's mkstemp names look like: TMP_PREFIX, the final name, "." and a random tail.
 # Any other ".tmp-..." entry is not ours, so it is neither deleted nor taken as a sign of ownership.
 _TMP_RE = re.compile(
     r"\.tmp-(part-\d+\.parquet|_job\.json|_stats\.json|_SUCCESS|results\.jsonl)\.\w+"
 )
-WriteFn = Callable[[BinaryIO], None]
-_OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
-# Names an input column cannot keep in the output: the result row already has them.
-RESERVED_COLUMNS = frozenset({"id", "sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs"})
-SCORE_COLUMNS = frozenset({"label", "scores"})  # a score job's results, in place of text
-
-
-def reserved_columns(score: bool = False) -> frozenset[str]:
-    """Output columns of a job: an input column cannot keep one of these names."""
-    return (RESERVED_COLUMNS - {"text"}) | SCORE_COLUMNS if score else RESERVED_COLUMNS
-
-
-def output_schema(
-    id_type: pa.DataType,
-    passthrough: pa.Schema,
-    with_token_ids: bool = False,
-    with_logprobs: bool = False,
-    samples: bool = False,
-    score: bool = False,
-) -> pa.Schema:
-    """The one definition of a result row: id (and sample_index, for n samples a row),
-    passthrough input columns, generation fields (a score job: the label and the
-    probability of each label, in place of text)."""
-    reserved = reserved_columns(score)
-    clash = [n for n in passthrough.names if n in reserved]
-    if clash:
-        raise InputError(
-            f"passthrough column(s) {', '.join(map(repr, clash))} clash with output columns "
-            f"{sorted(reserved)}; leave them out of the passthrough list"
-        )
-    result = (
-        [pa.field("label", pa.string()), pa.field("scores", pa.map_(pa.string(), pa.float64()))]
-        if score
-        else [pa.field("text", pa.string())]
-    )
-    fields = [
-        pa.field("id", id_type),
-        *([pa.field("sample_index", pa.int32())] if samples else []),
-        *passthrough.remove_metadata(),
-        *result,
-        pa.field("finish_reason", pa.string()),
-        pa.field("prompt_tokens", pa.int32()),
-        pa.field("completion_tokens", pa.int32()),
-        pa.field("error", pa.string()),
-    ]
-    if with_token_ids:
-        fields.append(pa.field("token_ids", pa.list_(pa.int32())))
-    if with_logprobs:
-        fields.append(pa.field("logprobs", pa.list_(pa.float32())))
-    return pa.schema(fields)
 
 
 class OutputDir:
@@ -118,7 +66,7 @@ class OutputDir:
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as e:
-            raise InputError(_os_error(e, f"cannot create output {self.path}")) from None
+            raise InputError(os_error(e, f"cannot create output {self.path}")) from None
         # Read-only first: nothing, not even the lock file, goes into a directory that is not ours.
         self._check_owner()
         self._lock = _lock(self.path)
@@ -149,20 +97,25 @@ class OutputDir:
     def part_files(self) -> list[str]:
         return [_part_name(n) for n in sorted(self._part_numbers())]
 
-    def done_ids(self) -> set[Any]:
-        """Ids of rows with a result ((id, sample_index) pairs in a job with n samples). A
-        part that cannot be read is deleted and its rows redone."""
+    def done_ids(self, id_column: str = DEFAULT_ID_COLUMN) -> set[Any]:
+        """Ids of rows with a result ((id, sample_index) pairs in a job with n samples), read
+        from each part's `id_column`. A part that cannot be read is deleted and its rows
+        redone; one without that column is refused (its ids are under another name)."""
         done: set[Any] = set()
         for name in self.part_files():
             file = os.path.join(self.path, name)
             try:
-                table = pq.read_table(file)
-                if "sample_index" in table.column_names:
-                    pairs = zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist(), strict=True)  # fmt: skip
-                    done.update(pairs)
-                    continue
-                ids = table.column("id")
-            except (pa.ArrowException, OSError, KeyError) as e:
+                names = pq.read_schema(file).names
+                if id_column not in names:
+                    raise InputError(
+                        f"output part {file} has no id column {id_column!r}, so its rows cannot "
+                        "be matched to the input (written by an older batchgen, which named "
+                        "every id column `id`?); pass --overwrite to redo the job, or pick "
+                        "another output directory"
+                    )
+                samples = "sample_index" in names
+                table = pq.read_table(file, columns=[id_column, "sample_index"][: 1 + samples])
+            except (pa.ArrowException, OSError) as e:
                 log.warning(
                     "deleting unreadable output part %s (its rows will be redone): %s", file, e
                 )
@@ -170,7 +123,8 @@ class OutputDir:
                 # The job is not complete until those rows are done again.
                 self._unmark_success()
                 continue
-            done.update(ids.to_pylist())
+            ids = table.column(id_column).to_pylist()
+            done.update(zip(ids, table.column("sample_index").to_pylist(), strict=True) if samples else ids)  # fmt: skip
         return done
 
     def write_part(self, table: pa.Table) -> str:
@@ -259,44 +213,6 @@ class OutputDir:
                 _remove(os.path.join(self.path, n))
 
 
-class PartBuffer:
-    """Collects result rows and writes a part every `rows_per_part` rows.
-
-    Rows are dicts with exactly the schema's fields; the explicit schema keeps every part's
-    types the same even when a part's column is all null.
-    """
-
-    def __init__(self, output: OutputDir, rows_per_part: int, schema: pa.Schema) -> None:
-        if rows_per_part < 1:
-            raise ValueError(f"rows_per_part must be >= 1, got {rows_per_part}")
-        self.output = output
-        self.rows_per_part = rows_per_part
-        self.schema = schema
-        self._names = set(schema.names)
-        self._rows: list[dict[str, Any]] = []
-
-    def add(self, rows: Iterable[dict[str, Any]]) -> None:
-        for row in rows:
-            if row.keys() != self._names:
-                missing, extra = self._names - row.keys(), row.keys() - self._names
-                raise ValueError(
-                    f"result row does not match the output schema: "
-                    f"missing {sorted(missing)}, unexpected {sorted(extra)}"
-                )
-            self._rows.append(row)
-        while len(self._rows) >= self.rows_per_part:
-            self._write(self._rows[: self.rows_per_part])
-            self._rows = self._rows[self.rows_per_part :]
-
-    def flush(self) -> None:
-        if self._rows:
-            self._write(self._rows)
-            self._rows = []
-
-    def _write(self, rows: list[dict[str, Any]]) -> None:
-        self.output.write_part(pa.Table.from_pylist(rows, schema=self.schema))
-
-
 def _part_name(n: int) -> str:
     return f"part-{n:05d}.parquet"
 
@@ -324,7 +240,7 @@ def _lock(directory: str):
     try:
         f = open(path, "a+")  # noqa: SIM115 - held open for the OutputDir's lifetime
     except OSError as e:
-        raise InputError(_os_error(e, f"cannot write to output {directory}")) from None
+        raise InputError(os_error(e, f"cannot write to output {directory}")) from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -341,23 +257,6 @@ def _lock(directory: str):
     return f
 
 
-def _os_error(e: OSError, what: str) -> str:
-    """One line for a failed file operation, with the fix for the usual causes."""
-    fixes = {
-        errno.ENOSPC: "free some space (or pick another output directory), then run the same "
-        "command again to resume",
-        errno.EDQUOT: "free some space under your quota, then run the same command again to resume",
-        errno.EACCES: "pick a directory you can write to",
-        errno.EPERM: "pick a directory you can write to",
-        errno.EROFS: "the file system is read-only; pick another output directory",
-        errno.ENOTDIR: "a part of the path is a file; pick another output directory",
-    }
-    fix = fixes.get(
-        e.errno, "check the output directory's storage, then run the same command again"
-    )
-    return f"{what}: {e.strerror or e}; {fix}"
-
-
 def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
@@ -370,44 +269,3 @@ def _json_writer(obj: Any) -> WriteFn:
         f.write(json.dumps(obj, indent=2, sort_keys=True).encode() + b"\n")
 
     return write
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
-    os.umask(mask)
-    return mask
-
-
-def write_atomic(directory: str | os.PathLike[str], name: str, write: WriteFn) -> None:
-    """Write `name` in `directory` so that it appears complete or not at all, durably (file and
-    directory entry fsynced), with the mode any new file would get. Every file batchgen leaves
-    in an output, parts and merged results alike, is written this way.
-
-    A failure (a full disk, say) removes the temp file and raises OutputError."""
-    directory = os.fspath(directory)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{name}.", dir=directory)
-    except OSError as e:
-        raise OutputError(_os_error(e, f"cannot write {name} in {directory}")) from e
-    try:
-        # mkstemp makes the file owner-only; results get the modes any new file would.
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(directory, name))
-        # The rename itself is durable only once the directory entry is synced.
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise OutputError(_os_error(e, f"cannot write {name} in {directory}")) from e
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise

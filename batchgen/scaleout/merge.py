@@ -10,6 +10,7 @@ and `merge(OUT)` adds
 
     OUT/merged.parquet   every shard's rows in one file (shard 0's parts first, then shard 1's,
                          ...: grouped by shard, not in input order), same columns as the parts
+                         (the id column under its input name, as in _job.json's id_column)
     OUT/_stats.json      totals, throughput and a per-shard table
     OUT/_SUCCESS         written last
 
@@ -32,7 +33,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE, write_atomic
+from batchgen.data.atomic import write_atomic
+from batchgen.data.source import DEFAULT_ID_COLUMN
+from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE
 from batchgen.scaleout.shard import Shard
 
 MERGED_FILE = "merged.parquet"
@@ -314,8 +317,9 @@ def _merge_parts(reports: list[ShardReport], f: BinaryIO | None) -> None:
                 elif not table.schema.equals(writer.schema):
                     table = table.cast(writer.schema)
                 writer.write_table(table)
-        if f is not None and writer is None:  # no rows at all: an empty file has no columns
-            writer = pq.ParquetWriter(f, pa.schema([("id", pa.int64())]))
+        if f is not None and writer is None:  # no rows at all: an empty file of the id column
+            id_column = (reports[0].fingerprint or {}).get("id_column") or DEFAULT_ID_COLUMN
+            writer = pq.ParquetWriter(f, pa.schema([(id_column, pa.int64())]))
     finally:
         if writer is not None:
             writer.close()

@@ -1,0 +1,108 @@
+"""Result records: the output schema, and the buffer that checks records against it and hands
+the output directory a part's worth at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.data.errors import InputError
+from batchgen.data.source import DEFAULT_ID_COLUMN
+from batchgen.data.writer import OutputDir
+
+_OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+# Names an input column cannot keep in the output: the result row already has them. The id
+# column keeps its input name (`id` for row numbers), so it is reserved only for the passthrough.
+RESERVED_COLUMNS = frozenset({"sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs"})
+SCORE_COLUMNS = frozenset({"label", "scores"})  # a score job's results, in place of text
+
+
+def reserved_columns(score: bool = False) -> frozenset[str]:
+    """Output columns of a job (besides its id): an input column cannot keep their names."""
+    return (RESERVED_COLUMNS - {"text"}) | SCORE_COLUMNS if score else RESERVED_COLUMNS
+
+
+def output_schema(
+    id_type: pa.DataType,
+    passthrough: pa.Schema,
+    with_token_ids: bool = False,
+    with_logprobs: bool = False,
+    samples: bool = False,
+    id_column: str = DEFAULT_ID_COLUMN,
+    score: bool = False,
+) -> pa.Schema:
+    """The one definition of a result row: the id under its input column's name (and
+    sample_index, for n samples a row), passthrough input columns, generation fields (a
+    score job: the most likely label and each label's probability, in place of text)."""
+    reserved = reserved_columns(score)
+    if id_column in reserved:
+        raise InputError(
+            f"id column {id_column!r} has the name of an output column, and the output keeps "
+            "the id column's name; rename it in the input"
+        )
+    clash = [n for n in passthrough.names if n in reserved or n == id_column]
+    if clash:
+        raise InputError(
+            f"passthrough column(s) {', '.join(map(repr, clash))} clash with output columns "
+            f"{sorted({id_column, *reserved})}; leave them out of the passthrough list"
+        )
+    result = (
+        [pa.field("label", pa.string()), pa.field("scores", pa.map_(pa.string(), pa.float64()))]
+        if score
+        else [pa.field("text", pa.string())]
+    )
+    fields = [
+        pa.field(id_column, id_type),
+        *([pa.field("sample_index", pa.int32())] if samples else []),
+        *passthrough.remove_metadata(),
+        *result,
+        pa.field("finish_reason", pa.string()),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("error", pa.string()),
+    ]
+    if with_token_ids:
+        fields.append(pa.field("token_ids", pa.list_(pa.int32())))
+    if with_logprobs:
+        fields.append(pa.field("logprobs", pa.list_(pa.float32())))
+    return pa.schema(fields)
+
+
+class PartBuffer:
+    """Collects result rows and writes a part every `rows_per_part` rows.
+
+    Rows are dicts with exactly the schema's fields; the explicit schema keeps every part's
+    types the same even when a part's column is all null.
+    """
+
+    def __init__(self, output: OutputDir, rows_per_part: int, schema: pa.Schema) -> None:
+        if rows_per_part < 1:
+            raise ValueError(f"rows_per_part must be >= 1, got {rows_per_part}")
+        self.output = output
+        self.rows_per_part = rows_per_part
+        self.schema = schema
+        self._names = set(schema.names)
+        self._rows: list[dict[str, Any]] = []
+
+    def add(self, rows: Iterable[dict[str, Any]]) -> None:
+        for row in rows:
+            if row.keys() != self._names:
+                missing, extra = self._names - row.keys(), row.keys() - self._names
+                raise ValueError(
+                    f"result row does not match the output schema: "
+                    f"missing {sorted(missing)}, unexpected {sorted(extra)}"
+                )
+            self._rows.append(row)
+        while len(self._rows) >= self.rows_per_part:
+            self._write(self._rows[: self.rows_per_part])
+            self._rows = self._rows[self.rows_per_part :]
+
+    def flush(self) -> None:
+        if self._rows:
+            self._write(self._rows)
+            self._rows = []
+
+    def _write(self, rows: list[dict[str, Any]]) -> None:
+        self.output.write_part(pa.Table.from_pylist(rows, schema=self.schema))
