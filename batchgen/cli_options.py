@@ -77,6 +77,7 @@ def run_options(f):
         _opt("--ignore-eos", is_flag=True, help="Generate max_new_tokens even past EOS."),
         _opt("--task", help="generate: sample a completion per row. score: the probability of each --choice label (or choice column) given the prompt, in `scores` and `label` columns; nothing is sampled."),
         _opt("--n", type=int, help="Sampled completions per row (an n column overrides per row): one output row each, keyed by (id, sample_index), each with its own seed; use with --temperature > 0."),
+        _opt("--n-as-list", is_flag=True, help="With --n: one output row per input row, its samples' text, finish_reason, completion_tokens (token_ids, logprobs) as lists in sample order."),
         _opt("--choice", help='Structured output: the output is one of these comma-separated labels, e.g. "positive,negative,neutral" (a choice list column overrides per row).'),
         _opt("--regex", help="Structured output: the output matches this regular expression (a regex column overrides per row)."),
         _opt("--json-schema", help="Structured output: a JSON schema file the output must match (a json_schema column of schema text overrides per row)."),

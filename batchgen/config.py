@@ -55,6 +55,7 @@ class RunConfig:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # sampled completions per row (an n column overrides), each its own record
+    n_as_list: bool = False  # one record per row, its samples' fields as lists
     # structured outputs (one at most; choice/regex/json_schema columns override per row)
     choice: list[str] | None = None  # the output is one of these labels (task score: scored)
     regex: str | None = None  # the output matches this regular expression
@@ -135,6 +136,11 @@ class RunConfig:
             )
         if self.task is Task.SCORE:
             self._check_score()
+        if self.n_as_list and self.output_format is OutputFormat.OPENAI:
+            raise ConfigError(
+                "n_as_list: the OpenAI output already gathers a request's samples as its "
+                "choices; drop --n-as-list"
+            )
         if self.messages_column and self.template:
             raise ConfigError("use either messages_column or template, not both")
         if self.output_format is OutputFormat.OPENAI and (self.shard or self.workers != 1):
@@ -147,8 +153,8 @@ class RunConfig:
         """Options that mean nothing when labels are scored, not sampled."""
         if self.regex is not None or self.json_schema is not None:
             raise ConfigError("task score scores --choice labels; drop --regex / --json-schema")
-        if self.n != 1:
-            raise ConfigError("task score samples nothing; drop --n")
+        if self.n != 1 or self.n_as_list:
+            raise ConfigError("task score samples nothing; drop --n / --n-as-list")
         if self.output_format is OutputFormat.OPENAI:
             raise ConfigError("task score writes scores, not OpenAI completions; drop --output-format openai")  # fmt: skip
 
@@ -194,6 +200,8 @@ class RunConfig:
             del out["n"]
         if self.task is Task.GENERATE:  # and generating jobs
             del out["task"]
+        if not self.n_as_list:  # and jobs of a record per sample
+            del out["n_as_list"]
         if self.json_schema is not None:  # the schema itself: editing the file makes another job
             out["json_schema"] = {"path": str(Path(self.json_schema).resolve()),
                                   "schema": read_json_schema(self.json_schema)}  # fmt: skip

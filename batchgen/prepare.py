@@ -88,6 +88,7 @@ class Row:
     prompt_tokens: int = 0
     error: str | None = None
     sample_index: int | None = None  # which of the row's n samples (None: a job without n)
+    num_samples: int = 1  # the row's n
     labels: tuple[str, ...] = ()  # task score: the labels its request scores, in order
 
 
@@ -164,6 +165,7 @@ class Preparer:
         # n samples per row (--n or an n column): one output record per (id, sample_index)
         self.n_column = "n" in source.columns
         self.samples = cfg.n > 1 or self.n_column
+        self.as_list = cfg.n_as_list  # one record per row, its samples gathered (--n-as-list)
         self.stop_column = STOP_COLUMN if STOP_COLUMN in source.columns else None
         needed = self.builder.required_columns() | set(self.passthrough) | set(self.overrides)
         needed |= set(self.constraint_columns) | ({"n"} if self.n_column else set())
@@ -270,7 +272,8 @@ class Preparer:
             first = len(rows)
             passthrough = {c: rec[c] for c in self.passthrough}
             for k in todo:
-                rows.append(Row(rid, passthrough, sample_index=k if self.samples else None))
+                sample = k if self.samples or self.as_list else None
+                rows.append(Row(rid, passthrough, sample_index=sample, num_samples=n))
             error = bad.get(i) or n_error
             if error is None and error_column and rec[error_column] is not None:
                 error = rec[error_column]
@@ -333,8 +336,9 @@ class Preparer:
         return tuple(tuple(x) for x in ids)
 
     def _key(self, rid: Any, k: int) -> Any:
-        """A record's key in the output: its id, or (id, sample_index) with samples."""
-        return (rid, k) if self.samples else rid
+        """A record's key in the output: its id, or (id, sample_index) with a record per
+        sample."""
+        return (rid, k) if self.samples and not self.as_list else rid
 
     def _num_samples(self, rec: dict) -> tuple[int, str | None]:
         """(the row's n, an error message if its n column is bad: then 1)."""

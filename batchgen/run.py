@@ -23,6 +23,7 @@ from batchgen.config import RunConfig
 from batchgen.data import InputSource, OutputDir, PartBuffer, output_schema
 from batchgen.data.openai_output import write_results
 from batchgen.data.reader import OpenAIBatchSource
+from batchgen.data.records import SampleLists
 from batchgen.data.writer import RESULTS_FILE
 from batchgen.engine.sequence import Completion, FinishReason, Request
 from batchgen.fingerprint import content_fingerprint
@@ -131,6 +132,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
         samples=prep.samples,
         id_column=id_column,
         score=prep.score,
+        as_list=prep.as_list,
     )
     # The id column as resolved (an input's `id` column is one without --id-column).
     fingerprint = {
@@ -179,13 +181,22 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
     progress = _progress(cfg, source.num_rows)
     rows: dict[int, Row] = {}  # rows in flight, by request index
+    lists = SampleLists() if prep.as_list else None
+
+    def gather(finished: list[Row], records: list[dict]) -> list[dict]:
+        """The records to write: as they are, or (--n-as-list) each row's once all its
+        samples are in."""
+        if lists is None:
+            return records
+        out = (lists.add(r.id, r.num_samples, r.sample_index, rec) for r, rec in zip(finished, records, strict=True))  # fmt: skip
+        return [rec for rec in out if rec is not None]
 
     def requests() -> Iterator[Request]:
         """Every row not done yet, as one stream; error rows are written as read."""
         n = 0
         for _, window in prep.windows(done):
             errors = [_row_record(r, None, cfg, id_column) for r in window.errors]
-            buffer.add(errors)
+            buffer.add(gather(window.errors, errors))
             stats.add_error_rows(len(errors))
             progress.update(window.skipped + len(errors))
             for r in window.requests:
@@ -203,7 +214,9 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
                 stats.add_step(report)  # its cost and its finished rows
                 if report.finished:
                     done_now = report.finished
-                    buffer.add(_row_record(rows.pop(c.index), c, cfg, id_column) for c in done_now)
+                    finished = [rows.pop(c.index) for c in done_now]
+                    records = [_row_record(r, c, cfg, id_column) for r, c in zip(finished, done_now, strict=True)]  # fmt: skip
+                    buffer.add(gather(finished, records))
                     progress.update(len(done_now))
                     progress.set_postfix_str(f"{stats.rate(stats.output_tokens):.0f} out tok/s")
                 if time.monotonic() - last_flush > cfg.flush_seconds:
@@ -211,6 +224,8 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
                     last_flush = time.monotonic()
                 if signals:
                     raise JobInterrupted(signals[0])
+            if lists is not None and lists.pending:  # cannot happen: every sample finishes
+                raise RuntimeError(f"{lists.pending} rows still wait for samples at the end")
             complete = True
         finally:
             buffer.flush()  # on a signal too: every finished row is kept

@@ -1,6 +1,8 @@
 """n samples per row (--n, an n column): one output record per (id, sample_index), each with
 its own seed, exactly once across reruns; the real CLI on a tiny random model."""
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from helpers import FAST, prompts, read_output, read_stats, run_cli, write_parquet
 
@@ -64,3 +66,54 @@ def test_resume_completes_every_sample_exactly_once(tmp_path, model, id_column):
     assert sorted(again) == sorted(first)
     assert all(again[k]["token_ids"] == first[k]["token_ids"] for k in first)
     assert (out / "_SUCCESS").exists()
+
+
+def test_n_as_list_gives_one_row_with_the_samples_in_order(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3), "n": [2, None, 0]})
+    run_cli("run", src, "-o", tmp_path / "rows", "--model", model, *SAMPLED, "--n", 3)
+    per_sample = _samples(tmp_path / "rows")
+    out = tmp_path / "lists"
+    run_cli("run", src, "-o", out, "--model", model, *SAMPLED, "--n", 3, "--n-as-list",
+            "--with-logprobs", "--rows-per-part", 1)  # fmt: skip
+    table = read_output(out)
+    assert "sample_index" not in table.column_names
+    assert table.schema.field("text").type.value_type == pa.string()
+    got = {r["id"]: r for r in table.to_pylist()}
+    assert sorted(got) == [0, 1, 2]  # one record per row
+    for i, n in ((0, 2), (1, 3)):
+        assert got[i]["token_ids"] == [per_sample[(i, k)]["token_ids"] for k in range(n)]
+        assert got[i]["text"] == [per_sample[(i, k)]["text"] for k in range(n)]
+        assert got[i]["finish_reason"] == ["length"] * n and got[i]["error"] is None
+        assert [len(x) for x in got[i]["logprobs"]] == got[i]["completion_tokens"] == [6] * n
+    assert got[2]["text"] == [None] and "bad per-row n" in got[2]["error"]
+    assert read_stats(out)["rows"] == 2 + 3 + 1  # samples run
+    # a rerun finds every row done; a killed part's rows are redone whole
+    (out / "_SUCCESS").unlink()
+    sorted(out.glob("part-*.parquet"))[0].unlink()
+    run_cli("run", src, "-o", out, "--model", model, *SAMPLED, "--n", 3, "--n-as-list",
+            "--with-logprobs", "--rows-per-part", 1)  # fmt: skip
+    again = {r["id"]: r for r in read_output(out).to_pylist()}
+    assert again == got
+
+
+def test_sample_lists_hold_a_row_until_its_last_sample():
+    from batchgen.data.records import SampleLists
+
+    lists = SampleLists()
+    rec = lambda k, err=None: {"id": 7, "sample_index": k, "text": f"t{k}", "error": err}  # noqa: E731
+    assert lists.add(7, 3, 2, rec(2)) is None and lists.add(7, 3, 0, rec(0, "x")) is None
+    assert lists.pending == 1
+    assert lists.add(7, 3, 1, rec(1)) == {"id": 7, "text": ["t0", "t1", "t2"], "error": "x"}
+    assert lists.pending == 0
+
+
+def test_n_as_list_shards_merge(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(5)})
+    out = tmp_path / "out"
+    for shard in ("0/2", "1/2"):
+        run_cli("run", src, "-o", out, "--model", model, *SAMPLED, "--n", 2, "--n-as-list",
+                "--shard", shard)  # fmt: skip
+    run_cli("merge", out)
+    merged = pq.read_table(out / "merged.parquet")
+    assert sorted(merged.column("id").to_pylist()) == list(range(5))
+    assert all(len(t) == 2 for t in merged.column("text").to_pylist())

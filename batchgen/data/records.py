@@ -32,10 +32,12 @@ def output_schema(
     samples: bool = False,
     id_column: str = DEFAULT_ID_COLUMN,
     score: bool = False,
+    as_list: bool = False,
 ) -> pa.Schema:
     """The one definition of a result row: the id under its input column's name (and
     sample_index, for n samples a row), passthrough input columns, generation fields (a
-    score job: the most likely label and each label's probability, in place of text)."""
+    score job: the most likely label and each label's probability, in place of text).
+    as_list: a row's n samples in one record, their generation fields as lists."""
     reserved = reserved_columns(score)
     if id_column in reserved:
         raise InputError(
@@ -55,7 +57,7 @@ def output_schema(
     )
     fields = [
         pa.field(id_column, id_type),
-        *([pa.field("sample_index", pa.int32())] if samples else []),
+        *([pa.field("sample_index", pa.int32())] if samples and not as_list else []),
         *passthrough.remove_metadata(),
         *result,
         pa.field("finish_reason", pa.string()),
@@ -67,7 +69,42 @@ def output_schema(
         fields.append(pa.field("token_ids", pa.list_(pa.int32())))
     if with_logprobs:
         fields.append(pa.field("logprobs", pa.list_(pa.float32())))
+    if as_list:
+        fields = [pa.field(f.name, pa.list_(f.type)) if f.name in LIST_FIELDS else f for f in fields]  # fmt: skip
     return pa.schema(fields)
+
+
+# A sample's own fields: gathered into lists (in sample order) by SampleLists.
+LIST_FIELDS = ("text", "finish_reason", "completion_tokens", "token_ids", "logprobs")
+
+
+class SampleLists:
+    """--n-as-list: holds each row's sample records until all n are in, then gives one
+    record with the samples' own fields as lists and the row's fields (id, passthrough,
+    prompt_tokens) once; `error` is the first sample's error, if any."""
+
+    def __init__(self) -> None:
+        self._rows: dict[Any, tuple[int, dict[int, dict[str, Any]]]] = {}  # key -> (n, samples)
+
+    def add(self, key: Any, n: int, sample: int, rec: dict[str, Any]) -> dict[str, Any] | None:
+        """Sample `sample` of the row `key` (of n samples); its row's record once complete."""
+        _, got = self._rows.setdefault(key, (n, {}))
+        got[sample] = rec
+        if len(got) < n:
+            return None
+        del self._rows[key]
+        samples = [got[k] for k in range(n)]
+        out = {k: v for k, v in samples[0].items() if k != "sample_index"}
+        for f in LIST_FIELDS:
+            if f in out:
+                out[f] = [s[f] for s in samples]
+        out["error"] = next((s["error"] for s in samples if s["error"] is not None), None)
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Rows with some but not all samples in."""
+        return len(self._rows)
 
 
 class PartBuffer:

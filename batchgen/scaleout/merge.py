@@ -274,7 +274,10 @@ def _count(r: ShardReport, table: pa.Table) -> None:
     r.rows += table.num_rows
     r.rows_error += len(table.column("error")) - table.column("error").null_count
     r.prompt_tokens += pc.sum(table.column("prompt_tokens")).as_py() or 0
-    r.output_tokens += pc.sum(table.column("completion_tokens")).as_py() or 0
+    completion = table.column("completion_tokens")
+    if pa.types.is_list(completion.type):  # --n-as-list: a row's samples' counts
+        completion = pc.list_flatten(completion)
+    r.output_tokens += pc.sum(completion).as_py() or 0
 
 
 def _check_row_count(reports: list[ShardReport]) -> None:
@@ -291,7 +294,8 @@ def _check_row_count(reports: list[ShardReport]) -> None:
     if "n" in source.columns:
         return  # each row's own number of samples: not counted without reading them
     expected = source.num_rows if fp.get("limit") is None else min(fp["limit"], source.num_rows)
-    expected *= fp.get("n", 1)  # a record per sample
+    if not fp.get("n_as_list"):
+        expected *= fp.get("n", 1)  # a record per sample
     got = sum(pq.ParquetFile(r.path / p).metadata.num_rows for r in reports for p in r.parts)
     if got != expected:
         raise MergeError(
