@@ -113,6 +113,9 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     job = open_job(cfg)
+    if cfg.output_format is OutputFormat.OPENAI and job.source.asks_logprobs:
+        # the output lines that ask for them get each token's logprob: the parts keep them
+        cfg = dataclasses.replace(cfg, with_token_ids=True, with_logprobs=True)
     if isinstance(job.source, OpenAIBatchSource) and job.source.unsupported_fields:
         unsupported = job.source.unsupported_fields
         stats.extra["openai_unsupported_fields"] = unsupported
@@ -149,7 +152,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
         )
         stats.extra["complete"] = True
         if cfg.output_format is OutputFormat.OPENAI:  # the part files may predate the option
-            _write_openai_results(out, source, model_dir)
+            _write_openai_results(out, source, model_dir, spec.tokenizer)
         stats.finish()
         return stats
 
@@ -234,14 +237,18 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
             stats.extra["complete"] = complete
             out.write_stats(stats.to_dict())
         if cfg.output_format is OutputFormat.OPENAI:
-            _write_openai_results(out, source, model_dir)
+            _write_openai_results(out, source, model_dir, spec.tokenizer)
         out.mark_success()
     return stats
 
 
-def _write_openai_results(out: OutputDir, source: InputSource, model_dir: Path) -> None:
+def _write_openai_results(out: OutputDir, source: InputSource, model_dir: Path, tokenizer) -> None:  # fmt: skip
     assert isinstance(source, OpenAIBatchSource)  # checked in open_job
-    n = write_results(out.path, source.requests, out.read_all(), str(model_dir))
+
+    def token_text(t: int) -> str:
+        return tokenizer.decode([t])
+
+    n = write_results(out.path, source.requests, out.read_all(), str(model_dir), token_text)
     log.info("wrote %d OpenAI batch output lines to %s", n, os.path.join(out.path, RESULTS_FILE))
 
 

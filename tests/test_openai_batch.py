@@ -347,7 +347,8 @@ def test_openai_output_needs_an_openai_input(tmp_path, model):
 
 def test_output_lines_of_several_samples(tmp_path):
     """Results with a sample_index (n samples of a request) are one line with a choice each."""
-    requests = pa.table({"custom_id": ["x", "y", "z"], "messages": ["[]", None, None]})
+    requests = pa.table({"custom_id": ["x", "y", "z"], "messages": ["[]", None, None],
+                         "logprobs": pa.array([None] * 3, pa.bool_())})  # fmt: skip
     results = pa.table({
         "custom_id": ["y", "x", "x", "z", "z"],
         "sample_index": [0, 1, 0, 0, 1],
@@ -387,3 +388,25 @@ def test_n_and_response_format_are_applied(tmp_path, model):
     assert json.loads(only["text"]) in ({"ok": True}, {"ok": False})
     assert [c["index"] for c in got["three"]] == [0, 1, 2]
     assert len({c["text"] for c in got["three"]}) > 1  # three independent samples
+
+
+def test_logprobs_asked_for_are_in_the_output_lines(tmp_path, model):
+    lines = [
+        chat_line("c", CHATS[0], max_tokens=4, logprobs=True),
+        completion_line("p", PROMPTS[0], max_tokens=3, logprobs=0),
+        completion_line("q", PROMPTS[1], max_tokens=3),
+    ]
+    src = tmp_path / "req.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out"
+    _run(src, out, model, "--output-format", "openai")
+    rows = rows_by_id(out, "custom_id")
+    c, p, q = _results(out)
+    content = c["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [e["logprob"] for e in content] == pytest.approx(rows["c"]["logprobs"])
+    assert "".join(e["token"] for e in content) == c["response"]["body"]["choices"][0]["message"]["content"]  # fmt: skip
+    assert all(e["bytes"] == list(e["token"].encode()) and e["top_logprobs"] == [] for e in content)
+    lp = p["response"]["body"]["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx(rows["p"]["logprobs"]) and len(lp["tokens"]) == 3
+    assert lp["text_offset"][0] == 0 and lp["top_logprobs"] is None
+    assert q["response"]["body"]["choices"][0]["logprobs"] is None  # not asked for

@@ -5,13 +5,17 @@ One line per request with a result, in the input's order, as OpenAI's Batch API 
 `chat.completion` or `text_completion` body with `choices` and `usage`) and `error`. A row that
 failed gets status 400, no body, and `error` {code, message}. The ids are the request's place in
 the input, so a rerun writes the same ids. Where the results hold several samples of a request
-(a `sample_index` column), they are its choices, in sample order.
+(a `sample_index` column), they are its choices, in sample order. A request that asked for
+`logprobs` gets each generated token's: a chat choice's `logprobs.content` ({token, logprob,
+bytes, top_logprobs: []}), a completion's `tokens`/`token_logprobs`/`text_offset`; the top
+alternatives are not computed (`top_logprobs` empty, or null for a completion).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -29,24 +33,38 @@ _RESULT_COLUMNS = (
 )
 
 
+TokenText = Callable[[int], str]
+
+
 def write_results(
-    directory: str, requests: pa.Table, results: pa.Table, model: str, created: int | None = None
+    directory: str,
+    requests: pa.Table,
+    results: pa.Table,
+    model: str,
+    token_text: TokenText = str,
+    created: int | None = None,
 ) -> int:
     """Write directory/results.jsonl atomically; returns the number of lines.
 
-    requests: the OpenAI source's table (`custom_id`, `messages`, in input order); results: the
-    job's output rows (any order), whose id column is custom_id, the input's."""
+    requests: the OpenAI source's table (`custom_id`, `messages`, `logprobs`, in input order);
+    results: the job's output rows (any order), whose id column is custom_id, the input's, with
+    `token_ids` and `logprobs` for the requests that ask for logprobs. token_text: a token's
+    text."""
     created = int(time.time()) if created is None else created
     # sample_index: several results of one request (n samples), where the job has it.
-    columns = [c for c in (*_RESULT_COLUMNS, "sample_index") if c in results.schema.names]
+    extra = ("sample_index", "token_ids", "logprobs")
+    columns = [c for c in (*_RESULT_COLUMNS, *extra) if c in results.schema.names]
     by_id: dict[Any, list[dict[str, Any]]] = {}
     for r in results.select(columns).to_pylist():
         by_id.setdefault(r["custom_id"], []).append(r)
     ids = requests.column("custom_id").to_pylist()
     chats = requests.column("messages").is_valid().to_pylist()
+    asked = requests.column("logprobs").fill_null(False).to_pylist()
     lines = [
-        json.dumps(output_line(i, cid, chat, by_id[cid], model, created))
-        for i, (cid, chat) in enumerate(zip(ids, chats, strict=True))
+        json.dumps(
+            output_line(i, cid, chat, by_id[cid], model, created, token_text if lp else None)
+        )  # fmt: skip
+        for i, (cid, chat, lp) in enumerate(zip(ids, chats, asked, strict=True))
         if cid in by_id
     ]
     data = "".join(line + "\n" for line in lines).encode()
@@ -55,10 +73,16 @@ def write_results(
 
 
 def output_line(
-    index: int, custom_id: str, chat: bool, rows: list[dict[str, Any]], model: str, created: int
+    index: int,
+    custom_id: str,
+    chat: bool,
+    rows: list[dict[str, Any]],
+    model: str,
+    created: int,
+    token_text: TokenText | None = None,
 ) -> dict[str, Any]:
     """The output line of request `index` of the input, from its result rows (one a sample).
-    A request with any failed sample failed."""
+    A request with any failed sample failed. token_text: the request asked for logprobs."""
     rows = sorted(rows, key=lambda r: r.get("sample_index") or 0)
     request_id = f"batchgen-req-{index}"
     line: dict[str, Any] = {"id": f"batchgen-{index}", "custom_id": custom_id}
@@ -73,7 +97,8 @@ def output_line(
             choice = {"index": i, "message": {"role": "assistant", "content": row["text"]}}
         else:
             choice = {"index": i, "text": row["text"]}
-        choices.append({**choice, "logprobs": None, "finish_reason": row["finish_reason"]})
+        logprobs = _logprobs(row, chat, token_text) if token_text is not None else None
+        choices.append({**choice, "logprobs": logprobs, "finish_reason": row["finish_reason"]})
     kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
     body: dict[str, Any] = {"id": f"{kind[0]}-{index}", "object": kind[1]}
     # The samples share one prompt: it counts once.
@@ -92,3 +117,25 @@ def output_line(
     line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     line["error"] = None
     return line
+
+
+def _logprobs(row: dict[str, Any], chat: bool, token_text: TokenText) -> dict[str, Any]:
+    """A choice's logprobs in the format of its endpoint."""
+    texts = [token_text(t) for t in row["token_ids"]]
+    if chat:
+        return {
+            "content": [
+                {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                for s, lp in zip(texts, row["logprobs"], strict=True)
+            ]
+        }
+    offsets, at = [], 0
+    for s in texts:
+        offsets.append(at)
+        at += len(s)
+    return {
+        "tokens": texts,
+        "token_logprobs": row["logprobs"],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
@@ -150,9 +151,15 @@ class OpenAIBatchSource(InputSource):
         self.files = files
 
     @property
+    def asks_logprobs(self) -> bool:
+        """Does any line ask for its tokens' logprobs?"""
+        return bool(pc.any(self._table.column("logprobs")).as_py())
+
+    @property
     def requests(self) -> pa.Table:
-        """Every line's custom_id and messages (null for a completion), in input order."""
-        return self._table.select(["custom_id", "messages"])
+        """Every line's custom_id, messages (null for a completion) and whether it asked for
+        logprobs, in input order."""
+        return self._table.select(["custom_id", "messages", "logprobs"])
 
     def _read(self, batch_rows: int, columns: Sequence[str] | None) -> Iterator[pa.RecordBatch]:
         table = self._table if columns is None else self._table.select(list(columns))
