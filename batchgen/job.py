@@ -67,9 +67,11 @@ def open_job(cfg: RunConfig) -> Job:
         what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
         check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", spec.device)
     prep = Preparer(cfg, source, spec.tokenizer, max_prompt)
-    if prep.defaults.constraint is not None:  # a job's grammar that cannot compile: before loading
+    if (
+        prep.options.defaults.constraint is not None
+    ):  # a job's grammar that cannot compile: before loading
         try:  # compiled into spec.grammars' cache, which the engine then uses
-            spec.grammars.compile(prep.defaults.constraint)
+            spec.grammars.compile(prep.options.defaults.constraint)
         except ConstraintError as e:
             raise ConfigError(str(e)) from None
     return Job(spec, source, prep)

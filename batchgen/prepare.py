@@ -1,4 +1,5 @@
-"""Input rows -> engine requests: render prompts, tokenize, apply per-row overrides.
+"""Input rows -> engine requests: render prompts, tokenize, apply per-row options
+(row_options.py).
 
 Works one window of rows at a time, so a 10-million-row input is never held at once.
 Rows that cannot run become error records here, before the engine sees them.
@@ -6,7 +7,6 @@ Rows that cannot run become error records here, before the engine sees them.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator
@@ -15,66 +15,16 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.config import ConfigError, RunConfig, Task, read_json_schema
+from batchgen.config import RunConfig, Task
 from batchgen.data import InputError, InputFormat, InputSource, PromptBuilder, RowError, default_ids
 from batchgen.data.records import reserved_columns
-from batchgen.data.source import DEFAULT_ID_COLUMN
-from batchgen.engine.constraints import Constraint, ConstraintError, ConstraintKind, parse_choices
-from batchgen.engine.sequence import Request, SamplingParams
-from batchgen.seeds import row_seed
+from batchgen.data.source import DEFAULT_ID_COLUMN, decode_rows
+from batchgen.engine.sequence import Request
+from batchgen.row_options import RowOptions
 from batchgen.tokenization import fit_length, tokenize
 
 log = logging.getLogger(__name__)
 
-# Optional input columns that override the job's sampling defaults for their row. Without a
-# seed column, each row's seed is derived from the job's seed and the row's id (seeds.py).
-OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "seed")
-# Optional input columns that constrain their row's output (over the job's --choice etc.).
-CONSTRAINT_COLUMNS = tuple(k.value for k in ConstraintKind)
-
-
-def job_constraint(cfg: RunConfig) -> Constraint | None:
-    """The job's --choice / --regex / --json-schema, or None (a score job's labels are
-    scored, not a constraint)."""
-    if cfg.task is Task.SCORE:
-        return None
-    if cfg.choice is not None:
-        try:
-            return Constraint(ConstraintKind.CHOICE, parse_choices(cfg.choice))
-        except ConstraintError as e:
-            raise ConfigError(str(e)) from None
-    if cfg.regex is not None:
-        return Constraint(ConstraintKind.REGEX, cfg.regex)
-    if cfg.json_schema is not None:
-        return Constraint(ConstraintKind.JSON_SCHEMA, read_json_schema(cfg.json_schema))
-    return None
-
-
-def row_constraint(rec: dict[str, Any], columns: list[str]) -> Constraint | None:
-    """A row's own constraint from its choice / regex / json_schema column, or None."""
-    given = [c for c in columns if rec.get(c) is not None]
-    if len(given) > 1:
-        raise RowError(f"the row sets both {given[0]} and {given[1]}; give one constraint")
-    if not given:
-        return None
-    col, value = given[0], rec[given[0]]
-    kind = ConstraintKind(col)
-    try:
-        if kind is ConstraintKind.CHOICE:
-            return Constraint(kind, parse_choices(value))
-        if isinstance(value, dict):  # a struct column: the schema itself
-            import json
-
-            value = json.dumps(value)
-        if not isinstance(value, str):
-            raise ConstraintError(f"{col} is {type(value).__name__}, not text")
-        return Constraint(kind, value)
-    except ConstraintError as e:
-        raise RowError(str(e)) from e
-
-
-# An optional input column of stop strings (a string or a list) that replaces --stop for its row.
-STOP_COLUMN = "stop"
 # The fix for bad ids where row numbers would do.
 ROW_NUMBERS_FIX = "use row numbers as ids (no --id-column, and no input column named id)"
 # Columns of an OpenAI batch file copied to the output by default (the request's prompt).
@@ -150,28 +100,17 @@ class Preparer:
         self.id_column = cfg.id_column or source.id_column
         self.max_prompt_len = max_prompt_len
         self.passthrough = self._passthrough(cfg, source)
-        self.overrides = [c for c in OVERRIDE_COLUMNS if c in source.columns]
-        self.constraint_columns = [c for c in CONSTRAINT_COLUMNS if c in source.columns]
-        self.score = cfg.task is Task.SCORE
-        if self.score:  # a choice column holds the row's labels to score; nothing constrains
-            self.constraint_columns = [c for c in self.constraint_columns if c == "choice"]
-            if cfg.choice is None and not self.constraint_columns:
-                raise ConfigError(
-                    "task score needs labels to score: pass --choice a,b,c or give the input a "
-                    "choice column (a list of labels per row)"
-                )
-            self.labels = _parse_labels(cfg.choice) if cfg.choice is not None else ()
-            self.label_ids = self._label_ids(self.labels)
+        self.options = RowOptions(cfg, source.columns, tokenizer)
+        self.score = self.options.score
         # n samples per row (--n or an n column): one output record per (id, sample_index)
         self.n_column = "n" in source.columns
         self.samples = cfg.n > 1 or self.n_column
         self.as_list = cfg.n_as_list  # one record per row, its samples gathered (--n-as-list)
-        self.stop_column = STOP_COLUMN if STOP_COLUMN in source.columns else None
-        needed = self.builder.required_columns() | set(self.passthrough) | set(self.overrides)
-        needed |= set(self.constraint_columns) | ({"n"} if self.n_column else set())
+        needed = self.builder.required_columns() | set(self.passthrough) | self.options.columns
+        needed |= {"n"} if self.n_column else set()
         if self.chat_builder is not None:
             needed |= self.chat_builder.required_columns()
-        needed |= {c for c in (self.id_column, self.stop_column, source.error_column) if c}
+        needed |= {c for c in (self.id_column, source.error_column) if c}
         source.require_columns(sorted(needed))
         id_column = self.id_column
         if id_column and pa.types.is_floating(source.schema.field(id_column).type):
@@ -182,15 +121,6 @@ class Preparer:
                 f"to int or string, or {ROW_NUMBERS_FIX}"
             )
         self.columns = [c for c in source.columns if c in needed]
-        self.defaults = SamplingParams(
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            stop=tuple(cfg.stop),
-            ignore_eos=cfg.ignore_eos,
-            constraint=job_constraint(cfg),
-        )
         self._seen_ids: set[Any] = set()
 
     @staticmethod
@@ -233,7 +163,7 @@ class Preparer:
             n_read = batch.num_rows
             row_numbers = list(range(offset, offset + batch.num_rows))
             if self.id_column:
-                ids, bad = _decode(batch.select([self.id_column]), row_numbers)
+                ids, bad = decode_rows(batch.select([self.id_column]), row_numbers)
                 if bad:
                     raise InputError(f"id column {self.id_column!r}: {next(iter(bad.values()))}")
                 ids = [r[self.id_column] for r in ids]
@@ -246,7 +176,7 @@ class Preparer:
                 batch = batch.filter(pa.array(keep, pa.bool_()))
                 ids = list(itertools.compress(ids, keep))
                 row_numbers = list(itertools.compress(row_numbers, keep))
-            records, bad = _decode(batch, row_numbers)
+            records, bad = decode_rows(batch, row_numbers)
             window = self._window(records, ids, done, bad)
             window.skipped += other * self.cfg.n
             yield n_read, window
@@ -254,7 +184,7 @@ class Preparer:
     def _window(
         self, records: list[dict], ids: list[Any], done: set[Any], bad: dict[int, str]
     ) -> Window:
-        """bad: {position: error} of rows that could not be decoded (see _decode). Each row
+        """bad: {position: error} of rows that could not be decoded (see decode_rows). Each row
         gives one output record per sample not done yet (one, without n)."""
         rows: list[Row] = []
         texts: list[str] = []
@@ -296,14 +226,14 @@ class Preparer:
             samples = rows[first : first + len(todo)]
             try:
                 ids_ = fit_length(ids_, self.max_prompt_len, self.cfg.truncate)
-                params = [self._params(rec, samples[0].id, k) for k in todo]
+                params = [self.options.params(rec, samples[0].id, k) for k in todo]
             except RowError as e:
                 for row in samples:
                     row.error = e.message
                 continue
             if self.score:
                 try:
-                    labels, cands = self._row_labels(rec)
+                    labels, cands = self.options.labels(rec)
                 except RowError as e:
                     samples[0].error = e.message
                     continue
@@ -314,26 +244,6 @@ class Preparer:
                 samples[j].prompt_tokens = len(ids_)
                 requests.append(Request(first + j, ids_, p))
         return Window(rows, requests, skipped)
-
-    def _row_labels(self, rec: dict) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
-        """A score row's labels (its choice column's, else the job's) and their token ids."""
-        if rec.get("choice") is None:
-            if not self.labels:
-                raise RowError("no labels to score: the row's choice is null and there is no --choice")  # fmt: skip
-            return self.labels, self.label_ids
-        try:
-            labels = _parse_labels(rec["choice"])
-            return labels, self._label_ids(labels)
-        except ConfigError as e:
-            raise RowError(str(e)) from None
-
-    def _label_ids(self, labels: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """Each label's tokens as a continuation of the prompt (no special tokens)."""
-        ids = tokenize(self.tokenizer, list(labels), add_special_tokens=False)
-        for label, x in zip(labels, ids, strict=True):
-            if not x:
-                raise ConfigError(f"choice: the label {label!r} tokenizes to no tokens")
-        return tuple(tuple(x) for x in ids)
 
     def _key(self, rid: Any, k: int) -> Any:
         """A record's key in the output: its id, or (id, sample_index) with a record per
@@ -368,67 +278,3 @@ class Preparer:
                 f"for exactly-once output; fix the input, or {ROW_NUMBERS_FIX}"
             )
         self._seen_ids.add(rid)
-
-    def _params(self, rec: dict, row_id: Any, sample: int = 0) -> SamplingParams:
-        values = {c: rec[c] for c in self.overrides if rec.get(c) is not None}
-        try:
-            for c, v in values.items():
-                if isinstance(v, bool) or not isinstance(v, int | float):
-                    raise ValueError(f"{c} is {v!r}, not a number")
-                values[c] = int(v) if c in ("max_new_tokens", "seed") else float(v)
-            if sample and "seed" in values:  # a row's explicit seed is its sample 0's
-                values["seed"] = row_seed(values["seed"], row_id, sample)
-            values.setdefault("seed", row_seed(self.cfg.seed, row_id, sample))
-            constraint = row_constraint(rec, self.constraint_columns)
-            if constraint is not None:
-                values["constraint"] = constraint
-            if self.stop_column and rec[self.stop_column] is not None:
-                values["stop"] = _stop_strings(rec[self.stop_column])
-            return dataclasses.replace(self.defaults, **values)
-        except (ValueError, TypeError) as e:
-            raise RowError(f"bad per-row sampling value: {e}") from e
-
-
-def _parse_labels(value: Any) -> tuple[str, ...]:
-    try:
-        return parse_choices(value)
-    except ConstraintError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _stop_strings(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list | tuple) and all(isinstance(s, str) for s in value):
-        return tuple(value)
-    raise ValueError(f"{STOP_COLUMN} is {value!r}, not a string or a list of strings")
-
-
-def _decode(batch: pa.RecordBatch, row_numbers: list[int]) -> tuple[list[dict], dict[int, str]]:
-    """The batch's rows as dicts, and {position: error} for rows holding a string that is not
-    valid UTF-8 (pyarrow's JSON reader passes such bytes through; decoding them fails).
-
-    Those values become None and the row an error record, so that one bad line does not stop
-    a job; the message names the row (its number in the input, 0-based: line N+1 of a JSON
-    Lines file without blank lines)."""
-    try:
-        return batch.to_pylist(), {}
-    except UnicodeDecodeError:
-        pass  # find the rows, value by value
-    records: list[dict] = []
-    bad: dict[int, str] = {}
-    for i in range(batch.num_rows):
-        rec, cols = {}, []
-        for name, column in zip(batch.schema.names, batch.columns, strict=True):
-            try:
-                rec[name] = column[i].as_py()
-            except UnicodeDecodeError:
-                rec[name] = None
-                cols.append(repr(name))
-        records.append(rec)
-        if cols:
-            bad[i] = (
-                f"invalid UTF-8 in column {', '.join(cols)} of input row {row_numbers[i]}; "
-                "fix the file's encoding (e.g. iconv -f <its encoding> -t utf-8)"
-            )
-    return records, bad

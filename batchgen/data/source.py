@@ -119,3 +119,33 @@ def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
 def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     """The batch under the source's metadata-free schema (zero-copy), so batches always concat."""
     return pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+
+
+def decode_rows(batch: pa.RecordBatch, row_numbers: list[int]) -> tuple[list[dict], dict[int, str]]:
+    """The batch's rows as dicts, and {position: error} for rows holding a string that is not
+    valid UTF-8 (pyarrow's JSON reader passes such bytes through; decoding them fails).
+
+    Those values become None and the row an error record, so that one bad line does not stop
+    a job; the message names the row (its number in the input, 0-based: line N+1 of a JSON
+    Lines file without blank lines)."""
+    try:
+        return batch.to_pylist(), {}
+    except UnicodeDecodeError:
+        pass  # find the rows, value by value
+    records: list[dict] = []
+    bad: dict[int, str] = {}
+    for i in range(batch.num_rows):
+        rec, cols = {}, []
+        for name, column in zip(batch.schema.names, batch.columns, strict=True):
+            try:
+                rec[name] = column[i].as_py()
+            except UnicodeDecodeError:
+                rec[name] = None
+                cols.append(repr(name))
+        records.append(rec)
+        if cols:
+            bad[i] = (
+                f"invalid UTF-8 in column {', '.join(cols)} of input row {row_numbers[i]}; "
+                "fix the file's encoding (e.g. iconv -f <its encoding> -t utf-8)"
+            )
+    return records, bad

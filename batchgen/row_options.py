@@ -1,0 +1,159 @@
+"""A row's generation options: the job's (flags or spec), overridden by the row's own columns.
+
+Sampling values (`max_new_tokens`, `temperature`, `top_p`, `seed` columns), stop strings (a
+`stop` column), a constraint (`choice` / `regex` / `json_schema` columns) and, for a score
+job, the labels to score (a `choice` column, else the job's `--choice`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from typing import Any
+
+from batchgen.config import ConfigError, RunConfig, Task, read_json_schema
+from batchgen.data import RowError
+from batchgen.engine.constraints import Constraint, ConstraintError, ConstraintKind, parse_choices
+from batchgen.engine.sequence import SamplingParams
+from batchgen.seeds import row_seed
+from batchgen.tokenization import tokenize
+
+# Optional input columns that override the job's sampling defaults for their row. Without a
+# seed column, each row's seed is derived from the job's seed and the row's id (seeds.py).
+OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "seed")
+# Optional input columns that constrain their row's output (over the job's --choice etc.).
+CONSTRAINT_COLUMNS = tuple(k.value for k in ConstraintKind)
+# An optional input column of stop strings (a string or a list) that replaces --stop for its row.
+STOP_COLUMN = "stop"
+
+Labels = tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]  # labels and their token ids
+
+
+def job_constraint(cfg: RunConfig) -> Constraint | None:
+    """The job's --choice / --regex / --json-schema, or None (a score job's labels are
+    scored, not a constraint)."""
+    if cfg.task is Task.SCORE:
+        return None
+    if cfg.choice is not None:
+        try:
+            return Constraint(ConstraintKind.CHOICE, parse_choices(cfg.choice))
+        except ConstraintError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.regex is not None:
+        return Constraint(ConstraintKind.REGEX, cfg.regex)
+    if cfg.json_schema is not None:
+        return Constraint(ConstraintKind.JSON_SCHEMA, read_json_schema(cfg.json_schema))
+    return None
+
+
+def row_constraint(rec: dict[str, Any], columns: list[str]) -> Constraint | None:
+    """A row's own constraint from its choice / regex / json_schema column, or None."""
+    given = [c for c in columns if rec.get(c) is not None]
+    if len(given) > 1:
+        raise RowError(f"the row sets both {given[0]} and {given[1]}; give one constraint")
+    if not given:
+        return None
+    col, value = given[0], rec[given[0]]
+    kind = ConstraintKind(col)
+    try:
+        if kind is ConstraintKind.CHOICE:
+            return Constraint(kind, parse_choices(value))
+        if isinstance(value, dict):  # a struct column: the schema itself
+            import json
+
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise ConstraintError(f"{col} is {type(value).__name__}, not text")
+        return Constraint(kind, value)
+    except ConstraintError as e:
+        raise RowError(str(e)) from e
+
+
+class RowOptions:
+    """The options of the rows of one input: `params(rec)` gives a row's SamplingParams,
+    `labels(rec)` a score row's labels."""
+
+    def __init__(self, cfg: RunConfig, columns: Collection[str], tokenizer) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.overrides = [c for c in OVERRIDE_COLUMNS if c in columns]
+        self.constraint_columns = [c for c in CONSTRAINT_COLUMNS if c in columns]
+        self.stop_column = STOP_COLUMN if STOP_COLUMN in columns else None
+        self.score = cfg.task is Task.SCORE
+        if self.score:  # a choice column holds the row's labels to score; nothing constrains
+            self.constraint_columns = [c for c in self.constraint_columns if c == "choice"]
+            if cfg.choice is None and not self.constraint_columns:
+                raise ConfigError(
+                    "task score needs labels to score: pass --choice a,b,c or give the input a "
+                    "choice column (a list of labels per row)"
+                )
+            self.job_labels = _parse_labels(cfg.choice) if cfg.choice is not None else ()
+            self.job_label_ids = self._label_ids(self.job_labels)
+        self.defaults = SamplingParams(
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            stop=tuple(cfg.stop),
+            ignore_eos=cfg.ignore_eos,
+            constraint=job_constraint(cfg),
+        )
+
+    @property
+    def columns(self) -> set[str]:
+        """The input columns the options read."""
+        return {*self.overrides, *self.constraint_columns, *filter(None, [self.stop_column])}
+
+    def params(self, rec: dict, row_id: Any, sample: int = 0) -> SamplingParams:
+        """Sample `sample` of the row `rec` (of id row_id): the job's options, with the row's."""
+        values = {c: rec[c] for c in self.overrides if rec.get(c) is not None}
+        try:
+            for c, v in values.items():
+                if isinstance(v, bool) or not isinstance(v, int | float):
+                    raise ValueError(f"{c} is {v!r}, not a number")
+                values[c] = int(v) if c in ("max_new_tokens", "seed") else float(v)
+            if sample and "seed" in values:  # a row's explicit seed is its sample 0's
+                values["seed"] = row_seed(values["seed"], row_id, sample)
+            values.setdefault("seed", row_seed(self.cfg.seed, row_id, sample))
+            constraint = row_constraint(rec, self.constraint_columns)
+            if constraint is not None:
+                values["constraint"] = constraint
+            if self.stop_column and rec[self.stop_column] is not None:
+                values["stop"] = _stop_strings(rec[self.stop_column])
+            return dataclasses.replace(self.defaults, **values)
+        except (ValueError, TypeError) as e:
+            raise RowError(f"bad per-row sampling value: {e}") from e
+
+    def labels(self, rec: dict) -> Labels:
+        """A score row's labels (its choice column's, else the job's) and their token ids."""
+        if rec.get("choice") is None:
+            if not self.job_labels:
+                raise RowError("no labels to score: the row's choice is null and there is no --choice")  # fmt: skip
+            return self.job_labels, self.job_label_ids
+        try:
+            labels = _parse_labels(rec["choice"])
+            return labels, self._label_ids(labels)
+        except ConfigError as e:
+            raise RowError(str(e)) from None
+
+    def _label_ids(self, labels: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each label's tokens as a continuation of the prompt (no special tokens)."""
+        ids = tokenize(self.tokenizer, list(labels), add_special_tokens=False)
+        for label, x in zip(labels, ids, strict=True):
+            if not x:
+                raise ConfigError(f"choice: the label {label!r} tokenizes to no tokens")
+        return tuple(tuple(x) for x in ids)
+
+
+def _parse_labels(value: Any) -> tuple[str, ...]:
+    try:
+        return parse_choices(value)
+    except ConstraintError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list | tuple) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise ValueError(f"{STOP_COLUMN} is {value!r}, not a string or a list of strings")
