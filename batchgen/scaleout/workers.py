@@ -26,8 +26,9 @@ import yaml
 
 from batchgen.choices import Choice
 from batchgen.config import ConfigError, RunConfig
-from batchgen.scaleout.merge import MergeSummary, merge
+from batchgen.scaleout.merge import merge
 from batchgen.scaleout.shard import Shard, without_array_task
+from batchgen.scaleout.shard_report import MergeSummary
 
 
 class WorkersFailed(RuntimeError):
