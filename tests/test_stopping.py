@@ -39,6 +39,22 @@ def test_tokens_to_keep(stops, keep):
     assert tokens_to_keep([0, 1, 2, 3, 4, 5, 6], stops, toy_decode) == keep
 
 
+def test_a_step_without_a_stop_decodes_only_the_tail():
+    """Checked after each token, a long row costs the same per step: only its last
+    2 * len(longest stop) + 4 tokens are decoded until one holds a stop string."""
+    seen = []
+
+    def decode(ids):
+        seen.append(len(ids))
+        return toy_decode(ids)
+
+    row = [6] * 500 + [0, 1]
+    assert tokens_to_keep(row, ["rld"], decode) is None and seen == [10]
+    seen.clear()
+    assert tokens_to_keep([*row, 2, 3], ["rld"], decode) == 504  # found: cut exactly
+    assert seen[0] == 10
+
+
 def test_tokens_to_keep_is_the_shortest_prefix():
     ids = [0, 1, 2, 3, 4, 5, 6, 0, 1]
     for stop in ["Hello", "world", "!\n", "okHe", "llo wor"]:

@@ -16,7 +16,7 @@ blocks. The request completes, with each candidate's log-probability, when all h
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 
@@ -28,9 +28,7 @@ from batchgen.engine.constraints import Constrainer, ConstraintError, Grammars
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import Scheduler, StepPlan
 from batchgen.engine.sequence import Completion, FinishReason, Request, Sequence
-from batchgen.engine.stopping import tokens_to_keep, trim_at_stop
-
-Detokenize = Callable[[list[int]], str]
+from batchgen.engine.stopping import Detokenize, tokens_to_keep, trim_at_stop
 
 
 @dataclass(slots=True)

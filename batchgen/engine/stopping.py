@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-Decode = Callable[[list[int]], str]
+Detokenize = Callable[[list[int]], str]  # token ids -> text
 
 
 def first_stop(text: str, stops: Sequence[str]) -> int | None:
@@ -13,9 +13,14 @@ def first_stop(text: str, stops: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
-def tokens_to_keep(ids: list[int], stops: Sequence[str], decode: Decode) -> int | None:
-    """The shortest prefix of ids whose text contains a stop string, or None."""
-    if first_stop(decode(ids), stops) is None:
+def tokens_to_keep(ids: list[int], stops: Sequence[str], decode: Detokenize) -> int | None:
+    """The shortest prefix of ids whose text contains a stop string, or None.
+
+    Called after every new token, so a row's earlier text held none: a new stop string ends
+    in the last tokens. Only a tail of them is decoded unless it holds one (a stop string of
+    k characters spans at most k tokens that decode to text, and a few that do not)."""
+    tail = ids[-(2 * max(map(len, stops), default=0) + 4) :]
+    if first_stop(decode(tail), stops) is None:
         return None
     lo, hi = 1, len(ids)  # binary search: containment is monotone in the prefix length
     while lo < hi:
