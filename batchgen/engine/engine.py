@@ -94,13 +94,11 @@ class Engine:
         that cannot run (longer than the model's positions or the whole pool) comes back
         at once as an error completion."""
         stream = iter(requests)
-        ahead = list(itertools.islice(stream, self.config.read_ahead))
-        if self.scheduler is None:
+        if self.scheduler is None:  # the pool is sized from the first read-ahead
+            ahead = list(itertools.islice(stream, self.config.read_ahead))
             self.scheduler = self._start(ahead)
+            stream = itertools.chain(ahead, stream)
         sched = self.scheduler
-        rejected = [c for r in ahead if (c := self._add(r)) is not None]
-        if rejected:
-            yield StepReport(finished=rejected)
         exhausted = False
         while True:
             rejected = []
