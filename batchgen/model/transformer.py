@@ -112,13 +112,19 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding with uninitialised weights (the checkpoint's replace them). Its default
+    init is normal_, whose first call on the meta device costs seconds of lazy setup."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.embed = _embedding(cfg.vocab_size, cfg.dim)
         self.pos_embed = (
-            nn.Embedding(cfg.max_position_embeddings, cfg.dim)
+            _embedding(cfg.max_position_embeddings, cfg.dim)
             if cfg.position == PositionKind.LEARNED
             else None
         )
