@@ -27,6 +27,9 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
         for r in window.requests:
             hist[_edge(r.prompt_len)] += 1
             prompt_tokens += r.prompt_len
+            if r.candidates:  # a score row: its labels are scored, nothing generated
+                longest = max(longest, r.prompt_len + max(map(len, r.candidates)))
+                continue
             output_tokens += r.params.max_new_tokens
             longest = max(longest, r.prompt_len + r.params.max_new_tokens)
     kv_per_token = spec.model_cfg.kv_bytes_per_token(spec.dtype.itemsize)
