@@ -181,3 +181,30 @@ def test_compiled_constrained_decode_equals_eager(model):
     compiled = LLM(model, device="cpu", compile=True).generate(prompts(5), params)
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
     assert all(o.text in LABELS for o in compiled[1::2])
+
+
+def test_a_token_the_grammar_refuses_fails_only_its_row(model, monkeypatch):
+    """xgrammar can allow a token its matcher then refuses (scripts/bench_grammars.py found
+    one): that row becomes an error completion; the others finish as usual."""
+    from batchgen.engine.constraints import Grammars
+
+    make = Grammars.matcher
+
+    class Refusing:  # refuses the second token of its row
+        def __init__(self, m):
+            self.m, self.n = m, 0
+
+        def __getattr__(self, name):
+            return getattr(self.m, name)
+
+        def accept_token(self, t):
+            self.n += 1
+            return self.n < 2 and self.m.accept_token(t)
+
+    c = Constraint(ConstraintKind.REGEX, "[a-z]{6,9}")
+    d = Constraint(ConstraintKind.REGEX, "[a-z]{4,5}")
+    monkeypatch.setattr(Grammars, "matcher", lambda self, k: Refusing(make(self, k)) if k == c else make(self, k))  # fmt: skip
+    params = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=i, constraint=c if i == 1 else d) for i in range(3)]  # fmt: skip
+    out = LLM(model, device="cpu", compile=False).generate(prompts(3), params)
+    assert out[1].finish_reason is FinishReason.ERROR and "refused token" in out[1].error
+    assert all(re.fullmatch("[a-z]{4,5}", o.text) for o in (out[0], out[2]))

@@ -149,19 +149,21 @@ class Constrainer:
                 self._matcher(seq).fill_next_token_bitmask(mask, i)
         return mask.to(device)
 
-    def accept(self, seqs: Seq[Sequence]) -> list[Sequence]:
+    def accept(self, seqs: Seq[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """Feed each constrained sequence its newest token; returns those whose grammar
-        has ended (they accepted EOS)."""
-        ended = []
+        has ended (they accepted EOS), and those whose matcher refused the token its own
+        mask allowed (xgrammar 0.2.9 does, rarely: e.g. `-` + a UTF-8 lead byte where a
+        JSON integer starts, measured by scripts/bench_grammars.py)."""
+        ended, refused = [], []
         for seq in seqs:
             if seq.params.constraint is None:
                 continue
             m = self._matcher(seq)
-            if not m.accept_token(seq.token_ids[-1]):  # cannot happen: the mask allowed it
-                raise RuntimeError(f"row {seq.request.index}: a token outside its grammar")
-            if m.is_terminated():
+            if not m.accept_token(seq.token_ids[-1]):
+                refused.append(seq)
+            elif m.is_terminated():
                 ended.append(seq)
-        return ended
+        return ended, refused
 
     def release(self, seq: Sequence) -> None:
         self._matchers.pop(seq.request.index, None)

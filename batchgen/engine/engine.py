@@ -170,8 +170,16 @@ class Engine:
         finished = sched.update(plan, sampled, scored)
         if bitmask is not None:  # grammars take the new tokens; one that accepted EOS ends
             live = [s.seq for s in plan.scheduled if s.samples and s.seq not in finished]
-            for seq in constrainer.accept(live):
+            ended, refused = constrainer.accept(live)
+            for seq in ended:
                 sched.finish(seq, FinishReason.STOP)
+                finished.append(seq)
+            for seq in refused:  # that row fails; the job goes on
+                seq.error = (
+                    f"the grammar library refused token {seq.token_ids[-1]}, which its own mask "
+                    "allowed (a grammar library bug); rerun the row with another seed"
+                )
+                sched.finish(seq, FinishReason.ERROR)
                 finished.append(seq)
         for s in plan.scheduled:  # stop strings: on the host, for the rows that have them
             seq = s.seq
@@ -199,6 +207,8 @@ class Engine:
         """seq's completion; for a scored candidate, its row's once every candidate is in."""
         if seq.request.scoring:
             return self._scored_completion(seq)
+        if seq.finish_reason is FinishReason.ERROR:
+            return Completion(seq.request.index, [], FinishReason.ERROR, seq.prompt_len, error=seq.error)  # fmt: skip
         ids, logprobs = seq.output_ids, seq.logprobs
         if seq.keep is not None:
             ids, logprobs = ids[: seq.keep], logprobs[: seq.keep]

@@ -120,6 +120,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     keep: int | None = None  # generated tokens kept when a stop string cut the output
+    error: str | None = None  # why it ended with FinishReason.ERROR
 
     def __post_init__(self) -> None:
         if not self.token_ids:
