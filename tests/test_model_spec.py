@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 from helpers import FAST, assert_one_line_error, prompts, rows_by_id, run_cli, write_parquet
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from batchgen.config import ConfigError, RunConfig
 from batchgen.engine.config import EngineConfig
@@ -73,9 +73,8 @@ def test_a_job_loads_its_tokenizer_and_reads_config_json_once(tmp_path, model, m
 
         return wrapper
 
-    monkeypatch.setattr(
-        AutoTokenizer, "from_pretrained", counted("tokenizer", AutoTokenizer.from_pretrained)
-    )
+    for cls in (AutoTokenizer, PreTrainedTokenizerFast):  # load_tokenizer takes either
+        monkeypatch.setattr(cls, "from_pretrained", counted("tokenizer", cls.from_pretrained))
     monkeypatch.setattr(
         xgr.TokenizerInfo,
         "from_huggingface",
@@ -120,3 +119,23 @@ def test_a_scheme_that_cannot_run_is_refused_before_the_output_is_claimed(tmp_pa
         r = run_cli(command, spec, exit_code=2)
         assert_one_line_error(r, "int4 with backend quanto is not available on cpu with bfloat16")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])
+def test_the_tokenizer_is_the_one_autotokenizer_gives(tiny_dirs, family):
+    """load_tokenizer skips AutoTokenizer's tables where it would give the generic class:
+    the class and the tokens must be AutoTokenizer's (a transformers upgrade that gives a
+    model type its own class fails here)."""
+    import json
+
+    from batchgen.model_spec import load_tokenizer
+
+    d = tiny_dirs[family]
+    model_type = json.loads((d / "config.json").read_text())["model_type"]
+    ours, auto = load_tokenizer(d, model_type), AutoTokenizer.from_pretrained(d)
+    assert type(ours) is type(auto)
+    for text in ("Hello world", "Review: great!\nSentiment:", " positive", "ünïcödé 日本"):
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
+        ids = auto(text, add_special_tokens=False)["input_ids"]
+        assert ours.decode(ids) == auto.decode(ids)
+    assert (ours.eos_token_id, ours.chat_template) == (auto.eos_token_id, auto.chat_template)
