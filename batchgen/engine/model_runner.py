@@ -19,18 +19,16 @@ plan the next step.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
 
 from batchgen.engine.block_pool import NULL_BLOCK
 from batchgen.engine.constraints import apply_bitmask
 from batchgen.engine.sampler import SamplingTensors, sample
 from batchgen.engine.scheduler import Scheduled, StepPlan
-from batchgen.model.attention import DecodeGroup, PrefillSpan, StepAttention, paged_block_mask
+from batchgen.model.attention import DecodeGroup, PrefillSpan, StepAttention
 from batchgen.model.transformer import Transformer
 
 
@@ -110,9 +108,6 @@ class ModelRunner:
         self.num_blocks = 0  # no cache until allocate()
         self.max_positions = model.cfg.max_position_embeddings
         self.compiled = compile
-        # Decode attention: FlexAttention reading the pool in place, else gather + SDPA.
-        # An experiment's switch (BATCHGEN_FLEX=1 for whole-process runs), see the docs.
-        self.flex = os.environ.get("BATCHGEN_FLEX") == "1"
         self.shapes: set[tuple] = set()  # compiled shapes seen
         if compile:
             import torch._dynamo.config as dynamo_config
@@ -173,20 +168,16 @@ class ModelRunner:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        lens: torch.Tensor,
         slots: torch.Tensor,
         blocks: torch.Tensor,
-        mask: BlockMask | None,
         sampling: SamplingTensors,
         steps: torch.Tensor,
         greedy_only: bool,
         bitmask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode-only step as one graph: (B,) tokens at (B,) positions, contexts of
-        (B,) lens, tables (B, n). FlexAttention's block mask comes built: built inside
-        the graph, inductor's CPU flex kernel reads it wrongly (torch 2.13, measured)."""
+        """A decode-only step as one graph: (B,) tokens at (B,) positions, tables (B, n)."""
         b = tokens.shape[0]
-        step = StepAttention(slots, b, (DecodeGroup(0, blocks, lens, mask),), flex=self.flex)
+        step = StepAttention(slots, b, (DecodeGroup(0, blocks, positions + 1),))
         index = torch.arange(b, device=tokens.device)
         return self._forward(tokens, positions, step, index, sampling, steps, greedy_only, bitmask)
 
@@ -203,27 +194,20 @@ class ModelRunner:
         slots: list[int] = []
         sampling = _Sampling()
         index: list[int] = []
-        # Decodes packed longest table first, in groups of similar width (see attention.py);
-        # FlexAttention reads the pool in place, so its decodes are one group in plan order.
-        n_dec = len(plan.decodes)
-        if self.flex:
-            order, cuts = list(range(n_dec)), [(0, n_dec)] if n_dec else []
-        else:
-            order = sorted(range(n_dec), key=lambda i: -len(plan.decodes[i].seq.block_table))
-            cuts = _width_groups([len(plan.decodes[i].seq.block_table) for i in order])
+        # Decodes packed longest table first, in groups of similar width (see attention.py).
+        order = sorted(range(len(plan.decodes)), key=lambda i: -len(plan.decodes[i].seq.block_table))  # fmt: skip
         groups = []
-        for lo, hi in cuts:
+        for lo, hi in _width_groups([len(plan.decodes[i].seq.block_table) for i in order]):
+            width = len(plan.decodes[order[lo]].seq.block_table)
             tables, lens = [], []
             for i in order[lo:hi]:
                 s = plan.decodes[i]
                 self._add_tokens(s, tokens, positions, slots)
                 sampling.add(s)
                 index.append(len(tokens) - 1)
-                tables.append(s.seq.block_table)
+                tables.append(s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)))
                 lens.append(s.start + 1)
-            rows = next_pow2(hi - lo) if self.flex else hi - lo  # one flex compile a size
-            blocks, lens_t = self._tables(tables, lens, rows, pow2=False)
-            groups.append(DecodeGroup(lo, blocks, lens_t))
+            groups.append(DecodeGroup(lo, torch.tensor(tables, device=dev), torch.tensor(lens, device=dev)))  # fmt: skip
         spans = []
         for s in plan.prefills:
             q_start = len(tokens)
@@ -241,7 +225,6 @@ class ModelRunner:
             num_decodes=len(plan.decodes),
             decodes=tuple(groups),
             prefills=tuple(spans),
-            flex=self.flex,
         )
         t0 = time.perf_counter()
         if not index:  # only non-final prefill chunks: no token to sample
@@ -274,27 +257,6 @@ class ModelRunner:
             decoded[i] = out[j]
         return decoded + out[nd:], StepTiming(time.perf_counter() - t0)
 
-    def _tables(
-        self, tables: list[list[int]], lens: list[int], rows: int, pow2: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables (rows, width) padded with the scratch block, and (rows,) lengths;
-        rows past len(tables) are padding (length 1 on the scratch block). Width: the
-        longest table (to a power of two: pow2) for SDPA, the whole pool for FlexAttention
-        (its CPU kernel wants the block mask as wide as the keys)."""
-        width = max(map(len, tables))
-        width = self.num_blocks if self.flex else next_pow2(width) if pow2 else width
-        out = torch.full((rows, width), NULL_BLOCK, dtype=torch.int32 if self.flex else torch.long)
-        for r, t in enumerate(tables):
-            out[r, : len(t)] = torch.tensor(t, dtype=out.dtype)
-        lens_t = torch.tensor(lens + [1] * (rows - len(lens)))
-        return out.to(self.device), lens_t.to(self.device)
-
-    def _block_mask(self, tables: torch.Tensor, lens: torch.Tensor) -> BlockMask:
-        cfg = self.model.cfg
-        return paged_block_mask(
-            tables, lens, cfg.sliding_window, self.block_size, cfg.n_heads // cfg.n_kv_heads
-        )
-
     def _add_tokens(self, s: Scheduled, tokens: list, positions: list, slots: list) -> None:
         bs, table = self.block_size, s.seq.block_table
         for p in range(s.start, s.start + s.num_tokens):
@@ -308,18 +270,18 @@ class ModelRunner:
         dev, bs = self.device, self.block_size
         n = len(plan.decodes)
         b = next_pow2(n)
+        width = next_pow2(max(len(s.seq.block_table) for s in plan.decodes))
         tokens, positions, slots = [], [], []
         sampling = _Sampling()
         for s in plan.decodes:
             self._add_tokens(s, tokens, positions, slots)
             sampling.add(s)
+        tables = [s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)) for s in plan.decodes]  # fmt: skip
         pad = b - n  # padding rows: token 0 at position 0, written to the scratch block
         tokens += [0] * pad
         positions += [0] * pad
         slots += [NULL_BLOCK * bs] * pad
-        tables, lens = self._tables(
-            [s.seq.block_table for s in plan.decodes], [p + 1 for p in positions[:n]], b, pow2=True
-        )
+        tables += [[NULL_BLOCK] * width] * pad
         sampling.pad(pad)
         greedy_only = sampling.greedy_only
         samp, steps = sampling.tensors(dev)
@@ -328,16 +290,14 @@ class ModelRunner:
         args = (
             torch.tensor(tokens, device=dev),
             torch.tensor(positions, device=dev),
-            lens,
             torch.tensor(slots, device=dev),
-            tables,
-            self._block_mask(tables, lens) if self.flex else None,
+            torch.tensor(tables, device=dev),
             samp,
             steps,
             greedy_only,
             bitmask,
         )
-        key = ("decode", b, tables.shape[1], greedy_only, bitmask is not None)
+        key = ("decode", b, width, greedy_only, bitmask is not None)
         cuda_graphs = dev.type == "cuda"
         t0 = time.perf_counter()
         if cuda_graphs:

@@ -22,12 +22,10 @@ per query head: decodes fold a kv head's query heads into SDPA's query axis, pre
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from batchgen.model.kv_cache import PagedKVCache
 
@@ -52,8 +50,7 @@ class DecodeGroup:
     q_start: int
     blocks: torch.Tensor  # (B, n) block tables, padded with the scratch block
     lens: torch.Tensor  # (B,) context lengths, this token included
-    # from StepAttention.with_masks: (B, 1, 1, n * block_size) for SDPA, or a BlockMask
-    mask: torch.Tensor | BlockMask | None = None
+    mask: torch.Tensor | None = None  # (B, 1, 1, n * block_size), from StepAttention.with_masks
 
 
 @dataclass(slots=True)
@@ -65,21 +62,15 @@ class StepAttention:
     num_decodes: int
     decodes: tuple[DecodeGroup, ...] = ()
     prefills: tuple[PrefillSpan, ...] = ()
-    flex: bool = False  # decodes read the pool in place (tables padded to the pool's width)
 
-    def with_masks(self, window: int | None, block_size: int, gqa: int = 1) -> StepAttention:
-        """This step with its groups' and spans' attention masks built, for all layers
-        (gqa: query heads per kv head)."""
+    def with_masks(self, window: int | None, block_size: int) -> StepAttention:
+        """This step with its groups' and spans' attention masks built, for all layers."""
         decodes = tuple(
             DecodeGroup(
                 g.q_start,
                 g.blocks,
                 g.lens,
-                g.mask  # built already (the compiled decode step takes it as an input)
-                if g.mask is not None
-                else paged_block_mask(g.blocks, g.lens, window, block_size, gqa)
-                if self.flex
-                else decode_mask(g.lens, g.blocks.shape[1] * block_size, window),
+                decode_mask(g.lens, g.blocks.shape[1] * block_size, window),
             )
             for g in self.decodes
         )
@@ -93,7 +84,7 @@ class StepAttention:
             )
             for s in self.prefills
         )
-        return StepAttention(self.slots, self.num_decodes, decodes, prefills, self.flex)
+        return StepAttention(self.slots, self.num_decodes, decodes, prefills)
 
 
 def _window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -105,68 +96,6 @@ def decode_mask(lens: torch.Tensor, s: int, window: int | None) -> torch.Tensor:
     k_pos = torch.arange(s, device=lens.device)[None, :]  # (1, S)
     q_pos = (lens - 1)[:, None]  # (B, 1)
     return ((k_pos <= q_pos) & _window_ok(q_pos, k_pos, window))[:, None, None, :]
-
-
-def _flex_queries(gqa: int) -> int:
-    # GQA folded as in decode_attention: a kv head's query heads are its queries. With one
-    # query the CPU picks its flash-decoding kernel, which scans the whole pool when rows
-    # differ in length; two copies of the query keep it on the blocked kernel.
-    return max(gqa, 2)
-
-
-def paged_block_mask(
-    tables: torch.Tensor, lens: torch.Tensor, window: int | None, block_size: int, gqa: int
-) -> BlockMask:
-    """A FlexAttention block mask for decodes that read the pool in place: row b's query
-    attends to positions [lo, len) of its table (lo = len - window, or 0), i.e. to the
-    physical blocks tables[b, j] ((B, pool blocks) int32, one flex KV block per cache
-    block). Blocks wholly inside go to the "full" lists, which the kernels read without
-    mask_mod; at most two are partial (the ones holding lo and len - 1).
-
-    mask_mod itself is exact for every key of the pool (eager flex_attention evaluates it
-    densely): a physical block's logical index comes from one map for the step, `logical`
-    (pool blocks + 1,), which is well defined because a block sits at the same index in
-    every table that holds it (a prefix-cache key names the block's whole prefix), and
-    `tables[b, logical[blk]] == blk` checks that row b holds it. mask_mod reads only
-    tensors that are graph inputs or a scatter's output (`tables`, `lens`, `logical`):
-    inductor's CPU kernel takes no computed-but-unmaterialised tensor into mask_mod."""
-    bs, (rows, width), q_len = block_size, tables.shape, _flex_queries(gqa)
-    n32 = lens.to(torch.int32)
-    lo = (n32 - window).clamp(min=0) if window is not None else torch.zeros_like(n32)
-    cols = torch.arange(width, device=tables.device, dtype=torch.int32)
-    held = cols[None] < ((n32 + bs - 1) // bs)[:, None]  # (B, W)
-    logical = torch.zeros(width + 1, dtype=torch.int32, device=tables.device)
-    logical.scatter_(0, torch.where(held, tables, width).flatten().long(), cols.expand(rows, width).flatten())  # fmt: skip
-    full_lo, full_hi = (lo + bs - 1) // bs, n32 // bs  # full blocks: j in [full_lo, full_hi)
-    full_n = (full_hi - full_lo).clamp(min=0)
-    # full blocks start at full_lo (0 without a window): each row shifted left. (Also a
-    # buffer apart from `tables`: the CPU kernel fails to build when mask_mod reads the
-    # same buffer as the block lists.)
-    full_idx = tables.gather(1, (cols[None] + full_lo[:, None]).clamp(max=width - 1).long())
-    first_j, last_j = lo // bs, (n32 - 1) // bs
-    has_first, has_last = lo % bs != 0, n32 % bs != 0
-    part_n = has_first.to(torch.int32) + (has_last & ~(has_first & (first_j == last_j))).to(torch.int32)  # fmt: skip
-    part_idx = torch.zeros_like(tables)
-    part_idx[:, 0] = tables.gather(1, torch.where(has_first, first_j, last_j)[:, None].long())[:, 0]
-    part_idx[:, 1] = tables.gather(1, last_j[:, None].long())[:, 0]
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        blk = kv_idx // bs
-        j = logical[blk]
-        pos = j * bs + kv_idx % bs
-        ok = (tables[b, j] == blk) & (pos < lens[b])
-        return ok & (pos + window >= lens[b]) if window is not None else ok
-
-    return BlockMask.from_kv_blocks(
-        part_n[:, None, None],
-        part_idx[:, None, None, :],
-        full_n[:, None, None],
-        full_idx[:, None, None, :],
-        BLOCK_SIZE=(q_len, bs),
-        mask_mod=mask_mod,
-        seq_lengths=(q_len, width * bs),
-        compute_q_blocks=False,
-    )
 
 
 def prefill_mask(span: PrefillSpan, window: int | None, device: torch.device) -> torch.Tensor | None:  # fmt: skip
@@ -194,28 +123,6 @@ def decode_attention(
         attn_mask=mask,
     )
     return y.reshape(b, h, d)
-
-
-@functools.cache
-def _compiled_flex():
-    # dynamic=False: on the CPU inductor's dynamic-shape flex kernel fails to build (torch
-    # 2.13), so each decode batch size is one compile; callers pad to powers of two.
-    return torch.compile(flex_attention, dynamic=False)
-
-
-def flex_decode_attention(q: torch.Tensor, cache: PagedKVCache, mask: BlockMask) -> torch.Tensor:
-    """q (B, H, D), one query per sequence, reading the pool in place -> (B, H, D)."""
-    b, h, d = q.shape
-    hkv = cache.k.shape[1]
-    g = h // hkv
-    # The pool as one (1, Hkv, num_blocks * block_size, D) sequence, a view: no copy.
-    k, v = (x.permute(1, 0, 2)[None] for x in (cache.k, cache.v))
-    # The softmax scale applied to q: this makes q a (B, Hkv, queries, D) tensor of its own,
-    # which inside a compiled graph inductor's CPU template needs (it reads the query's
-    # storage as 4-d; a view of the (B, H, D) q, even cloned, fails to lower).
-    qf = q.view(b, hkv, g, d).expand(b, hkv, _flex_queries(g), d) * d**-0.5
-    y = _compiled_flex()(qf, k, v, block_mask=mask, scale=1.0)
-    return y[:, :, :g].reshape(b, h, d)
 
 
 def prefill_attention(
@@ -248,13 +155,6 @@ def step_attention(
     cache.write(step.slots, k, v)
     parts = []
     for g in step.decodes:
-        if isinstance(g.mask, BlockMask):  # tables padded past the decodes: pad q likewise
-            n = min(g.lens.shape[0], step.num_decodes - g.q_start)
-            qg = q[g.q_start : g.q_start + n]
-            if n < g.lens.shape[0]:
-                qg = torch.cat([qg, qg.new_zeros(g.lens.shape[0] - n, *qg.shape[1:])])
-            parts.append(flex_decode_attention(qg, cache, g.mask)[:n])
-            continue
         qg = q[g.q_start : g.q_start + g.lens.shape[0]]
         parts.append(decode_attention(qg, cache, g.blocks, g.mask))
     for s in step.prefills:

@@ -160,12 +160,7 @@ class Transformer(nn.Module):
         """tokens, positions (T,): a step's tokens, packed; step: where their keys/values go
         and what each attends to. Returns the float32 logits (S, vocab) of the tokens at
         logits_index (S,): those whose next token is sampled."""
-        cfg = self.cfg
-        step = step.with_masks(
-            cfg.sliding_window,
-            self.layers[0].attn.kv_cache.block_size,
-            cfg.n_heads // cfg.n_kv_heads,
-        )
+        step = step.with_masks(self.cfg.sliding_window, self.layers[0].attn.kv_cache.block_size)
         x = self.embed(tokens)  # (T, dim)
         rope = None
         if self.pos_embed is not None:
