@@ -16,14 +16,16 @@ from dataclasses import dataclass, field
 import pytest
 
 from batchgen.engine.block_pool import NULL_BLOCK, BlockPool
-from batchgen.engine.scheduler import Scheduled, Scheduler, StepPlan
+from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import (
     Completion,
     FinishReason,
     Request,
     SamplingParams,
+    Scheduled,
     SeqStatus,
     Sequence,
+    StepPlan,
 )
 
 EOS = 1

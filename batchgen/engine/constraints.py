@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from batchgen.engine.scheduler import StepPlan
-    from batchgen.engine.sequence import Sequence
+    from batchgen.engine.sequence import Sequence, StepPlan
 
 
 class ConstraintError(ValueError):

@@ -26,8 +26,8 @@ from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Constrainer, ConstraintError, Grammars
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.scheduler import Scheduler, StepPlan
-from batchgen.engine.sequence import Completion, FinishReason, Request, Sequence
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.sequence import Completion, FinishReason, Request, Sequence, StepPlan
 from batchgen.engine.stopping import Detokenize, tokens_to_keep, trim_at_stop
 
 

@@ -21,14 +21,14 @@ to the LM head's rows: the log-probability of each next token, nothing sampled.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.block_pool import NULL_BLOCK
 from batchgen.engine.constraints import apply_bitmask
-from batchgen.engine.sampler import SamplingTensors, sample
-from batchgen.engine.scheduler import Scheduled, StepPlan
+from batchgen.engine.sampler import SamplingColumns, SamplingTensors, sample
+from batchgen.engine.sequence import Scheduled, StepPlan
 from batchgen.model.attention import DecodeGroup, PrefillSpan, StepAttention
 from batchgen.model.transformer import Transformer
 
@@ -53,47 +53,6 @@ class StepTiming:
     seconds: float = 0.0  # the step, compile excluded
     compile_seconds: float = 0.0  # first call of a new compiled shape (compile + first run)
     padded_rows: int = 0  # decode rows computed only to fill a compiled shape
-
-
-@dataclass(slots=True)
-class _Sampling:
-    """Host-side columns of the sampling rows of a step."""
-
-    temperature: list[float] = field(default_factory=list)
-    top_k: list[int] = field(default_factory=list)
-    top_p: list[float] = field(default_factory=list)
-    seed: list[int] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)  # tokens the row generated so far
-
-    def add(self, s: Scheduled) -> None:
-        p = s.seq.params
-        self.temperature.append(p.temperature)
-        self.top_k.append(p.top_k)
-        self.top_p.append(p.top_p)
-        self.seed.append(p.seed)
-        self.steps.append(s.seq.num_generated)
-
-    def pad(self, n: int) -> None:
-        for col, fill in (
-            (self.temperature, 0.0),
-            (self.top_k, 0),
-            (self.top_p, 1.0),
-            (self.seed, 0),
-            (self.steps, 0),
-        ):
-            col.extend([fill] * n)
-
-    def tensors(self, dev: torch.device) -> tuple[SamplingTensors, torch.Tensor]:
-        return SamplingTensors(
-            temperature=torch.tensor(self.temperature, dtype=torch.float32, device=dev),
-            top_k=torch.tensor(self.top_k, dtype=torch.long, device=dev),
-            top_p=torch.tensor(self.top_p, dtype=torch.float32, device=dev),
-            seed=torch.tensor(self.seed, dtype=torch.long, device=dev),
-        ), torch.tensor(self.steps, dtype=torch.long, device=dev)
-
-    @property
-    def greedy_only(self) -> bool:
-        return all(t == 0.0 for t in self.temperature)
 
 
 def _sync(device: torch.device) -> None:
@@ -204,7 +163,7 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sampling = _Sampling()
+        sampling = SamplingColumns()
         index: list[int] = []
         # Decodes packed longest table first, in groups of similar width (see attention.py).
         order = sorted(range(len(plan.decodes)), key=lambda i: -len(plan.decodes[i].seq.block_table))  # fmt: skip
@@ -298,7 +257,7 @@ class ModelRunner:
         b = next_pow2(n)
         width = next_pow2(max(len(s.seq.block_table) for s in plan.decodes))
         tokens, positions, slots = [], [], []
-        sampling = _Sampling()
+        sampling = SamplingColumns()
         for s in plan.decodes:
             self._add_tokens(s, tokens, positions, slots)
             sampling.add(s)

@@ -9,9 +9,11 @@ from p.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from batchgen.engine.sequence import Scheduled
 
 _M31 = (1 << 31) - 1
 _MIX = 0x045D9F3B  # < 2**27, so (x < 2**31) * _MIX stays inside int64
@@ -73,3 +75,45 @@ def sample(
     noise = -torch.log(row_uniforms(params.seed, steps, logits.shape[-1]))  # Exp(1)
     drawn = (probs / noise).argmax(-1)
     return torch.where(params.temperature > 0, drawn, greedy)
+
+
+@dataclass(slots=True)
+class SamplingColumns:
+    """Host-side columns of the sampling rows of a step, padded to a compiled shape and
+    turned into SamplingTensors."""
+
+    temperature: list[float] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)
+    top_p: list[float] = field(default_factory=list)
+    seed: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # tokens the row generated so far
+
+    def add(self, s: Scheduled) -> None:
+        p = s.seq.params
+        self.temperature.append(p.temperature)
+        self.top_k.append(p.top_k)
+        self.top_p.append(p.top_p)
+        self.seed.append(p.seed)
+        self.steps.append(s.seq.num_generated)
+
+    def pad(self, n: int) -> None:
+        for col, fill in (
+            (self.temperature, 0.0),
+            (self.top_k, 0),
+            (self.top_p, 1.0),
+            (self.seed, 0),
+            (self.steps, 0),
+        ):
+            col.extend([fill] * n)
+
+    def tensors(self, dev: torch.device) -> tuple[SamplingTensors, torch.Tensor]:
+        return SamplingTensors(
+            temperature=torch.tensor(self.temperature, dtype=torch.float32, device=dev),
+            top_k=torch.tensor(self.top_k, dtype=torch.long, device=dev),
+            top_p=torch.tensor(self.top_p, dtype=torch.float32, device=dev),
+            seed=torch.tensor(self.seed, dtype=torch.long, device=dev),
+        ), torch.tensor(self.steps, dtype=torch.long, device=dev)
+
+    @property
+    def greedy_only(self) -> bool:
+        return all(t == 0.0 for t in self.temperature)

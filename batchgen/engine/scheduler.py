@@ -33,44 +33,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
 from batchgen.engine.block_pool import BlockPool, block_hash
-from batchgen.engine.sequence import FinishReason, Request, SeqStatus, Sequence
-
-
-@dataclass(slots=True, frozen=True)
-class Scheduled:
-    """`num_tokens` tokens of `seq`, from position `start`, run this step."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    samples: bool  # the step computes the sequence's last token: a new token is sampled
-
-
-@dataclass(slots=True)
-class StepPlan:
-    decodes: list[Scheduled] = field(default_factory=list)  # one sampled token each
-    prefills: list[Scheduled] = field(default_factory=list)  # chunks of prompts
-    preempted: list[Sequence] = field(default_factory=list)
-    admitted: list[Sequence] = field(default_factory=list)  # first admissions (not recomputes)
-
-    @property
-    def scheduled(self) -> list[Scheduled]:
-        return self.decodes + self.prefills
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(s.num_tokens for s in self.prefills)
-
-    @property
-    def num_sampled(self) -> int:
-        return len(self.decodes) + sum(s.samples for s in self.prefills)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.decodes or self.prefills)
+from batchgen.engine.sequence import FinishReason, Request, Scheduled, SeqStatus, Sequence, StepPlan
 
 
 class Scheduler:

@@ -1,8 +1,8 @@
 """Plain-data types that flow through the engine: no torch here.
 
 A `Request` (prompt ids + `SamplingParams`) comes in; the scheduler wraps it in a
-`Sequence`, its running state (tokens so far, cache blocks, lifecycle); a `Completion`
-goes out."""
+`Sequence`, its running state (tokens so far, cache blocks, lifecycle), and plans each step
+as a `StepPlan` of `Scheduled` chunks; a `Completion` goes out."""
 
 from __future__ import annotations
 
@@ -149,3 +149,37 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+
+@dataclass(slots=True, frozen=True)
+class Scheduled:
+    """`num_tokens` tokens of `seq`, from position `start`, run this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool  # the step computes the sequence's last token: a new token is sampled
+
+
+@dataclass(slots=True)
+class StepPlan:
+    decodes: list[Scheduled] = field(default_factory=list)  # one sampled token each
+    prefills: list[Scheduled] = field(default_factory=list)  # chunks of prompts
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # first admissions (not recomputes)
+
+    @property
+    def scheduled(self) -> list[Scheduled]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(s.num_tokens for s in self.prefills)
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.decodes) + sum(s.samples for s in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.decodes or self.prefills)
