@@ -107,20 +107,6 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    def _forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        step: StepAttention,
-        logits_index: torch.Tensor,
-        sampling: SamplingTensors,
-        steps: torch.Tensor,
-        greedy_only: bool,
-        bitmask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model(tokens, positions, step, logits_index)  # (S, V)
-        return self._sample(logits, sampling, steps, greedy_only, bitmask)
-
     @staticmethod
     def _sample(
         logits: torch.Tensor,
@@ -148,8 +134,8 @@ class ModelRunner:
         """A decode-only step as one graph: (B,) tokens at (B,) positions, tables (B, n)."""
         b = tokens.shape[0]
         step = StepAttention(slots, b, (DecodeGroup(0, blocks, positions + 1),))
-        index = torch.arange(b, device=tokens.device)
-        return self._forward(tokens, positions, step, index, sampling, steps, greedy_only, bitmask)
+        logits = self.model(tokens, positions, step, torch.arange(b, device=tokens.device))
+        return self._sample(logits, sampling, steps, greedy_only, bitmask)
 
     def execute(
         self, plan: StepPlan, bitmask: torch.Tensor | None = None
