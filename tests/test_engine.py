@@ -94,6 +94,20 @@ def plans(monkeypatch) -> list[dict]:
     return seen
 
 
+@pytest.fixture
+def preempted(monkeypatch) -> list:
+    """Every sequence the scheduler preempts, in order."""
+    seen = []
+    preempt = Scheduler._preempt
+
+    def spy(self, seq):
+        seen.append(seq)
+        preempt(self, seq)
+
+    monkeypatch.setattr(Scheduler, "_preempt", spy)
+    return seen
+
+
 def _assert_equal_rows(got, ref, max_new=MAX_NEW):
     for i, m in enumerate(max_new):
         assert got[i].index == i and got[i].error is None
@@ -161,7 +175,7 @@ SEEDED = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=50, top_p=0.9,
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
-def test_seeded_row_same_alone_in_a_batch_and_after_preemption(model, dirs, monkeypatch):
+def test_seeded_row_same_alone_in_a_batch_and_after_preemption(model, dirs, preempted):
     path = dirs[model]
     (prompt,) = _prompts(3, [2])
     (alone,) = _llm(path).generate([prompt], SEEDED)
@@ -186,18 +200,10 @@ def test_seeded_row_same_alone_in_a_batch_and_after_preemption(model, dirs, monk
     batch = _llm(path).generate(rows, row_params)
     assert batch[2].token_ids == alone.token_ids
 
-    preempted = []
-    original = Scheduler._preempt
-
-    def spy(self, seq):
-        preempted.append(seq.request.index)
-        original(self, seq)
-
-    monkeypatch.setattr(Scheduler, "_preempt", spy)
     # 9 blocks of 4 for rows of up to 36 tokens: the shortest prompt, admitted last, is
     # the newest sequence and the first preempted
     tight = _llm(path, EngineConfig(block_size=4, kv_cache_tokens=40)).generate(rows, row_params)
-    assert 2 in preempted
+    assert 2 in [seq.request.index for seq in preempted]
     assert tight[2].token_ids == alone.token_ids
     assert [c.token_ids for c in tight] == [c.token_ids for c in batch]
     assert tight[2].logprobs == pytest.approx(alone.logprobs, abs=1e-4)

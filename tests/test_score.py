@@ -17,7 +17,8 @@ from helpers import (
     write_parquet,
 )
 from test_engine import MODELS, _llm, _prompts
-from test_engine import dirs as dirs  # noqa: F401  (the fixture)
+from test_engine import dirs as dirs  # noqa: F401  (fixtures)
+from test_engine import preempted as preempted  # noqa: F401
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_runner import ModelRunner
@@ -99,18 +100,9 @@ def test_the_prompt_is_computed_once_per_row(dirs, prompt_tokens):  # noqa: F811
     assert c.scores == pytest.approx(alone, abs=1e-5)
 
 
-def test_scored_and_generated_rows_run_together_and_survive_preemption(dirs, monkeypatch):  # noqa: F811
-    from batchgen.engine.scheduler import Scheduler
+def test_scored_and_generated_rows_run_together_and_survive_preemption(dirs, preempted):  # noqa: F811
     from batchgen.engine.sequence import Request, SamplingParams
 
-    preempted = []
-    preempt = Scheduler._preempt
-
-    def spy(self, seq):
-        preempted.append(seq.request.scoring)
-        preempt(self, seq)
-
-    monkeypatch.setattr(Scheduler, "_preempt", spy)
     # 10 blocks of 4 for decoding rows that grow: the newest sequences are preempted
     tight = EngineConfig(block_size=4, max_num_batched_tokens=6, kv_cache_tokens=40)
     llm = _llm(dirs["qwen3"], tight)
@@ -125,8 +117,7 @@ def test_scored_and_generated_rows_run_together_and_survive_preemption(dirs, mon
         for i, (p, c) in enumerate(zip(prompts, CANDIDATES, strict=True))
     ]
     got = llm._run(requests)
-    assert True in preempted  # a scored candidate was preempted and recomputed
-    monkeypatch.setattr(Scheduler, "_preempt", preempt)
+    assert any(seq.request.scoring for seq in preempted)  # a scored candidate, recomputed
     scored = llm.score([prompts[i] for i in (1, 3)], [CANDIDATES[i] for i in (1, 3)])
     generated = llm.generate([prompts[i] for i in (0, 2, 4)], SamplingParams(max_new_tokens=12))
     for i, alone in zip((1, 3), scored, strict=True):
