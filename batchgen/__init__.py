@@ -10,15 +10,15 @@ run(RunConfig(input="prompts.parquet", output="out/"))
 
 from typing import Any
 
-from batchgen.config import RunConfig
 from batchgen.engine.sequence import Completion, FinishReason, SamplingParams
+from batchgen.job.config import RunConfig
 
 __all__ = ["LLM", "Completion", "FinishReason", "RunConfig", "SamplingParams", "run"]
 
 
 def run(config: RunConfig):
     """Run one job (see `batchgen run --help`); returns its RunStats."""
-    from batchgen.run import run as _run
+    from batchgen.runner.run import run as _run
 
     return _run(config)
 

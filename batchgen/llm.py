@@ -11,9 +11,9 @@ import torch
 from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Completion, Request, SamplingParams
+from batchgen.job.model_spec import ModelSpec
 from batchgen.model.loader import load_model
 from batchgen.model.lora import merge_lora
-from batchgen.model_spec import ModelSpec
 from batchgen.quant import quantize_model
 
 

@@ -23,8 +23,8 @@ import torch
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import Completion, Request, SamplingParams
+from batchgen.job.model_spec import DEFAULT_MODEL, resolve_device
 from batchgen.llm import LLM
-from batchgen.model_spec import DEFAULT_MODEL, resolve_device
 
 SAMPLES = DEFAULT_MODEL.parent / "samples" / "prompts.parquet"
 

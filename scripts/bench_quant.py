@@ -36,9 +36,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from batchgen.engine.config import EngineConfig  # noqa: E402
 from batchgen.engine.sequence import Request, SamplingParams  # noqa: E402
+from batchgen.errors import QuantUnavailableError  # noqa: E402
+from batchgen.job.model_spec import DEFAULT_MODEL  # noqa: E402
 from batchgen.llm import LLM  # noqa: E402
-from batchgen.model_spec import DEFAULT_MODEL  # noqa: E402
-from batchgen.quant import QuantUnavailableError, weight_bytes  # noqa: E402
+from batchgen.quant import weight_bytes  # noqa: E402
 
 
 def random_llama(hidden: int, layers: int, root: Path) -> Path:

@@ -38,11 +38,12 @@ sys.path.insert(0, str(ROOT))
 
 from batchgen.engine.config import EngineConfig  # noqa: E402
 from batchgen.engine.sequence import SamplingParams  # noqa: E402
+from batchgen.errors import QuantUnavailableError  # noqa: E402
+from batchgen.job.model_spec import DEFAULT_MODEL, load_tokenizer  # noqa: E402
 from batchgen.llm import LLM  # noqa: E402
 from batchgen.model.attention import DecodeGroup, StepAttention  # noqa: E402
 from batchgen.model.transformer import Transformer  # noqa: E402
-from batchgen.model_spec import DEFAULT_MODEL, load_tokenizer  # noqa: E402
-from batchgen.quant import QuantUnavailableError, available, tensor_bytes  # noqa: E402
+from batchgen.quant import available, tensor_bytes  # noqa: E402
 from batchgen.quant.scheme import TARGETS  # noqa: E402
 
 SAMPLES = ROOT / "batchgen" / "assets" / "samples"

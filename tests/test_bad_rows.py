@@ -149,7 +149,7 @@ def unloadable_model(tmp_path, model, monkeypatch):
     def load(*a, **k):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr("batchgen.run.LLM", load)
+    monkeypatch.setattr("batchgen.runner.run.LLM", load)
     monkeypatch.setattr("batchgen.llm.load_model", load)
     return broken
 

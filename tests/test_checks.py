@@ -19,7 +19,8 @@ from helpers import (
     write_parquet,
 )
 
-from batchgen.config import ConfigError, RunConfig
+from batchgen.errors import ConfigError
+from batchgen.job.config import RunConfig
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ from helpers import (
 )
 from transformers import AutoTokenizer
 
-from batchgen.config import RunConfig
 from batchgen.engine.sequence import SamplingParams
-from batchgen.job import open_job
+from batchgen.job.config import RunConfig
+from batchgen.job.open import open_job
 from batchgen.llm import LLM
 
 N = 12
@@ -440,7 +440,7 @@ def test_plan_loads_no_weights(tmp_path, model, monkeypatch):
         raise AssertionError("plan loaded the model")
 
     monkeypatch.setattr("batchgen.llm.load_model", boom)
-    monkeypatch.setattr("batchgen.run.LLM", boom)
+    monkeypatch.setattr("batchgen.runner.run.LLM", boom)
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(5)})
     assert json.loads(run_cli("plan", src, "--model", model, "--json").stdout)["rows"] == 5
 

@@ -174,8 +174,8 @@ def test_run_stats_have_nvml_samples(model_dir, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batchgen.config import RunConfig
-    from batchgen.run import run
+    from batchgen.job.config import RunConfig
+    from batchgen.runner.run import run
 
     pq.write_table(pa.table({"prompt": [f"review {i}: the quick brown fox" for i in range(16)]}),
                    tmp_path / "in.parquet")  # fmt: skip
@@ -215,7 +215,7 @@ def test_constrained_rows_in_cuda_graphed_decode(llm):
     graph per shape, keyed by mask on/off), every constrained row valid."""
     import re
 
-    from batchgen.engine.constraints import Constraint, ConstraintKind
+    from batchgen.engine.sequence import Constraint, ConstraintKind
 
     c = Constraint(ConstraintKind.REGEX, "[a-z]{3,6}")
     params = [

@@ -187,8 +187,8 @@ def test_job_refused_before_writing_can_rerun_with_the_fix(tmp_path, model):
 def test_merged_files_are_durable_and_follow_the_umask(tmp_path, monkeypatch):
     from test_merge import split, write_shard
 
+    from batchgen.job.shard import Shard
     from batchgen.scaleout.merge import merge
-    from batchgen.scaleout.shard import Shard
 
     out = tmp_path / "out"
     for i, ids in split(list(range(10)), 2).items():

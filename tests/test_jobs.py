@@ -10,7 +10,7 @@ import yaml
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.config import RunConfig
+from batchgen.job.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))

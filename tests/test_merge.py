@@ -10,8 +10,9 @@ from helpers import BASE_COLUMNS, FAST, prompts, run_cli, write_parquet
 
 from batchgen.cli import main
 from batchgen.data import OutputDir, PartBuffer, output_schema
-from batchgen.scaleout.merge import IncompleteOutput, MergeError, merge
-from batchgen.scaleout.shard import Shard, shard_of
+from batchgen.errors import MergeError
+from batchgen.job.shard import Shard, shard_of
+from batchgen.scaleout.merge import IncompleteOutput, merge
 
 SCHEMA = output_schema(pa.int64(), pa.schema([("label", pa.string())]))
 

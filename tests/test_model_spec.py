@@ -11,11 +11,12 @@ import yaml
 from helpers import FAST, assert_one_line_error, prompts, rows_by_id, run_cli, write_parquet
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from batchgen.config import ConfigError, RunConfig
 from batchgen.engine.config import EngineConfig
-from batchgen.job import open_job
+from batchgen.errors import ConfigError
+from batchgen.job.config import RunConfig
+from batchgen.job.model_spec import ModelSpec
+from batchgen.job.open import open_job
 from batchgen.llm import LLM
-from batchgen.model_spec import ModelSpec
 
 SAME = ("model_dir", "model_cfg", "eos_ids", "device", "dtype", "compile", "quant", "lora")
 
@@ -128,7 +129,7 @@ def test_the_tokenizer_is_the_one_autotokenizer_gives(tiny_dirs, family):
     model type its own class fails here)."""
     import json
 
-    from batchgen.model_spec import load_tokenizer
+    from batchgen.job.model_spec import load_tokenizer
 
     d = tiny_dirs[family]
     model_type = json.loads((d / "config.json").read_text())["model_type"]

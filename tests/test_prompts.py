@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from batchgen.data.errors import InputError, RowError
 from batchgen.data.prompts import PromptBuilder
+from batchgen.errors import InputError, RowError
 
 
 def _chat(messages: list[dict]) -> str:

@@ -21,11 +21,11 @@ from torch._dynamo.utils import counters
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
+from batchgen.errors import QuantUnavailableError
 from batchgen.llm import LLM
 from batchgen.model.loader import load_model
 from batchgen.quant import (
     QuantScheme,
-    QuantUnavailableError,
     available,
     default_backend,
     make_scheme,

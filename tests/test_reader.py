@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.data import InputFormat, default_ids, open_input
-from batchgen.data.errors import InputError
+from batchgen.errors import InputError
 
 
 def _rows(n: int, start: int = 0) -> list[dict]:

@@ -4,8 +4,9 @@ the real CLI on a tiny random model, sampling at temperature 1."""
 import pytest
 from helpers import FAST, prompts, rows_by_id, run_cli, write_parquet
 
-from batchgen.config import ConfigError, RunConfig
-from batchgen.seeds import SEED_RANGE, row_seed
+from batchgen.errors import ConfigError
+from batchgen.job.config import RunConfig
+from batchgen.job.seeds import SEED_RANGE, row_seed
 
 N = 8
 SAMPLED = (*FAST, "--temperature", 1.0, "--max-new-tokens", 8, "--ignore-eos", "--with-token-ids")

@@ -12,9 +12,10 @@ from click.testing import CliRunner
 from tiny_models import save_tiny_model
 
 from batchgen.cli import main
-from batchgen.config import ConfigError, RunConfig
-from batchgen.run import run
-from batchgen.scaleout.shard import Shard, ShardError, shard_from_env, shard_of
+from batchgen.errors import ConfigError
+from batchgen.job.config import RunConfig
+from batchgen.job.shard import Shard, ShardError, shard_from_env, shard_of
+from batchgen.runner.run import run
 
 STRING_IDS = [f"r{i:04d}" for i in range(1000)]
 
@@ -38,7 +39,7 @@ def test_shard_of_is_stable():
     assert [shard_of(s, 7) for s in ["r0001", "r0002", "a", "b", "c"]] == [4, 4, 2, 5, 3]
     # and the same in another interpreter, whatever its hash seed
     code = (
-        "from batchgen.scaleout.shard import shard_of; print([shard_of(i, 7) for i in range(12)])"
+        "from batchgen.job.shard import shard_of; print([shard_of(i, 7) for i in range(12)])"
     )
     env = {"PYTHONHASHSEED": "123"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -95,7 +96,7 @@ def captured_config(monkeypatch):
         seen.append(cfg)
         raise SystemExit(0)
 
-    monkeypatch.setattr("batchgen.run.run", fake_run)
+    monkeypatch.setattr("batchgen.runner.run.run", fake_run)
     return seen
 
 

@@ -10,8 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 from tiny_models import save_tiny_model
 
-from batchgen.config import ConfigError, RunConfig
-from batchgen.run import run
+from batchgen.errors import ConfigError
+from batchgen.job.config import RunConfig
+from batchgen.runner.run import run
 from batchgen.scaleout.workers import plan_workers, run_workers
 
 N_SLOW = 60

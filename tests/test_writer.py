@@ -8,7 +8,7 @@ import pytest
 from helpers import read_output
 
 from batchgen.data import OutputDir, PartBuffer, output_schema
-from batchgen.data.errors import InputError, OutputError
+from batchgen.errors import InputError, OutputError
 
 JOB = {"input": "in.parquet", "model": "tiny", "options": {"max_new_tokens": 8, "stop": ["\n"]}}
 PASSTHROUGH = pa.schema([("label", pa.string())])

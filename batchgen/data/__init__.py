@@ -1,6 +1,5 @@
 """The data layer: read inputs in batches, build prompts, write resumable outputs."""
 
-from batchgen.data.errors import InputError, OutputBusy, OutputError, RowError
 from batchgen.data.prompts import PromptBuilder
 from batchgen.data.reader import open_input
 from batchgen.data.records import PartBuffer, output_schema
@@ -9,15 +8,11 @@ from batchgen.data.writer import OutputDir
 
 __all__ = [
     "InputBatch",
-    "InputError",
     "InputFormat",
     "InputSource",
-    "OutputBusy",
     "OutputDir",
-    "OutputError",
     "PartBuffer",
     "PromptBuilder",
-    "RowError",
     "default_ids",
     "open_input",
     "output_schema",

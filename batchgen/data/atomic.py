@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Callable
 from typing import BinaryIO
 
-from batchgen.data.errors import OutputError
+from batchgen.errors import OutputError
 
 TMP_PREFIX = ".tmp-"
 WriteFn = Callable[[BinaryIO], None]

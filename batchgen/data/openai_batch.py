@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.data.errors import InputError
+from batchgen.errors import InputError
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

@@ -24,7 +24,7 @@ import jinja2
 from jinja2 import meta, nodes
 from jinja2.sandbox import SandboxedEnvironment
 
-from batchgen.data.errors import InputError, RowError
+from batchgen.errors import InputError, RowError
 
 ChatTemplateFn = Callable[[list[dict[str, Any]]], str]
 

@@ -16,9 +16,9 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from batchgen.data.errors import InputError
 from batchgen.data.openai_batch import OPENAI_ERROR_COLUMN, OpenAIBatchTable, is_openai_batch
 from batchgen.data.source import InputFormat, InputSource
+from batchgen.errors import InputError
 
 PARQUET_SUFFIXES = (".parquet",)
 JSONL_SUFFIXES = (".jsonl", ".json")

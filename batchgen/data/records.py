@@ -8,9 +8,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.data.errors import InputError
 from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.data.writer import OutputDir
+from batchgen.errors import InputError
 
 _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 # Names an input column cannot keep in the output: the result row already has them. The id

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import pyarrow as pa
 
-from batchgen.data.errors import InputError
+from batchgen.errors import InputError
 
 # The input column of row ids by default, and the output's name for row numbers where there is none.
 DEFAULT_ID_COLUMN = "id"

@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.data.atomic import WriteFn, os_error, write_atomic
-from batchgen.data.errors import InputError, OutputBusy
 from batchgen.data.source import DEFAULT_ID_COLUMN
+from batchgen.errors import InputError, OutputBusy
 
 log = logging.getLogger(__name__)
 

@@ -11,37 +11,17 @@ finish_reason "length", as in vLLM.
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from batchgen.engine.sequence import Sequence, StepPlan
+from batchgen.engine.sequence import Constraint, ConstraintKind, Sequence, StepPlan
 
 
 class ConstraintError(ValueError):
     """A choice list, regex or JSON schema that cannot be compiled."""
-
-
-class ConstraintKind(str, enum.Enum):
-    CHOICE = "choice"  # one of a list of strings
-    REGEX = "regex"
-    JSON_SCHEMA = "json_schema"  # the JSON text of a schema
-
-
-@dataclass(slots=True, frozen=True)
-class Constraint:
-    kind: ConstraintKind
-    spec: str | tuple[str, ...]  # the choices (CHOICE) or the pattern / schema text
-
-    def describe(self) -> str:
-        if self.kind is ConstraintKind.CHOICE:
-            return f"--choice {','.join(self.spec)}"
-        return f"--{self.kind.value.replace('_', '-')} {str(self.spec)[:60]}"
 
 
 def parse_choices(value: str | Seq[str]) -> tuple[str, ...]:

@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from batchgen.engine.constraints import Constraint
+
+class ConstraintKind(str, enum.Enum):
+    CHOICE = "choice"  # one of a list of strings
+    REGEX = "regex"
+    JSON_SCHEMA = "json_schema"  # the JSON text of a schema
+
+
+@dataclass(slots=True, frozen=True)
+class Constraint:
+    kind: ConstraintKind
+    spec: str | tuple[str, ...]  # the choices (CHOICE) or the pattern / schema text
+
+    def describe(self) -> str:
+        if self.kind is ConstraintKind.CHOICE:
+            return f"--choice {','.join(self.spec)}"
+        return f"--{self.kind.value.replace('_', '-')} {str(self.spec)[:60]}"
 
 
 class FinishReason(str, enum.Enum):

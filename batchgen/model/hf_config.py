@@ -8,13 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from batchgen.errors import ModelLoadError
 from batchgen.model.config import Family, ModelConfig, NormKind, PositionKind, RopeScaling
 
 SUPPORTED_FAMILIES = tuple(f.value for f in Family)
-
-
-class ModelLoadError(Exception):
-    pass
 
 
 class UnsupportedModelError(ModelLoadError):

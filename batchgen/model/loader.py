@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from batchgen.memory import check_allocation
+from batchgen.errors import ModelLoadError
 from batchgen.model.config import Family, ModelConfig
-from batchgen.model.hf_config import ModelLoadError, config_from_hf, read_hf_config
+from batchgen.model.hf_config import config_from_hf, read_hf_config
+from batchgen.model.memory import check_allocation
 from batchgen.model.transformer import Transformer
 
 # --- checkpoint names -------------------------------------------------------------------

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from batchgen.errors import ModelLoadError
 from batchgen.model.config import Family, ModelConfig
-from batchgen.model.hf_config import ModelLoadError
 from batchgen.model.loader import weight_slot
 
 CONFIG_FILE = "adapter_config.json"

@@ -11,7 +11,6 @@ from batchgen.quant.scheme import (
     QuantBackend,
     QuantMethod,
     QuantScheme,
-    QuantUnavailableError,
     available,
 )
 
@@ -19,7 +18,6 @@ __all__ = [
     "QuantBackend",
     "QuantMethod",
     "QuantScheme",
-    "QuantUnavailableError",
     "available",
     "default_backend",
     "make_scheme",

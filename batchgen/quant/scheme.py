@@ -13,11 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.choices import QuantBackend, QuantMethod  # declared once, with the other options
-
-
-class QuantUnavailableError(ValueError):
-    pass
-
+from batchgen.errors import QuantUnavailableError
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP_SIZE = 128  # torchao's default; quanto's CUDA int4 kernels need 128

@@ -34,9 +34,9 @@ import pyarrow.parquet as pq
 from batchgen.data.atomic import write_atomic
 from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE
+from batchgen.errors import MergeError
 from batchgen.scaleout.shard_report import (
     IncompleteOutput,
-    MergeError,
     MergeSummary,
     ShardReport,
     ShardState,
@@ -127,7 +127,8 @@ def _check_row_count(reports: list[ShardReport]) -> None:
     """Complete shards of one job hold every input row; check the count where it is cheap."""
     fp = reports[0].fingerprint or {}
     try:
-        from batchgen.data import InputError, open_input
+        from batchgen.data import open_input
+        from batchgen.errors import InputError
 
         source = open_input(fp["input"])
     except (KeyError, InputError, OSError):

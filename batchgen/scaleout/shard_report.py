@@ -13,11 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE
-from batchgen.scaleout.shard import Shard
-
-
-class MergeError(Exception):
-    """The directory cannot be merged at all (no shards, not a directory)."""
+from batchgen.errors import MergeError
+from batchgen.job.shard import Shard
 
 
 class IncompleteOutput(MergeError):

@@ -28,8 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchgen.config import RunConfig
-from batchgen.scaleout.shard import without_array_task
+from batchgen.job.config import RunConfig
+from batchgen.job.shard import without_array_task
 
 
 class SlurmError(RuntimeError):

@@ -25,14 +25,11 @@ from pathlib import Path
 import yaml
 
 from batchgen.choices import Choice
-from batchgen.config import ConfigError, RunConfig
+from batchgen.errors import ConfigError, JobInterrupted, WorkersFailed
+from batchgen.job.config import RunConfig
+from batchgen.job.shard import Shard, without_array_task
 from batchgen.scaleout.merge import merge
-from batchgen.scaleout.shard import Shard, without_array_task
 from batchgen.scaleout.shard_report import MergeSummary
-
-
-class WorkersFailed(RuntimeError):
-    pass
 
 
 def visible_gpus() -> list[str]:
@@ -112,7 +109,7 @@ def run_workers(cfg: RunConfig) -> MergeSummary:
     # Check the model, input and template once here rather than fail N times in the workers;
     # on the CPU, so that the parent never takes memory on a GPU (and without the
     # quantization, which the workers check on their own devices).
-    from batchgen.job import open_job
+    from batchgen.job.open import open_job
 
     cpu = dict(device="cpu", dtype="float32", quantize="none", quant_group_size=None)
     open_job(dataclasses.replace(cfg, **cpu, workers=1))
@@ -147,8 +144,6 @@ def run_workers(cfg: RunConfig) -> MergeSummary:
             for s, h in old.items():
                 signal.signal(s, h)
     if received:
-        from batchgen.run import JobInterrupted
-
         raise JobInterrupted(received[0])
     failed = [f"{i}/{n} (exit {c})" for i, c in enumerate(codes) if c != 0]
     if failed:

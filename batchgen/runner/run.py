@@ -19,32 +19,22 @@ import pyarrow as pa
 import torch
 
 from batchgen.choices import OutputFormat, Task
-from batchgen.config import RunConfig
 from batchgen.data import InputSource, OutputDir, PartBuffer, output_schema
 from batchgen.data.openai_output import write_results
 from batchgen.data.reader import OpenAIBatchSource
 from batchgen.data.records import SampleLists
 from batchgen.data.writer import RESULTS_FILE
 from batchgen.engine.sequence import Completion, FinishReason, Request
-from batchgen.fingerprint import content_fingerprint
-from batchgen.job import open_job
+from batchgen.errors import JobInterrupted
+from batchgen.job.config import RunConfig
+from batchgen.job.fingerprint import content_fingerprint
+from batchgen.job.open import open_job
+from batchgen.job.prepare import Row
 from batchgen.llm import LLM
-from batchgen.nvml import NvmlSampler
-from batchgen.prepare import Row
-from batchgen.stats import RunStats, peak_memory_bytes
+from batchgen.stats.nvml import NvmlSampler
+from batchgen.stats.run_stats import RunStats, peak_memory_bytes
 
 log = logging.getLogger(__name__)
-
-
-class JobInterrupted(Exception):
-    """SIGTERM/SIGINT arrived; finished rows are written and a rerun resumes."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(
-            f"interrupted by {signal.Signals(signum).name}: finished rows are saved; "
-            "run the same command again to resume"
-        )
 
 
 @contextmanager

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from batchgen.config import ConfigError
+from batchgen.errors import ConfigError
 
 
 class AllocationTooLarge(ConfigError):

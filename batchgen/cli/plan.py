@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from batchgen.config import RunConfig
-from batchgen.job import open_job
+from batchgen.job.config import RunConfig
+from batchgen.job.open import open_job
 
 
 def _edge(n: int) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from batchgen.scaleout.shard import id_bytes
+from batchgen.job.shard import id_bytes
 
 SEED_RANGE = 1 << 31  # SamplingParams.seed lies in [0, 2**31)
 

@@ -20,15 +20,15 @@ from typing import Any
 import torch
 
 from batchgen.choices import Dtype
-from batchgen.config import ConfigError
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Grammars
+from batchgen.errors import ConfigError
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import config_from_hf, read_hf_config
 from batchgen.model.lora import LoraAdapter, check_adapter
 from batchgen.quant import QuantScheme, make_scheme
 
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "default-model"
+DEFAULT_MODEL = Path(__file__).parents[1] / "assets" / "default-model"
 DTYPES = {
     Dtype.FLOAT32: torch.float32,
     Dtype.BFLOAT16: torch.bfloat16,

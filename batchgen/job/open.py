@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchgen.choices import OutputFormat, Task
-from batchgen.config import ConfigError, RunConfig
 from batchgen.data import InputSource, open_input
 from batchgen.data.reader import OpenAIBatchSource
 from batchgen.engine.constraints import ConstraintError
-from batchgen.memory import check_allocation
-from batchgen.model_spec import ModelSpec
-from batchgen.prepare import Preparer
+from batchgen.errors import ConfigError
+from batchgen.job.config import RunConfig
+from batchgen.job.model_spec import ModelSpec
+from batchgen.job.prepare import Preparer
+from batchgen.model.memory import check_allocation
 
 
 @dataclass(slots=True)

@@ -11,12 +11,12 @@ import dataclasses
 from collections.abc import Collection
 from typing import Any
 
-from batchgen.config import ConfigError, RunConfig, Task, read_json_schema
-from batchgen.data import RowError
-from batchgen.engine.constraints import Constraint, ConstraintError, ConstraintKind, parse_choices
-from batchgen.engine.sequence import SamplingParams
-from batchgen.seeds import row_seed
-from batchgen.tokenization import tokenize
+from batchgen.engine.constraints import ConstraintError, parse_choices
+from batchgen.engine.sequence import Constraint, ConstraintKind, SamplingParams
+from batchgen.errors import ConfigError, RowError
+from batchgen.job.config import RunConfig, Task, read_json_schema
+from batchgen.job.seeds import row_seed
+from batchgen.job.tokenization import tokenize
 
 # Optional input columns that override the job's sampling defaults for their row. Without a
 # seed column, each row's seed is derived from the job's seed and the row's id (seeds.py).

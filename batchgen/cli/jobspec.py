@@ -11,9 +11,9 @@ from typing import Any
 
 import yaml
 
-from batchgen.config import ConfigError
+from batchgen.errors import ConfigError
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 BUILTIN = "builtin:"
 
 

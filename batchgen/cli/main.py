@@ -8,8 +8,8 @@ import sys
 import click
 
 from batchgen.choices import Task
-from batchgen.cli_options import build_config, data_options, run_options
-from batchgen.config import ConfigError
+from batchgen.cli.options import build_config, data_options, run_options
+from batchgen.errors import ConfigError, JobInterrupted, RuntimeFailure, UsageError
 
 EXIT_USAGE = 2
 EXIT_CODES = """\b
@@ -56,13 +56,8 @@ def run_cmd(ctx: click.Context, source: str, **flags) -> None:
       batchgen run jobs/label_sentiment.yaml --limit 100
     A killed or preempted job resumes when the same command runs again.
     """
-    from batchgen.data import InputError, OutputError
-    from batchgen.model.hf_config import ModelLoadError
-    from batchgen.quant import QuantUnavailableError
-    from batchgen.run import JobInterrupted, run
-    from batchgen.scaleout.merge import MergeError
-    from batchgen.scaleout.workers import WorkersFailed, run_workers
-    from batchgen.tokenization import PromptTooLong
+    from batchgen.runner.run import run
+    from batchgen.scaleout.workers import run_workers
 
     try:
         cfg = build_config(ctx, source, **flags)
@@ -70,9 +65,9 @@ def run_cmd(ctx: click.Context, source: str, **flags) -> None:
             click.echo(run_workers(cfg).table())
             return
         stats = run(cfg)
-    except (ConfigError, InputError, ModelLoadError, QuantUnavailableError) as e:
+    except UsageError as e:
         _fail(str(e), EXIT_USAGE)
-    except (PromptTooLong, WorkersFailed, MergeError, OutputError) as e:
+    except RuntimeFailure as e:
         _fail(str(e), 1)
     except JobInterrupted as e:
         _fail(str(e), 128 + e.signum)
@@ -94,15 +89,12 @@ def plan_cmd(ctx: click.Context, source: str, as_json: bool, **flags) -> None:
     histogram, the engine's budgets and the KV cache it would allocate."""
     import json
 
-    from batchgen.data import InputError
-    from batchgen.model.hf_config import ModelLoadError
-    from batchgen.plan_report import format_plan, make_plan
-    from batchgen.quant import QuantUnavailableError
+    from batchgen.cli.plan import format_plan, make_plan
 
     try:
         cfg = build_config(ctx, source, output="(plan)", **flags)
         report = make_plan(cfg)
-    except (ConfigError, InputError, ModelLoadError, QuantUnavailableError) as e:
+    except UsageError as e:
         _fail(str(e), EXIT_USAGE)
     click.echo(json.dumps(report, indent=2) if as_json else format_plan(report))
 
@@ -176,7 +168,7 @@ def slurm_cmd(
             return
         path = write_script(cfg.output, script)
         job_id = submit(path)
-    except (ConfigError, SlurmError, ValueError) as e:
+    except (UsageError, SlurmError, ValueError) as e:
         _fail(str(e), EXIT_USAGE)
     except click.UsageError as e:
         _fail(f"in the run flags: {e.format_message()}", EXIT_USAGE)
@@ -200,12 +192,11 @@ def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
     Missing, unfinished or mismatched shards are listed by number and nothing is merged."""
     import json
 
-    from batchgen.data import OutputError
-    from batchgen.scaleout.merge import MergeError, merge
+    from batchgen.scaleout.merge import merge
 
     try:
         summary = merge(output, write_data=not stats_only)
-    except (MergeError, OutputError) as e:
+    except RuntimeFailure as e:
         _fail(str(e), 1)
     click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else summary.table())
 

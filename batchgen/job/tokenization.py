@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 from batchgen.choices import Truncate
-from batchgen.data.errors import RowError
-
-
-class PromptTooLong(Exception):
-    pass
+from batchgen.errors import PromptTooLong, RowError
 
 
 def tokenize(tokenizer, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:

@@ -15,13 +15,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.config import RunConfig, Task
-from batchgen.data import InputError, InputFormat, InputSource, PromptBuilder, RowError, default_ids
+from batchgen.data import InputFormat, InputSource, PromptBuilder, default_ids
 from batchgen.data.records import reserved_columns
 from batchgen.data.source import DEFAULT_ID_COLUMN, decode_rows
 from batchgen.engine.sequence import Request
-from batchgen.row_options import RowOptions
-from batchgen.tokenization import fit_length, tokenize
+from batchgen.errors import InputError, RowError
+from batchgen.job.config import RunConfig, Task
+from batchgen.job.row_options import RowOptions
+from batchgen.job.tokenization import fit_length, tokenize
 
 log = logging.getLogger(__name__)
 

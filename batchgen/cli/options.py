@@ -9,9 +9,10 @@ import dataclasses
 import click
 
 from batchgen.choices import BOUNDS, Choice
-from batchgen.config import ENGINE_DEFAULTS, ConfigError, RunConfig, choice_fields
+from batchgen.cli.jobspec import is_job_spec, load_job_spec, resolve_path
 from batchgen.engine.config import EngineConfig
-from batchgen.jobspec import is_job_spec, load_job_spec, resolve_path
+from batchgen.errors import ConfigError
+from batchgen.job.config import ENGINE_DEFAULTS, RunConfig, choice_fields
 
 
 def _default(name: str):
@@ -137,7 +138,7 @@ def build_config(ctx: click.Context, source: str, **flags) -> RunConfig:
 
 def _shard_from_env(workers) -> str | None:
     """The shard of a Slurm array task (SLURM_ARRAY_TASK_ID/COUNT), for runs without --shard."""
-    from batchgen.scaleout.shard import ShardError, shard_from_env
+    from batchgen.job.shard import ShardError, shard_from_env
 
     try:
         shard = shard_from_env()

@@ -21,14 +21,11 @@ from batchgen.choices import (
     Truncate,
 )
 from batchgen.engine.config import EngineConfig
-from batchgen.scaleout.shard import Shard, ShardError
+from batchgen.errors import ConfigError
+from batchgen.job.shard import Shard, ShardError
 
 # The engine's defaults are EngineConfig's; a RunConfig value of None leaves them to it.
 ENGINE_DEFAULTS = EngineConfig()
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass(slots=True)

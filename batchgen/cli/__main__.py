@@ -1,0 +1,3 @@
+from batchgen.cli.main import main
+
+main()
