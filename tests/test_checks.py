@@ -21,6 +21,7 @@ from helpers import (
 
 from batchgen.errors import ConfigError
 from batchgen.job.config import RunConfig
+from batchgen.job.fingerprint import options_fingerprint
 
 
 @pytest.fixture(scope="module")
@@ -242,9 +243,8 @@ def test_quant_group_size_is_checked():
         RunConfig(input="x", output="y", quantize="int4", quant_group_size=48)
     with pytest.raises(ConfigError, match="int4 only"):
         RunConfig(input="x", output="y", quantize="int8", quant_group_size=64)
+    cfg = RunConfig(input="x", output="y", quantize="int4", quant_group_size=64)
     assert (
-        RunConfig(input="x", output="y", quantize="int4", quant_group_size=64).fingerprint()[
-            "quant_group_size"
-        ]
+        options_fingerprint(cfg)["quant_group_size"]
         == 64
     )

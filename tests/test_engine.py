@@ -15,10 +15,9 @@ from test_exactness import hf_greedy
 from tiny_models import FAMILIES
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.engine import StepReport
 from batchgen.engine.model_runner import ModelRunner, _width_groups
 from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.sequence import FinishReason, Request, SamplingParams
+from batchgen.engine.sequence import FinishReason, Request, SamplingParams, StepReport
 from batchgen.llm import LLM
 
 # Rows of 1-25 tokens, finishing after 1-12 new tokens (or at EOS), so sequences join and

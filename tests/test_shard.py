@@ -14,6 +14,7 @@ from tiny_models import save_tiny_model
 from batchgen.cli import main
 from batchgen.errors import ConfigError
 from batchgen.job.config import RunConfig
+from batchgen.job.fingerprint import options_fingerprint
 from batchgen.job.shard import Shard, ShardError, shard_from_env, shard_of
 from batchgen.runner.run import run
 
@@ -75,9 +76,9 @@ def test_config_shard_fields():
     cfg = RunConfig(input="in.parquet", output="out", shard="1/3")
     assert cfg.shard == Shard(1, 3)
     assert cfg.output_dir.endswith("out/shard-00001-of-00003")
-    assert cfg.fingerprint()["shard"] == "1/3"
+    assert options_fingerprint(cfg)["shard"] == "1/3"
     plain = RunConfig(input="in.parquet", output="out")
-    assert plain.output_dir == "out" and "shard" not in plain.fingerprint()
+    assert plain.output_dir == "out" and "shard" not in options_fingerprint(plain)
     assert RunConfig(input="i", output="o", workers="3").workers == 3
     for bad in ({"shard": "3/3"}, {"workers": "0"}, {"workers": "many"},
                 {"shard": "0/2", "workers": 2}):  # fmt: skip

@@ -137,8 +137,7 @@ def test_quiet_prints_one_line(tmp_path, tiny_dirs):
 
 
 def test_run_stats_are_the_sum_of_step_reports():
-    from batchgen.engine.engine import StepReport
-    from batchgen.engine.sequence import Completion, FinishReason
+    from batchgen.engine.sequence import Completion, FinishReason, StepReport
     from batchgen.stats.run_stats import RunStats
 
     ok = Completion(0, [5, 6, 7], FinishReason.LENGTH, prompt_tokens=4)

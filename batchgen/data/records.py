@@ -1,10 +1,13 @@
-"""Result records: the output schema, and the buffer that checks records against it and hands
+"""Result records: the output schema, a row's record (its input side, `Row`, and its result,
+the engine's completion), and the buffer that checks records against the schema and hands
 the output directory a part's worth at a time."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import pyarrow as pa
 
@@ -17,6 +20,92 @@ _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens"
 # column keeps its input name (`id` for row numbers), so it is reserved only for the passthrough.
 RESERVED_COLUMNS = frozenset({"sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs"})
 SCORE_COLUMNS = frozenset({"label", "scores"})  # a score job's results, in place of text
+
+
+@dataclass(slots=True)
+class Row:
+    """The input side of one output record: what the row was, before the engine ran it."""
+
+    id: Any
+    passthrough: dict[str, Any]
+    prompt_tokens: int = 0
+    error: str | None = None
+    sample_index: int | None = None  # which of the row's n samples (None: a job without n)
+    num_samples: int = 1  # the row's n
+    labels: tuple[str, ...] = ()  # task score: the labels its request scores, in order
+
+
+class Result(Protocol):
+    """What a record takes from a row's result (the engine's Completion)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    scores: list[float] | None
+    error: str | None
+
+    @property
+    def finish_reason(self) -> Any: ...  # an enum whose value is the column's text
+
+    @property
+    def completion_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RecordShape:
+    """The columns of a job's result records besides its passthrough: one definition for the
+    schema (`schema`) and for each record (`record`)."""
+
+    id_column: str = DEFAULT_ID_COLUMN
+    score: bool = False  # the labels' probabilities (`label`, `scores`) in place of `text`
+    samples: bool = False  # a record per sample, keyed by (id, sample_index)
+    as_list: bool = False  # a record per row, its samples' fields as lists
+    with_token_ids: bool = False
+    with_logprobs: bool = False
+
+    def schema(self, id_type: pa.DataType, passthrough: pa.Schema) -> pa.Schema:
+        return output_schema(
+            id_type,
+            passthrough,
+            self.with_token_ids,
+            self.with_logprobs,
+            samples=self.samples,
+            id_column=self.id_column,
+            score=self.score,
+            as_list=self.as_list,
+        )
+
+    def record(self, row: Row, result: Result | None) -> dict[str, Any]:
+        """The record of a row: its result, or its error (result None or result.error set)."""
+        ok = result is not None and result.error is None
+        rec = {self.id_column: row.id, **row.passthrough}
+        if row.sample_index is not None:
+            rec["sample_index"] = row.sample_index
+        if self.score:  # the labels' probabilities, normalised over them
+            probs = normalise(result.scores) if ok else None
+            rec["label"] = row.labels[probs.index(max(probs))] if ok else None
+            rec["scores"] = list(zip(row.labels, probs, strict=True)) if ok else None
+        else:
+            rec["text"] = result.text if ok else None
+        rec.update(
+            finish_reason=result.finish_reason.value if ok else "error",
+            prompt_tokens=row.prompt_tokens,
+            completion_tokens=result.completion_tokens if ok else 0,
+            error=None if ok else (result.error if result is not None else row.error),
+        )
+        if self.with_token_ids:
+            rec["token_ids"] = result.token_ids if ok else None
+        if self.with_logprobs:
+            rec["logprobs"] = result.logprobs if ok else None
+        return rec
+
+
+def normalise(logprobs: list[float]) -> list[float]:
+    """log P(label | prompt) per label -> P(label | prompt, one of the labels)."""
+    top = max(logprobs)
+    weights = [math.exp(x - top) for x in logprobs]
+    total = sum(weights)
+    return [w / total for w in weights]
 
 
 def reserved_columns(score: bool = False) -> frozenset[str]:

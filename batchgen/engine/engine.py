@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,23 +27,16 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Constrainer, ConstraintError, Grammars
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.sequence import Completion, FinishReason, Request, Sequence, StepPlan
+from batchgen.engine.sequence import (
+    Completion,
+    FinishReason,
+    KVPool,
+    Request,
+    Sequence,
+    StepPlan,
+    StepReport,
+)
 from batchgen.engine.stopping import Detokenize, tokens_to_keep, trim_at_stop
-
-
-@dataclass(slots=True)
-class StepReport:
-    """One engine step: what finished and what it cost."""
-
-    finished: list[Completion] = field(default_factory=list)
-    prompt_tokens: int = 0  # prompt (and recomputed) tokens run this step
-    cached_tokens: int = 0  # prompt tokens found in the prefix cache by new admissions
-    decode_rows: int = 0  # sequences that decoded one token
-    padded_rows: int = 0  # decode rows computed only to fill a compiled shape
-    preempted: int = 0
-    seconds: float = 0.0  # model time, compile excluded
-    compile_seconds: float = 0.0  # first run of a new compiled shape
-    prefill: bool = False  # the step ran prompt tokens (else decode only)
 
 
 @dataclass(slots=True)
@@ -73,6 +66,7 @@ class Engine:
         self.grammars = grammars  # None: constrained requests are refused
         self.constrainer = Constrainer(grammars) if grammars is not None else None
         self.scheduler: Scheduler | None = None  # made with the pool, at the first request
+        self.kv_pool: KVPool | None = None  # the KV cache as allocated, at the first request
         self._candidates: dict[Sequence, tuple[_ScoredRow, int]] = {}  # seq -> (row, which)
 
     def _start(self, first: list[Request]) -> Scheduler:
@@ -82,7 +76,9 @@ class Engine:
         free = self.runner.free_device_bytes()
         blocks = self.config.pool_blocks(longest, free, self.runner.kv_bytes_per_block())
         self.runner.allocate(blocks)
-        pool = BlockPool(blocks, self.config.block_size, self.config.prefix_caching)
+        bs = self.config.block_size
+        self.kv_pool = KVPool(blocks, bs, blocks * self.runner.kv_bytes_per_block())
+        pool = BlockPool(blocks, bs, self.config.prefix_caching)
         return Scheduler(
             pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.eos_ids
         )
@@ -201,6 +197,9 @@ class Engine:
             seconds=timing.seconds,
             compile_seconds=timing.compile_seconds,
             prefill=bool(plan.prefills),
+            cache_lookups=plan.cache_lookups,
+            cache_hits=plan.cache_hits,
+            new_shape=timing.new_shape,
         )
 
     def _completion(self, seq: Sequence) -> Completion | None:

@@ -53,6 +53,7 @@ class StepTiming:
     seconds: float = 0.0  # the step, compile excluded
     compile_seconds: float = 0.0  # first call of a new compiled shape (compile + first run)
     padded_rows: int = 0  # decode rows computed only to fill a compiled shape
+    new_shape: bool = False  # a compiled shape's first call
 
 
 def _sync(device: torch.device) -> None:
@@ -237,7 +238,7 @@ class ModelRunner:
 
     def _execute_compiled_decode(
         self, plan: StepPlan, bitmask: torch.Tensor | None
-    ) -> tuple[list[tuple[int, float]], StepTiming]:
+    ) -> tuple[list[tuple[int, float]], list[list[float]], StepTiming]:
         dev, bs = self.device, self.block_size
         n = len(plan.decodes)
         b = next_pow2(n)
@@ -278,5 +279,5 @@ class ModelRunner:
         dt = time.perf_counter() - t0
         if key not in self.shapes:
             self.shapes.add(key)
-            return out, [], StepTiming(0.0, dt, pad)
+            return out, [], StepTiming(0.0, dt, pad, new_shape=True)
         return out, [], StepTiming(dt, 0.0, pad)

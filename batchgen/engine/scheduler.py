@@ -118,6 +118,7 @@ class Scheduler:
             budget -= n
             i += 1
         deferred = []
+        lookups, hits = self.pool.queries, self.pool.hits
         while (
             not plan.preempted
             and self.waiting
@@ -139,6 +140,7 @@ class Scheduler:
             budget -= n
         for item in deferred:
             heapq.heappush(self.waiting, item)
+        plan.cache_lookups, plan.cache_hits = self.pool.queries - lookups, self.pool.hits - hits
         return plan
 
     def _add_to_plan(self, plan: StepPlan, seq: Sequence, n: int) -> None:

@@ -2,7 +2,8 @@
 
 A `Request` (prompt ids + `SamplingParams`) comes in; the scheduler wraps it in a
 `Sequence`, its running state (tokens so far, cache blocks, lifecycle), and plans each step
-as a `StepPlan` of `Scheduled` chunks; a `Completion` goes out."""
+as a `StepPlan` of `Scheduled` chunks; a `Completion` goes out, and each step's
+accounting as a `StepReport`."""
 
 from __future__ import annotations
 
@@ -180,6 +181,8 @@ class StepPlan:
     prefills: list[Scheduled] = field(default_factory=list)  # chunks of prompts
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # first admissions (not recomputes)
+    cache_lookups: int = 0  # full blocks the admissions looked up in the prefix cache
+    cache_hits: int = 0  # of which found there
 
     @property
     def scheduled(self) -> list[Scheduled]:
@@ -196,3 +199,36 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not (self.decodes or self.prefills)
+
+
+@dataclass(slots=True)
+class StepReport:
+    """One engine step: what finished and what it cost."""
+
+    finished: list[Completion] = field(default_factory=list)
+    prompt_tokens: int = 0  # prompt (and recomputed) tokens run this step
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache by new admissions
+    decode_rows: int = 0  # sequences that decoded one token
+    padded_rows: int = 0  # decode rows computed only to fill a compiled shape
+    preempted: int = 0
+    seconds: float = 0.0  # model time, compile excluded
+    compile_seconds: float = 0.0  # first run of a new compiled shape
+    prefill: bool = False  # the step ran prompt tokens (else decode only)
+    cache_lookups: int = 0  # full prompt blocks looked up in the prefix cache by admissions
+    cache_hits: int = 0  # of which found
+    new_shape: bool = False  # the step ran a compiled shape for the first time
+
+
+@dataclass(slots=True, frozen=True)
+class KVPool:
+    """The paged KV cache as allocated: blocks (the scratch block included) of block_size
+    token slots, and their bytes on the device."""
+
+    num_blocks: int
+    block_size: int
+    bytes: int
+
+    @property
+    def tokens(self) -> int:
+        """Token slots sequences can hold (the scratch block is not theirs)."""
+        return (self.num_blocks - 1) * self.block_size

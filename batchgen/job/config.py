@@ -161,17 +161,17 @@ class RunConfig:
         return str(Path(self.output) / self.shard.dirname) if self.shard else self.output
 
     @classmethod
-    def keys(cls) -> list[str]:
+    def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "config") -> RunConfig:
         """Build from a job spec's dict; unknown keys are errors naming the allowed ones."""
         values = {k.replace("-", "_"): v for k, v in values.items()}
-        unknown = sorted(set(values) - set(cls.keys()))
+        unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
             raise ConfigError(
-                f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(cls.keys())}"
+                f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(cls.field_names())}"
             )
         missing = [k for k in ("input", "output") if values.get(k) is None]
         if missing:
@@ -180,43 +180,6 @@ class RunConfig:
             return cls(**values)
         except TypeError as e:
             raise ConfigError(f"{source}: {e}") from None
-
-    def fingerprint(self) -> dict[str, Any]:
-        """What makes two runs the same job: a rerun with a different one is refused."""
-        skip = {"overwrite", "quiet", "rows_per_part", "flush_seconds", "window_rows", "max_num_seqs",
-                "max_num_batched_tokens", "block_size", "kv_cache_tokens", "prefix_caching",
-                "compile", "workers", "threads", "output_format"}  # fmt: skip
-        out = {k: getattr(self, k) for k in self.keys() if k not in skip}
-        out["input"] = str(Path(self.input).resolve()) if "*" not in self.input else self.input
-        out["output"] = str(Path(self.output).resolve())
-        out.update((k, getattr(self, k).value) for k in choice_fields() if k in out)
-        for key in ("choice", "regex", "json_schema"):  # unconstrained jobs keep theirs
-            if out[key] is None:
-                del out[key]
-        if self.n == 1:  # so do jobs of one sample a row
-            del out["n"]
-        if self.task is Task.GENERATE:  # and generating jobs
-            del out["task"]
-        if not self.n_as_list:  # and jobs of a record per sample
-            del out["n_as_list"]
-        if self.json_schema is not None:  # the schema itself: editing the file makes another job
-            out["json_schema"] = {"path": str(Path(self.json_schema).resolve()),
-                                  "schema": read_json_schema(self.json_schema)}  # fmt: skip
-        if self.lora is None:  # runs without an adapter keep the fingerprint they had before
-            del out["lora"]
-        else:  # the adapter's content, too: retraining it in place makes another job
-            from batchgen.model.lora import adapter_sha256
-
-            out["lora"] = {
-                "path": str(Path(self.lora).resolve()),
-                "sha256": adapter_sha256(self.lora),
-            }
-        # Unsharded runs keep the fingerprint they had before shards existed.
-        if self.shard:
-            out["shard"] = str(self.shard)
-        else:
-            del out["shard"]
-        return out
 
 
 def read_json_schema(path: str) -> str:

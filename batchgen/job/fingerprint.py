@@ -1,4 +1,10 @@
-"""What a job's files were when it started, cheaply: stored in _job.json next to the options.
+"""What makes two runs the same job, stored in _job.json: a rerun whose fingerprint differs is
+refused (or, with --overwrite, starts again), one that matches resumes.
+
+`job_fingerprint(job)` is built once, from the opened job, in one place: the options that change
+outputs (`options_fingerprint`), what they resolved to (the id column, the JSON schema's text
+from the job's constraint, the LoRA adapter's hash from the spec's adapter) and what the job's
+files were when it started.
 
 The options alone say which paths a job read, not what was in them. Rerunning after the
 weights at the same --model path were replaced, or after rows were prepended to the input,
@@ -20,9 +26,15 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from batchgen.choices import Task
 from batchgen.data import InputSource
+from batchgen.engine.sequence import ConstraintKind
+from batchgen.job.config import RunConfig, choice_fields
+
+if TYPE_CHECKING:
+    from batchgen.job.open import Job
 
 # Small files of a model directory that change its outputs: hashed in full.
 MODEL_TEXT_FILES = (
@@ -41,8 +53,67 @@ MODEL_TEXT_FILES = (
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json")
 
 
-def content_fingerprint(model_dir: Path, source: InputSource) -> dict[str, Any]:
-    return {"model_files": model_files(model_dir), "input_files": input_files(source)}
+# Options that change how a job runs, not what it writes: a rerun may change them.
+RUN_ONLY_OPTIONS = frozenset(
+    {
+        "overwrite",
+        "quiet",
+        "rows_per_part",
+        "flush_seconds",
+        "window_rows",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "kv_cache_tokens",
+        "prefix_caching",
+        "compile",
+        "workers",
+        "threads",
+        "output_format",
+    }
+)
+
+
+def job_fingerprint(job: Job) -> dict[str, Any]:
+    """The fingerprint of an opened job: its options and what they resolved to."""
+    out = options_fingerprint(job.cfg)
+    constraint = job.prep.options.defaults.constraint
+    if constraint is not None and constraint.kind is ConstraintKind.JSON_SCHEMA:
+        # the schema itself: editing the file makes another job
+        out["json_schema"] = {"path": out["json_schema"], "schema": constraint.spec}
+    if job.spec.lora is not None:  # the adapter's content: retraining it in place makes another job
+        out["lora"] = {"path": out["lora"], "sha256": job.spec.lora.sha256}
+    out["id_column"] = job.prep.id_column  # as resolved: an input's `id` column without --id-column
+    out["model_files"] = model_files(job.spec.model_dir)
+    out["input_files"] = input_files(job.source)
+    return out
+
+
+def options_fingerprint(cfg: RunConfig) -> dict[str, Any]:
+    """The options that change a job's outputs, with paths made absolute. Options at their
+    default that older versions did not have are left out, so a job keeps the fingerprint it
+    had before they existed."""
+    out = {k: getattr(cfg, k) for k in RunConfig.field_names() if k not in RUN_ONLY_OPTIONS}
+    out["input"] = str(Path(cfg.input).resolve()) if "*" not in cfg.input else cfg.input
+    out["output"] = str(Path(cfg.output).resolve())
+    out.update((k, getattr(cfg, k).value) for k in choice_fields() if k in out)
+    for key in ("choice", "regex", "json_schema", "lora"):  # unconstrained jobs keep theirs
+        if out[key] is None:
+            del out[key]
+    for key in ("json_schema", "lora"):
+        if key in out:
+            out[key] = str(Path(out[key]).resolve())
+    if cfg.n == 1:  # so do jobs of one sample a row
+        del out["n"]
+    if cfg.task is Task.GENERATE:  # and generating jobs
+        del out["task"]
+    if not cfg.n_as_list:  # and jobs of a record per sample
+        del out["n_as_list"]
+    if cfg.shard:  # and unsharded runs
+        out["shard"] = str(cfg.shard)
+    else:
+        del out["shard"]
+    return out
 
 
 def model_files(model_dir: Path) -> dict[str, Any]:

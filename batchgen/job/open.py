@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from batchgen.choices import OutputFormat, Task
@@ -17,9 +18,10 @@ from batchgen.model.memory import check_allocation
 
 @dataclass(slots=True)
 class Job:
-    """A job opened and checked: its model resolved (the engine is built from spec), its
-    input open, its rows' preparation set up."""
+    """A job opened and checked: its options as they apply (cfg), its model resolved (the
+    engine is built from spec), its input open, its rows' preparation set up."""
 
+    cfg: RunConfig
     spec: ModelSpec
     source: InputSource
     prep: Preparer
@@ -49,11 +51,14 @@ def open_job(cfg: RunConfig) -> Job:
         quant_group_size=cfg.quant_group_size,
     )
     source = open_input(cfg.input)
-    if cfg.output_format is OutputFormat.OPENAI and not isinstance(source, OpenAIBatchSource):
-        raise ConfigError(
-            f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is not an "
-            "OpenAI batch request file (lines with custom_id and body)"
-        )
+    if cfg.output_format is OutputFormat.OPENAI:
+        if not isinstance(source, OpenAIBatchSource):
+            raise ConfigError(
+                f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is "
+                "not an OpenAI batch request file (lines with custom_id and body)"
+            )
+        if source.asks_logprobs:  # the lines that ask get each token's logprob: parts keep them
+            cfg = dataclasses.replace(cfg, with_token_ids=True, with_logprobs=True)
     max_seq = spec.model_cfg.max_position_embeddings
     # room after the prompt: its new tokens, or a score job's labels (checked per row later)
     room = cfg.max_new_tokens if cfg.task is Task.GENERATE else 1
@@ -75,4 +80,4 @@ def open_job(cfg: RunConfig) -> Job:
             spec.grammars.compile(prep.options.defaults.constraint)
         except ConstraintError as e:
             raise ConfigError(str(e)) from None
-    return Job(spec, source, prep)
+    return Job(cfg, spec, source, prep)

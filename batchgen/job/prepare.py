@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.data import InputFormat, InputSource, PromptBuilder, default_ids
-from batchgen.data.records import reserved_columns
+from batchgen.data.records import RecordShape, Row, reserved_columns
 from batchgen.data.source import DEFAULT_ID_COLUMN, decode_rows
 from batchgen.engine.sequence import Request
 from batchgen.errors import InputError, RowError
@@ -30,17 +30,6 @@ log = logging.getLogger(__name__)
 ROW_NUMBERS_FIX = "use row numbers as ids (no --id-column, and no input column named id)"
 # Columns of an OpenAI batch file copied to the output by default (the request's prompt).
 OPENAI_PASSTHROUGH = ("prompt", "messages")
-
-
-@dataclass(slots=True)
-class Row:
-    id: Any
-    passthrough: dict[str, Any]
-    prompt_tokens: int = 0
-    error: str | None = None
-    sample_index: int | None = None  # which of the row's n samples (None: a job without n)
-    num_samples: int = 1  # the row's n
-    labels: tuple[str, ...] = ()  # task score: the labels its request scores, in order
 
 
 @dataclass(slots=True)
@@ -98,9 +87,9 @@ class Preparer:
             self.builder, self.chat_builder = openai_prompt_builders(cfg, tokenizer)
         else:
             self.builder = make_prompt_builder(cfg, tokenizer)
-        self.id_column = cfg.id_column or source.id_column
+        self.id_column = cfg.id_column or source.id_column  # None: row numbers
         self.max_prompt_len = max_prompt_len
-        self.passthrough = self._passthrough(cfg, source)
+        self.passthrough = self._passthrough(cfg, source, self.id_column)
         self.options = RowOptions(cfg, source.columns, tokenizer)
         self.score = self.options.score
         # n samples per row (--n or an n column): one output record per (id, sample_index)
@@ -125,10 +114,9 @@ class Preparer:
         self._seen_ids: set[Any] = set()
 
     @staticmethod
-    def _passthrough(cfg: RunConfig, source: InputSource) -> list[str]:
+    def _passthrough(cfg: RunConfig, source: InputSource, id_column: str | None) -> list[str]:
         """Input columns copied to the output besides the id column; by default a column
         named like an output column (e.g. `text`) is left out."""
-        id_column = cfg.id_column or source.id_column
         if cfg.passthrough is not None:
             return [c for c in cfg.passthrough if c != id_column]
         if source.format is InputFormat.OPENAI:
@@ -146,6 +134,22 @@ class Preparer:
     def output_id_column(self) -> str:
         """The output's id column: the input's id column under its own name, else `id`."""
         return self.id_column or DEFAULT_ID_COLUMN
+
+    @property
+    def record_shape(self) -> RecordShape:
+        return RecordShape(
+            id_column=self.output_id_column,
+            score=self.score,
+            samples=self.samples,
+            as_list=self.as_list,
+            with_token_ids=self.cfg.with_token_ids,
+            with_logprobs=self.cfg.with_logprobs,
+        )
+
+    def output_schema(self) -> pa.Schema:
+        """The output's schema: the record shape over the id's type and the passthrough."""
+        passthrough = pa.schema([self.source.schema.field(c) for c in self.passthrough])
+        return self.record_shape.schema(self.id_type, passthrough)
 
     @property
     def id_type(self):

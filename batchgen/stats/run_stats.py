@@ -1,5 +1,8 @@
-"""Run statistics: the sum of the engine's step reports and the job's row counts, derived
-rates as properties, printed as a table and written to _stats.json."""
+"""Run statistics, built from values: what ran (`RunInfo`, once the model is loaded), the sum
+of the engine's step reports (`add_step`), the rows that became error records before the
+engine (`add_error_rows`), and what the run ended with (`finish`: the KV pool, peak memory,
+the GPU's samples). Derived rates are properties; `to_dict` is _stats.json, `table` the
+printed summary."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import Any
 
 import torch
 
-from batchgen.engine.engine import StepReport
+from batchgen.engine.sequence import KVPool, StepReport
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -19,28 +22,62 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """What ran, known once the model is loaded."""
+
+    model: str
+    family: str
+    device: str
+    dtype: str
+    compiled: bool
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    prefix_caching: bool
+    quantization: dict[str, Any]
+    lora: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.lora is None:
+            del d["lora"]
+        return d
+
+
 @dataclass(slots=True)
 class RunStats:
+    rows_skipped_done: int = 0  # already in the output from an earlier run
+    openai_unsupported_fields: dict[str, int] | None = None  # body fields ignored, by lines
+    info: RunInfo | None = None  # None: the run ended before loading the model
     rows: int = 0  # rows written in this run (ok + error)
     rows_error: int = 0
-    rows_skipped_done: int = 0  # already in the output from an earlier run
     prompt_tokens: int = 0  # real prompt tokens of the rows run
     computed_prompt_tokens: int = 0  # prompt tokens run through the model (recomputes included)
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
+    cache_lookups: int = 0  # full prompt blocks looked up in the prefix cache
+    cache_hits: int = 0  # of which found
     output_tokens: int = 0
     steps: int = 0
     decode_steps: int = 0  # steps with no prompt tokens
     decode_rows: int = 0  # sequence-steps that decoded a token
     padded_rows: int = 0  # decode rows computed only to fill a compiled shape
     preemptions: int = 0
+    compiled_shapes: int = 0
     load_s: float = 0.0
     prefill_s: float = 0.0  # steps with prompt tokens (decodes riding along included)
     decode_s: float = 0.0
     compile_s: float = 0.0
+    kv_pool: KVPool | None = None
     peak_memory_bytes: int = 0
+    gpu: dict[str, Any] | None = None  # NVML's samples (nvml.GpuSamples.summary)
+    complete: bool = False
     started: float = field(default_factory=time.perf_counter)
     wall_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)  # model, device, quantization, gpu, ...
+
+    def loaded(self, info: RunInfo, seconds: float) -> None:
+        """The model is loaded (in `seconds`): what runs from here on."""
+        self.info, self.load_s = info, seconds
 
     def add_error_rows(self, n: int) -> None:
         """Rows that became error records before reaching the engine."""
@@ -59,16 +96,28 @@ class RunStats:
         self.decode_steps += not r.prefill
         self.computed_prompt_tokens += r.prompt_tokens
         self.cached_prompt_tokens += r.cached_tokens
+        self.cache_lookups += r.cache_lookups
+        self.cache_hits += r.cache_hits
         self.decode_rows += r.decode_rows
         self.padded_rows += r.padded_rows
         self.preemptions += r.preempted
+        self.compiled_shapes += r.new_shape
         self.compile_s += r.compile_seconds
         if r.prefill:
             self.prefill_s += r.seconds
         else:
             self.decode_s += r.seconds
 
-    def finish(self) -> None:
+    def finish(
+        self,
+        complete: bool,
+        peak_memory: int = 0,
+        kv_pool: KVPool | None = None,
+        gpu: dict[str, Any] | None = None,
+    ) -> None:
+        """The run ended (complete: every row of the job is in the output)."""
+        self.complete, self.peak_memory_bytes = complete, peak_memory
+        self.kv_pool, self.gpu = kv_pool, gpu
         self.wall_s = time.perf_counter() - self.started
 
     @property
@@ -87,13 +136,18 @@ class RunStats:
         total = self.decode_rows + self.padded_rows
         return self.decode_rows / total if total else 1.0
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Full prompt blocks found in the prefix cache / looked up."""
+        return self.cache_hits / self.cache_lookups if self.cache_lookups else 0.0
+
     def rate(self, n: float) -> float:
         return n / self.elapsed if self.elapsed > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("started")
-        extra = d.pop("extra")
+        """_stats.json: the counts, the derived rates, what ran and what it ended with."""
+        skip = ("started", "info", "kv_pool", "gpu", "openai_unsupported_fields")
+        d = {k: v for k, v in asdict(self).items() if k not in skip}
         d.update(
             rows_per_s=self.rate(self.rows),
             prompt_tokens_per_s=self.rate(self.prompt_tokens),
@@ -102,15 +156,22 @@ class RunStats:
             prompt_compute_ratio=self.prompt_compute_ratio,
             decode_live_share=self.decode_live_share,
         )
-        return {**d, **extra}
+        d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        if self.info is not None:
+            d.update(self.info.to_dict())
+        if self.kv_pool is not None:
+            d.update(kv_cache_tokens=self.kv_pool.tokens, kv_cache_bytes=self.kv_pool.bytes)
+        if self.openai_unsupported_fields:
+            d["openai_unsupported_fields"] = self.openai_unsupported_fields
+        d.update(self.gpu or {})
+        return d
 
     def table(self) -> str:
         d = self.to_dict()
+        done = f"{self.rows} ({self.rows_error} errors, {self.rows_skipped_done} done before)"
+        cached = f"{self.cached_prompt_tokens} from the prefix cache"
         rows = [
-            (
-                "rows",
-                f"{self.rows} ({self.rows_error} errors, {self.rows_skipped_done} done before)",
-            ),
+            ("rows", done),
             ("wall time", f"{self.elapsed:.2f} s"),
             ("rows/s", f"{d['rows_per_s']:.2f}"),
             ("prompt tokens/s", f"{d['prompt_tokens_per_s']:.1f}"),
@@ -118,17 +179,13 @@ class RunStats:
             ("prefill / decode", f"{self.prefill_s:.2f} s / {self.decode_s:.2f} s"),
             ("compile + warm-up", f"{self.compile_s:.2f} s"),
             ("model load", f"{self.load_s:.2f} s"),
-            (
-                "prompt tokens computed",
-                f"{self.prompt_compute_ratio:.1%} of real ({self.cached_prompt_tokens} from the prefix cache)",
-            ),
+            ("prompt tokens computed", f"{self.prompt_compute_ratio:.1%} of real ({cached})"),
             ("decode rows live", f"{self.decode_live_share:.1%} ({self.preemptions} preemptions)"),
             ("peak memory", f"{self.peak_memory_bytes / 2**20:.0f} MiB"),
         ]
         if d.get("gpu_util_mean_pct") is not None:
-            rows.append(
-                ("GPU util mean/max", f"{d['gpu_util_mean_pct']:.0f}% / {d['gpu_util_max_pct']}%")
-            )
+            util = f"{d['gpu_util_mean_pct']:.0f}% / {d['gpu_util_max_pct']}%"
+            rows.append(("GPU util mean/max", util))
             rows.append(("GPU memory max", f"{d['gpu_mem_used_max_bytes'] / 2**30:.2f} GiB"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
