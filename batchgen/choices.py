@@ -74,12 +74,25 @@ class Bound:
 # Numeric options' ranges, checked in RunConfig and given to click as IntRange/FloatRange, so a
 # flag and a job spec value are refused alike. The sampling ones are SamplingParams' checks.
 BOUNDS = {
-    **dict.fromkeys(("max_new_tokens", "max_prompt_len", "max_num_batched_tokens", "window_rows",
-                     "rows_per_part", "max_num_seqs", "block_size", "kv_cache_tokens", "limit",
-                     "threads", "n"), Bound(1)),
+    **dict.fromkeys(
+        (
+            "max_new_tokens",
+            "max_prompt_len",
+            "max_num_batched_tokens",
+            "window_rows",
+            "rows_per_part",
+            "max_num_seqs",
+            "block_size",
+            "kv_cache_tokens",
+            "limit",
+            "threads",
+            "n",
+        ),
+        Bound(1),
+    ),
     "temperature": Bound(0),
     "top_k": Bound(0),
     "top_p": Bound(0, 1, low_open=True),
     "seed": Bound(0, 2**31 - 1),
     "flush_seconds": Bound(0),
-}  # fmt: skip
+}

@@ -87,7 +87,9 @@ class LLM:
         return self._run(requests)
 
     def _candidate_ids(self, c: str | list[int]) -> list[int]:
-        return c if isinstance(c, list) else self.tokenizer(c, add_special_tokens=False)["input_ids"]  # fmt: skip
+        return (
+            c if isinstance(c, list) else self.tokenizer(c, add_special_tokens=False)["input_ids"]
+        )
 
     def _run(self, requests: list[Request]) -> list[Completion]:
         results: list[Completion | None] = [None] * len(requests)
@@ -99,4 +101,7 @@ class LLM:
 
 def _is_candidate_list(x: Sequence) -> bool:
     """One list of candidates (texts or id lists), rather than one list per prompt?"""
-    return all(isinstance(c, str) or (isinstance(c, list) and all(isinstance(t, int) for t in c)) for c in x)  # fmt: skip
+    return all(
+        isinstance(c, str) or (isinstance(c, list) and all(isinstance(t, int) for t in c))
+        for c in x
+    )

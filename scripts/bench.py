@@ -93,8 +93,12 @@ def timed(cmd: list[str], log: Path) -> dict:
     rss = log.with_suffix(".rss")
     t0 = time.perf_counter()
     with log.open("w") as f:
-        code = subprocess.call([sys.executable, "-c", _LAUNCHER, str(rss), *cmd], cwd=ROOT,
-                               stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+        code = subprocess.call(
+            [sys.executable, "-c", _LAUNCHER, str(rss), *cmd],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     wall = time.perf_counter() - t0
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {code}; log: {log}\n{log.read_text()[-2000:]}")
@@ -102,16 +106,49 @@ def timed(cmd: list[str], log: Path) -> dict:
 
 
 def batchgen_cmd(a, model: Path, data: Path, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "batchgen.cli", "run", str(data), "-o", str(out),
-           "--model", str(model), "--id-column", "id", "--ignore-eos", "--max-new-tokens", "256",
-           "--with-token-ids", "--quiet", "--overwrite", "--device", a.device, "--dtype", a.dtype,
-           *a.batchgen_args.split()]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "batchgen.cli",
+        "run",
+        str(data),
+        "-o",
+        str(out),
+        "--model",
+        str(model),
+        "--id-column",
+        "id",
+        "--ignore-eos",
+        "--max-new-tokens",
+        "256",
+        "--with-token-ids",
+        "--quiet",
+        "--overwrite",
+        "--device",
+        a.device,
+        "--dtype",
+        a.dtype,
+        *a.batchgen_args.split(),
+    ]
     return cmd + (["--threads", str(a.threads)] if a.threads else [])
 
 
 def hf_cmd(a, model: Path, data: Path, out: Path, mode: str, batch: int) -> list[str]:
-    cmd = [sys.executable, str(HERE / "hf_baseline.py"), str(model), str(data), str(out),
-           "--mode", mode, "--batch-size", str(batch), "--dtype", a.dtype, "--device", a.device]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(HERE / "hf_baseline.py"),
+        str(model),
+        str(data),
+        str(out),
+        "--mode",
+        mode,
+        "--batch-size",
+        str(batch),
+        "--dtype",
+        a.dtype,
+        "--device",
+        a.device,
+    ]
     return cmd + (["--threads", str(a.threads)] if a.threads else [])
 
 
@@ -205,8 +242,10 @@ def markdown(report: dict) -> str:
         ]
         for r in w["runs"]:
             label = r["engine"] + (f" batch {r['batch_size']}" if "batch_size" in r else "")
-            lines.append(f"| {label} | {r['wall_s']:.1f} | {r['peak_rss_bytes'] / 2**20:.0f} "
-                         f"| {r['rows_differing']} |")  # fmt: skip
+            lines.append(
+                f"| {label} | {r['wall_s']:.1f} | {r['peak_rss_bytes'] / 2**20:.0f} "
+                f"| {r['rows_differing']} |"
+            )
         lines += [
             "",
             f"**batchgen {w['batchgen_median_s']:.1f} s vs best baseline ({w['baseline']}) "
@@ -231,9 +270,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="llama-55m", choices=sorted(bench_models.SHAPES))
     p.add_argument("--rows", type=int, default=192)
     p.add_argument("--pairs", type=int, default=2, help="batchgen/baseline pairs (A B A B)")
-    p.add_argument("--baselines", default=",".join(f"{m}:{b}" for m in HF_MODES for b in (8, 16, 32)),
-                   help="transformers runs to try, MODE:BATCH comma-separated; the fastest is "
-                   "the baseline")  # fmt: skip
+    p.add_argument(
+        "--baselines",
+        default=",".join(f"{m}:{b}" for m in HF_MODES for b in (8, 16, 32)),
+        help="transformers runs to try, MODE:BATCH comma-separated; the fastest is the baseline",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)

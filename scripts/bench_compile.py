@@ -100,16 +100,20 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--modes: eager and/or compiled, got {args.modes!r}")
     results = [measure(args, prompts, params, m) for m in modes]
     same = all(r["token_ids"] == results[0]["token_ids"] for r in results)
-    print(f"{len(prompts)} prompts x {args.new_tokens} new tokens, {torch.get_num_threads()} threads; "
-          f"identical tokens across modes: {same}\n")  # fmt: skip
+    print(
+        f"{len(prompts)} prompts x {args.new_tokens} new tokens, {torch.get_num_threads()} threads; "
+        f"identical tokens across modes: {same}\n"
+    )
     print(
         "| mode | graphs | compile + warm-up s | cold pass s | warm pass s | warm out tok/s | warm decode tok/s | ms/step |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
-        print(f"| {r['mode']} | {r['graphs']} | {r['compile_s']:.1f} | {r['cold_wall_s']:.2f} | "
-              f"{r['warm_wall_s']:.2f} | {r['warm_out_tok_s']:.0f} | {r['warm_decode_tok_s']:.0f} | "
-              f"{r['warm_ms_per_step']:.2f} |")  # fmt: skip
+        print(
+            f"| {r['mode']} | {r['graphs']} | {r['compile_s']:.1f} | {r['cold_wall_s']:.2f} | "
+            f"{r['warm_wall_s']:.2f} | {r['warm_out_tok_s']:.0f} | {r['warm_decode_tok_s']:.0f} | "
+            f"{r['warm_ms_per_step']:.2f} |"
+        )
     for r in results:
         r.pop("token_ids")
     report = {"identical_tokens": same, "results": results}

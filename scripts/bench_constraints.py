@@ -46,7 +46,11 @@ def main(argv=None) -> dict:
     data = root / "labeling.parquet"
     pq.write_table(pa.table(bench.make_workload("labeling", a.rows, vocab)), data)
     runs: dict[str, list[float]] = {"free": [], "choice": [], "score": [], "hf-score": []}
-    variants = {"free": "", "choice": f"--choice {LABELS}", "score": f"--task score --choice {LABELS}"}  # fmt: skip
+    variants = {
+        "free": "",
+        "choice": f"--choice {LABELS}",
+        "score": f"--task score --choice {LABELS}",
+    }
     for i in range(a.pairs):
         for name in runs:
             out = root / f"{name}-{i}"
@@ -63,9 +67,11 @@ def main(argv=None) -> dict:
             print(f"round {i} {name:8s} {r['wall_s']:6.1f} s  {a.rows / r['wall_s']:5.2f} rows/s")
         _check_scores(root / f"score-{i}", root / f"hf-score-{i}")
     med = {k: statistics.median(v) for k, v in runs.items()}
-    print(f"median rows/s: free {med['free']:.2f}, choice {med['choice']:.2f} "
-          f"({med['choice'] / med['free']:.2f}x), score {med['score']:.2f}, transformers score "
-          f"{med['hf-score']:.2f} ({med['score'] / med['hf-score']:.2f}x)")  # fmt: skip
+    print(
+        f"median rows/s: free {med['free']:.2f}, choice {med['choice']:.2f} "
+        f"({med['choice'] / med['free']:.2f}x), score {med['score']:.2f}, transformers score "
+        f"{med['hf-score']:.2f} ({med['score'] / med['hf-score']:.2f}x)"
+    )
     return med
 
 
@@ -73,7 +79,10 @@ def _check_scores(ours: Path, theirs: Path) -> None:
     """batchgen's label probabilities against transformers' (softmax of its log-likelihoods)."""
     import math
 
-    got = {r["id"]: dict(r["scores"]) for r in pq.read_table(ours, columns=["id", "scores"]).to_pylist()}  # fmt: skip
+    got = {
+        r["id"]: dict(r["scores"])
+        for r in pq.read_table(ours, columns=["id", "scores"]).to_pylist()
+    }
     worst = 0.0
     for r in pq.read_table(theirs).to_pylist():
         top = max(r["scores"])

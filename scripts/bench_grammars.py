@@ -68,7 +68,7 @@ TEXT_CASES = (
         "json",
         SCHEMA,
         '{"name": "Ada Lovelace", "age": 36, "score": 0.75, "active": true, "label": "neutral"}',
-    ),  # fmt: skip
+    ),
 )
 WORD_CASES = (
     Case("choice", "choice", ("t5", "t6", "t7"), "t6"),  # scripts/bench_constraints.py's labels
@@ -176,7 +176,7 @@ class Llg:
         """A matcher to copy: LLMatcher() parses the grammar (its lexer is built lazily, as
         masks need it); a deep copy is the cheap way to a matcher for each row."""
         if c.kind == "choice":
-            grammar = self.llg.grammar_from("lark", "start: " + " | ".join(map(json.dumps, c.spec)))  # fmt: skip
+            grammar = self.llg.grammar_from("lark", "start: " + " | ".join(map(json.dumps, c.spec)))
         elif c.kind == "regex":
             grammar = self.llg.LLMatcher.grammar_from_regex(c.spec)
         else:
@@ -193,7 +193,9 @@ class Llg:
 
     def fill(self, ms, mask: torch.Tensor) -> None:
         if self.executor is not None:
-            self.lt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(ms)], mask)  # fmt: skip
+            self.lt.fill_next_token_bitmask_par(
+                self.executor, [(m, i) for i, m in enumerate(ms)], mask
+            )
         else:
             for i, m in enumerate(ms):
                 self.lt.fill_next_token_bitmask(m, mask, i)
@@ -222,7 +224,9 @@ class _Words:
         that is no word ("t", a prefix llguidance asks about) into its unknown token, EOS."""
         ids, i = [], 0
         while i < len(s):
-            j = next((j for j in range(min(len(s), i + self._longest), i, -1) if s[i:j] in self._ids), 0)  # fmt: skip
+            j = next(
+                (j for j in range(min(len(s), i + self._longest), i, -1) if s[i:j] in self._ids), 0
+            )
             if not j:
                 break
             ids.append(self._ids[s[i:j]])
@@ -275,8 +279,14 @@ def one_round(lib, tok, c: Case, min_steps: int) -> dict[str, float] | str:
             assert all(ok), f"{c.name}: token {token} refused"
         assert all(lib.done(m) for m in ms), f"{c.name}: not ended after EOS"
     med = statistics.median
-    return {"compile_ms": compile_s * 1e3, "first_ms": first_s * 1e3, "new_us": med(new) * 1e6, "fill_ms": med(fill) * 1e3,
-            "accept_ms": med(accept) * 1e3, "steps": len(path)}  # fmt: skip
+    return {
+        "compile_ms": compile_s * 1e3,
+        "first_ms": first_s * 1e3,
+        "new_us": med(new) * 1e6,
+        "fill_ms": med(fill) * 1e3,
+        "accept_ms": med(accept) * 1e3,
+        "steps": len(path),
+    }
 
 
 def compare(tok, c: Case) -> list[str]:
@@ -286,7 +296,10 @@ def compare(tok, c: Case) -> list[str]:
     words = -(-len(tok) // 32)
     notes = []
     for step, token in enumerate(path_of(tok, c)):
-        a, b = torch.full((1, words), -1, dtype=torch.int32), torch.full((1, words), -1, dtype=torch.int32)  # fmt: skip
+        a, b = (
+            torch.full((1, words), -1, dtype=torch.int32),
+            torch.full((1, words), -1, dtype=torch.int32),
+        )
         mx.fill_next_token_bitmask(a, 0)
         g.lt.fill_next_token_bitmask(mg, b, 0)
         if g.error(mg):
@@ -302,8 +315,10 @@ def compare(tok, c: Case) -> list[str]:
                 else:
                     refused.append(x.info.decoded_vocab[t])
             bad = f" (refused by xgrammar's own accept_token: {refused})" if refused else ""
-            notes.append(f"step {step}: {len(sa)} vs {len(sb)} allowed; only xgrammar "
-                         f"{len(sa - sb)} {only_x}, only llguidance {len(sb - sa)} {only_g}{bad}")  # fmt: skip
+            notes.append(
+                f"step {step}: {len(sa)} vs {len(sb)} allowed; only xgrammar "
+                f"{len(sa - sb)} {only_x}, only llguidance {len(sb - sa)} {only_g}{bad}"
+            )
         mx.accept_token(token)
         mg.consume_token(token)
     return notes
@@ -319,8 +334,10 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     from importlib.metadata import version
 
-    lines = [f"xgrammar {version('xgrammar')}, llguidance {version('llguidance')}, "
-             f"batch {BATCH}, {a.rounds} rounds, 1 thread"]  # fmt: skip
+    lines = [
+        f"xgrammar {version('xgrammar')}, llguidance {version('llguidance')}, "
+        f"batch {BATCH}, {a.rounds} rounds, 1 thread"
+    ]
     results: dict = {}
     for name in a.tokenizers.split(","):
         tok = load_tokenizer(name)
@@ -335,30 +352,49 @@ def main(argv=None) -> dict:
                     setup[v].append((time.perf_counter() - t0) * 1e3)
                 for c in cases:
                     runs[v, c.name].append(one_round(lib, tok, c, a.min_steps))
-        med = {k: next((r for r in rs if isinstance(r, str)), None)
-               or {f: statistics.median(r[f] for r in rs) for f in rs[0]} for k, rs in runs.items()}  # fmt: skip
-        results[name] = {"setup_ms": {v: statistics.median(s) for v, s in setup.items()},
-                         "cases": {f"{v} {c}": m for (v, c), m in med.items()}}  # fmt: skip
-        lines += ["", f"{name}: vocabulary {len(tok)}; vocabulary build: xgrammar "
-                  f"{results[name]['setup_ms']['xgr-loop']:.0f} ms, llguidance "
-                  f"{results[name]['setup_ms']['llg-loop']:.0f} ms", "",
-                  "| constraint (steps) | variant | compile ms | first mask ms | new matcher us | "
-                  f"fill {BATCH} ms/step | accept {BATCH} ms/step |", "|---|---|--:|--:|--:|--:|--:|"]  # fmt: skip
+        med = {
+            k: next((r for r in rs if isinstance(r, str)), None)
+            or {f: statistics.median(r[f] for r in rs) for f in rs[0]}
+            for k, rs in runs.items()
+        }
+        results[name] = {
+            "setup_ms": {v: statistics.median(s) for v, s in setup.items()},
+            "cases": {f"{v} {c}": m for (v, c), m in med.items()},
+        }
+        lines += [
+            "",
+            f"{name}: vocabulary {len(tok)}; vocabulary build: xgrammar "
+            f"{results[name]['setup_ms']['xgr-loop']:.0f} ms, llguidance "
+            f"{results[name]['setup_ms']['llg-loop']:.0f} ms",
+            "",
+            "| constraint (steps) | variant | compile ms | first mask ms | new matcher us | "
+            f"fill {BATCH} ms/step | accept {BATCH} ms/step |",
+            "|---|---|--:|--:|--:|--:|--:|",
+        ]
         for c in cases:
             for v in VARIANTS:
                 m = med[v, c.name]
                 if isinstance(m, str):
                     lines.append(f"| {c.name} | {v} | fails: {m} | | | | |")
                     continue
-                lines.append(f"| {c.name} ({m['steps']:.0f}) | {v} | {m['compile_ms']:.2f} | "
-                             f"{m['first_ms']:.2f} | {m['new_us']:.0f} | {m['fill_ms']:.3f} | "
-                             f"{m['accept_ms']:.3f} |")  # fmt: skip
+                lines.append(
+                    f"| {c.name} ({m['steps']:.0f}) | {v} | {m['compile_ms']:.2f} | "
+                    f"{m['first_ms']:.2f} | {m['new_us']:.0f} | {m['fill_ms']:.3f} | "
+                    f"{m['accept_ms']:.3f} |"
+                )
         for c in cases:
             diff = compare(tok, c)
             results[name][f"diff {c.name}"] = diff
             shown = diff[:3] + [d for d in diff[3:] if "refused" in d]  # and every refusal
             more = f"; {len(diff) - len(shown)} more steps" if len(diff) > len(shown) else ""
-            lines.append(f"- {c.name}: allowed sets " + ("equal at every step" if not diff else f"differ at {len(diff)} steps: " + "; ".join(shown) + more))  # fmt: skip
+            lines.append(
+                f"- {c.name}: allowed sets "
+                + (
+                    "equal at every step"
+                    if not diff
+                    else f"differ at {len(diff)} steps: " + "; ".join(shown) + more
+                )
+            )
     print("\n".join(lines))
     if a.markdown:
         Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,7 @@ SHAPES: dict[str, Shape] = {
             max_position_embeddings=2048,
         ),
         "2 layers, 0.1M parameters: smoke tests only",
-    ),  # fmt: skip
+    ),
     # CPU
     "llama-30m": Shape(
         "llama",
@@ -60,7 +60,7 @@ SHAPES: dict[str, Shape] = {
             max_position_embeddings=2048,
         ),
         "Llama-shaped, 34M parameters (25M of them embeddings and head), GQA 6/2",
-    ),  # fmt: skip
+    ),
     "llama-55m": Shape(
         "llama",
         dict(
@@ -74,7 +74,7 @@ SHAPES: dict[str, Shape] = {
         ),
         "Llama-shaped, 57M parameters (33M of them embeddings and head), GQA 8/2: the "
         "engine issue's CPU benchmark shape",
-    ),  # fmt: skip
+    ),
     "gpt2-124m": Shape(
         "gpt2",
         dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=2048),
@@ -104,7 +104,7 @@ SHAPES: dict[str, Shape] = {
             ),
         ),
         "Llama-3.2-1B shape (1.24B, tied embeddings, Llama 3 RoPE scaling)",
-    ),  # fmt: skip
+    ),
     "qwen-0.5b": Shape(
         "llama",
         dict(
@@ -119,7 +119,7 @@ SHAPES: dict[str, Shape] = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
         "Qwen2.5-0.5B's shape as a Llama (0.49B, tied embeddings, GQA 14/2; no qkv bias)",
-    ),  # fmt: skip
+    ),
     "llama-8b": Shape(
         "llama",
         dict(
@@ -133,7 +133,7 @@ SHAPES: dict[str, Shape] = {
             rope_parameters=dict(rope_type="default", rope_theta=500000.0),
         ),
         "Llama-3-8B shape (8.03B)",
-    ),  # fmt: skip
+    ),
 }
 
 DEFAULT_CACHE = Path(os.environ.get("BATCHGEN_BENCH_CACHE", Path.home() / ".cache/batchgen-bench"))
@@ -180,8 +180,9 @@ def num_params(name: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build(name: str, path: str | Path, dtype: str = "float32", device: str = "cpu",
-          seed: int = 0) -> Path:  # fmt: skip
+def build(
+    name: str, path: str | Path, dtype: str = "float32", device: str = "cpu", seed: int = 0
+) -> Path:
     """Write a random `name`-shaped checkpoint in dtype to path and return path."""
     import torch
     import transformers
@@ -212,8 +213,9 @@ def build(name: str, path: str | Path, dtype: str = "float32", device: str = "cp
     return path
 
 
-def cached(name: str, dtype: str = "float32", device: str = "cpu",
-           root: str | Path | None = None) -> Path:  # fmt: skip
+def cached(
+    name: str, dtype: str = "float32", device: str = "cpu", root: str | Path | None = None
+) -> Path:
     """The checkpoint dir for (name, dtype) under root, built on first use."""
     root = Path(root) if root is not None else DEFAULT_CACHE
     path = root / f"{name}-{dtype}"

@@ -32,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))  # tiny_models
 
 from batchgen.engine.config import EngineConfig  # noqa: E402
 from batchgen.engine.sequence import Request, SamplingParams  # noqa: E402
@@ -46,11 +46,15 @@ def random_llama(hidden: int, layers: int, root: Path) -> Path:
     from tiny_models import save_tiny_model
 
     return save_tiny_model(
-        "llama", root / f"llama-{hidden}x{layers}", hidden_size=hidden,
-        intermediate_size=hidden * 11 // 4 // 128 * 128, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
+        "llama",
+        root / f"llama-{hidden}x{layers}",
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4 // 128 * 128,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
         max_position_embeddings=1024,
-    )  # fmt: skip
+    )
 
 
 def prompts(batch: int, length: int, seed: int) -> list[list[int]]:
@@ -87,8 +91,11 @@ def decode_rate(llm: LLM, batch: int, args, seed: int) -> tuple[float, int]:
     from torch._dynamo.utils import counters
 
     g0 = counters["stats"]["unique_graphs"]
-    decode = [r for r in generate(llm, batch, args.prompt_len, args.new_tokens, seed)
-              if not r.prefill and r.decode_rows]  # fmt: skip
+    decode = [
+        r
+        for r in generate(llm, batch, args.prompt_len, args.new_tokens, seed)
+        if not r.prefill and r.decode_rows
+    ]
     rows, secs = sum(r.decode_rows for r in decode), sum(r.seconds for r in decode)
     return rows / secs if secs else 0.0, counters["stats"]["unique_graphs"] - g0
 
@@ -96,8 +103,12 @@ def decode_rate(llm: LLM, batch: int, args, seed: int) -> tuple[float, int]:
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
-    p.add_argument("--random-llama", type=int, metavar="HIDDEN",
-                   help="instead of --model, a random Llama of this width")  # fmt: skip
+    p.add_argument(
+        "--random-llama",
+        type=int,
+        metavar="HIDDEN",
+        help="instead of --model, a random Llama of this width",
+    )
     p.add_argument("--layers", type=int, default=4, help="layers of --random-llama")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
@@ -136,8 +147,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for method, backend in configs:
         t0 = time.perf_counter()
         try:
-            llm = LLM(model, dtype=args.dtype, device=args.device, compile=True, engine=engine,
-                      quantize=method, quant_backend=backend)  # fmt: skip
+            llm = LLM(
+                model,
+                dtype=args.dtype,
+                device=args.device,
+                compile=True,
+                engine=engine,
+                quantize=method,
+                quant_backend=backend,
+            )
         except QuantUnavailableError as e:
             print(f"skip {backend} {method}: {e}", file=sys.stderr)
             continue
@@ -150,9 +168,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         t0 = time.perf_counter()
         for b in batches:  # warm-up: compiles decode at each batch size
             decode_rate(llm, b, args, seed=0)
-        info[key] = dict(scheme=llm.quant.to_dict(), weight_bytes=weight_bytes(llm.model),
-                         warmup_s=round(built[key] + time.perf_counter() - t0, 1),
-                         graphs=len(llm.runner.shapes))  # fmt: skip
+        info[key] = dict(
+            scheme=llm.quant.to_dict(),
+            weight_bytes=weight_bytes(llm.model),
+            warmup_s=round(built[key] + time.perf_counter() - t0, 1),
+            graphs=len(llm.runner.shapes),
+        )
         print(f"built {key} in {info[key]['warmup_s']} s", file=sys.stderr, flush=True)
 
     rates: dict[tuple, list[float]] = {}
@@ -170,23 +191,43 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for b in batches:
             rate = statistics.median(rates[(*key, b)])
             base = statistics.median(rates[("none", "-", b)])
-            rows.append(dict(method=key[0], backend=key[1], batch=b, tokens_per_s=rate,
-                             ratio=rate / base, recompiles=recompiles[(*key, b)],
-                             rounds=[round(x, 1) for x in rates[(*key, b)]], **info[key]))  # fmt: skip
+            rows.append(
+                dict(
+                    method=key[0],
+                    backend=key[1],
+                    batch=b,
+                    tokens_per_s=rate,
+                    ratio=rate / base,
+                    recompiles=recompiles[(*key, b)],
+                    rounds=[round(x, 1) for x in rates[(*key, b)]],
+                    **info[key],
+                )
+            )
 
-    print(f"\nmodel {model}, {any_llm.device} {str(any_llm.dtype).removeprefix('torch.')}, "
-          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, median of "
-          f"{args.rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads\n")  # fmt: skip
+    print(
+        f"\nmodel {model}, {any_llm.device} {str(any_llm.dtype).removeprefix('torch.')}, "
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, median of "
+        f"{args.rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads\n"
+    )
     print("| backend | method | format | weights | batch | decode tok/s | vs none | recompiles |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['backend']} | {r['method']} | {r['scheme'].get('weight_format') or '-'} "
-              f"| {r['weight_bytes'] / 2**20:.1f} MiB | {r['batch']} | {r['tokens_per_s']:.0f} "
-              f"| {r['ratio']:.2f}x | {r['recompiles']} |")  # fmt: skip
+        print(
+            f"| {r['backend']} | {r['method']} | {r['scheme'].get('weight_format') or '-'} "
+            f"| {r['weight_bytes'] / 2**20:.1f} MiB | {r['batch']} | {r['tokens_per_s']:.0f} "
+            f"| {r['ratio']:.2f}x | {r['recompiles']} |"
+        )
     if args.out:
-        meta = dict(model=str(model), device=str(any_llm.device), dtype=str(any_llm.dtype),
-                    prompt_len=args.prompt_len, new_tokens=args.new_tokens, rounds=args.rounds,
-                    threads=torch.get_num_threads(), torch=torch.__version__)  # fmt: skip
+        meta = dict(
+            model=str(model),
+            device=str(any_llm.device),
+            dtype=str(any_llm.dtype),
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            rounds=args.rounds,
+            threads=torch.get_num_threads(),
+            torch=torch.__version__,
+        )
         Path(args.out).write_text(json.dumps(dict(meta=meta, results=rows), indent=2))
     return rows
 

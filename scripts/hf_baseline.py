@@ -40,7 +40,9 @@ def load(model_dir: str, dtype: str = "float32", device: str = "cpu"):
     return model, tok
 
 
-def chunked(model, prompts: list[list[int]], news: list[int], order: list[int], batch: int, pad: int) -> dict[int, list[int]]:  # fmt: skip
+def chunked(
+    model, prompts: list[list[int]], news: list[int], order: list[int], batch: int, pad: int
+) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for s in range(0, len(order), batch):
         rows = order[s : s + batch]
@@ -54,14 +56,21 @@ def chunked(model, prompts: list[list[int]], news: list[int], order: list[int], 
         )
         m = max(news[i] for i in rows)
         with torch.inference_mode():
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=m,
-                                 do_sample=False, pad_token_id=pad)[:, width:]  # fmt: skip
+            gen = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=m,
+                do_sample=False,
+                pad_token_id=pad,
+            )[:, width:]
         for i, g in zip(rows, gen.tolist(), strict=True):
             out[i] = g[: news[i]]
     return out
 
 
-def continuous(model, prompts: list[list[int]], news: list[int], batch: int) -> dict[int, list[int]]:  # fmt: skip
+def continuous(
+    model, prompts: list[list[int]], news: list[int], batch: int
+) -> dict[int, list[int]]:
     gc = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(news))
     cb = transformers.ContinuousBatchingConfig(max_requests_per_batch=batch)
     out: dict[int, list[int]] = {}
@@ -79,7 +88,9 @@ def continuous(model, prompts: list[list[int]], news: list[int], batch: int) -> 
     return out
 
 
-def score(model, prompts: list[list[int]], labels: list[list[int]], batch: int, pad: int) -> dict[int, list[float]]:  # fmt: skip
+def score(
+    model, prompts: list[list[int]], labels: list[list[int]], batch: int, pad: int
+) -> dict[int, list[float]]:
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: dict[int, list[float]] = {}
     with torch.no_grad():
@@ -88,7 +99,9 @@ def score(model, prompts: list[list[int]], labels: list[list[int]], batch: int, 
             seqs = [prompts[i] + lab for i in rows for lab in labels]
             width = max(map(len, seqs))
             ids = torch.tensor([q + [pad] * (width - len(q)) for q in seqs], device=model.device)
-            mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs], device=model.device)  # fmt: skip
+            mask = torch.tensor(
+                [[1] * len(q) + [0] * (width - len(q)) for q in seqs], device=model.device
+            )
             lp = model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
             for j, i in enumerate(rows):
                 n = len(prompts[i])
@@ -124,7 +137,9 @@ def main() -> None:
         labels = [tok(x, add_special_tokens=False)["input_ids"] for x in a.labels.split(",")]
         scores = score(model, prompts, labels, a.batch_size, pad)
         ids = table.column("id")
-        pq.write_table(pa.table({"id": ids, "scores": [scores[i] for i in range(len(prompts))]}), a.output)  # fmt: skip
+        pq.write_table(
+            pa.table({"id": ids, "scores": [scores[i] for i in range(len(prompts))]}), a.output
+        )
         print(
             f"score batch {a.batch_size}: {len(prompts)} rows in {time.perf_counter() - t0:.1f} s"
         )
@@ -138,13 +153,15 @@ def main() -> None:
         out = chunked(model, prompts, news, order, a.batch_size, pad)
     ids = [out[i] for i in range(len(prompts))]
     pq.write_table(
-        pa.table({
-            "id": table.column("id"),
-            "token_ids": pa.array(ids, pa.list_(pa.int64())),
-            "text": tok.batch_decode(ids, skip_special_tokens=True),
-        }),
+        pa.table(
+            {
+                "id": table.column("id"),
+                "token_ids": pa.array(ids, pa.list_(pa.int64())),
+                "text": tok.batch_decode(ids, skip_special_tokens=True),
+            }
+        ),
         a.output,
-    )  # fmt: skip
+    )
     print(f"{a.mode} batch {a.batch_size}: {len(ids)} rows in {time.perf_counter() - t0:.1f} s")
 
 

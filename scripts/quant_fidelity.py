@@ -121,9 +121,15 @@ def engine_config(prompts: list[list[int]], new_tokens: int, block_size: int = 1
 
 def measure(args, method: str, backend: str, rows, prompts: list[list[int]]) -> dict:
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, compile=False,
-              engine=engine_config(prompts, args.new_tokens),
-              quantize=method, quant_backend=backend)  # fmt: skip
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        compile=False,
+        engine=engine_config(prompts, args.new_tokens),
+        quantize=method,
+        quant_backend=backend,
+    )
     # Teacher-forced first: it sets up its own caches, which the engine's first generate
     # then replaces with its pool.
     logp, top1 = teacher_forced(llm.model, rows, llm.config.block_size)
@@ -176,23 +182,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results.append(r)
     out = []
     for r in [ref, *results]:
-        same = sum(a == b for g, f in zip(r["gen"], ref["gen"], strict=True)
-                   for a, b in zip(g, f, strict=True))  # fmt: skip
-        out.append(dict(
-            method=r["method"], backend=r["backend"], scheme=r["scheme"],
-            ppl=math.exp(r["nll"]),
-            ppl_delta_pct=100 * (math.exp(r["nll"] - ref["nll"]) - 1),
-            top1_agreement=float((r["top1"] == ref["top1"]).float().mean()),
-            greedy_agreement=same / sum(len(g) for g in ref["gen"]),
-            weight_bytes=r["weight_bytes"], linear_bytes=r["linear_bytes"],
-            seconds=round(r["seconds"], 2),
-        ))  # fmt: skip
+        same = sum(
+            a == b
+            for g, f in zip(r["gen"], ref["gen"], strict=True)
+            for a, b in zip(g, f, strict=True)
+        )
+        out.append(
+            dict(
+                method=r["method"],
+                backend=r["backend"],
+                scheme=r["scheme"],
+                ppl=math.exp(r["nll"]),
+                ppl_delta_pct=100 * (math.exp(r["nll"] - ref["nll"]) - 1),
+                top1_agreement=float((r["top1"] == ref["top1"]).float().mean()),
+                greedy_agreement=same / sum(len(g) for g in ref["gen"]),
+                weight_bytes=r["weight_bytes"],
+                linear_bytes=r["linear_bytes"],
+                seconds=round(r["seconds"], 2),
+            )
+        )
 
     text_tokens = rows.numel()
-    print(f"\nmodel {args.model}, {args.device} {args.dtype}; fixed text {text_tokens} tokens "
-          f"({rows.shape[0]} rows of {rows.shape[1]}); {len(prompts)} prompts x "
-          f"{args.new_tokens} greedy tokens. Available on {args.device}: "
-          f"{', '.join(available(args.device))}\n")  # fmt: skip
+    print(
+        f"\nmodel {args.model}, {args.device} {args.dtype}; fixed text {text_tokens} tokens "
+        f"({rows.shape[0]} rows of {rows.shape[1]}); {len(prompts)} prompts x "
+        f"{args.new_tokens} greedy tokens. Available on {args.device}: "
+        f"{', '.join(available(args.device))}\n"
+    )
     print(
         "| backend | method | format | ppl | Δppl | top-1 agree | greedy agree | weights | linears |"
     )
@@ -205,9 +221,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"| {r['linear_bytes'] / 2**20:.3f} MiB |"
         )
     if args.out:
-        meta = dict(model=args.model, device=args.device, dtype=args.dtype,
-                    text_tokens=text_tokens, prompts=len(prompts), new_tokens=args.new_tokens,
-                    torch=torch.__version__)  # fmt: skip
+        meta = dict(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            text_tokens=text_tokens,
+            prompts=len(prompts),
+            new_tokens=args.new_tokens,
+            torch=torch.__version__,
+        )
         Path(args.out).write_text(json.dumps(dict(meta=meta, results=out), indent=2))
     return out
 

@@ -76,8 +76,13 @@ class Ceilings:
         return asdict(self)
 
 
-def measure(device: str | torch.device, dtype: torch.dtype, copy_bytes: int | None = None,
-            matmul_n: int | None = None, reps: int = 10) -> Ceilings:  # fmt: skip
+def measure(
+    device: str | torch.device,
+    dtype: torch.dtype,
+    copy_bytes: int | None = None,
+    matmul_n: int | None = None,
+    reps: int = 10,
+) -> Ceilings:
     """Measure both ceilings; sizes default to well past the caches of each device type."""
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -151,8 +156,9 @@ class Bound:
         return asdict(self)
 
 
-def decode_bound(batches: Sequence[Sequence[tuple[int, int]]], cost: ModelCost,
-                 c: Ceilings) -> Bound:  # fmt: skip
+def decode_bound(
+    batches: Sequence[Sequence[tuple[int, int]]], cost: ModelCost, c: Ceilings
+) -> Bound:
     """batches: per batch, (prompt_len, new_tokens) of its real rows. The first new token
     comes from prefill; step s (1 <= s < new_tokens) makes token s+1 with p + s tokens in
     the row's cache."""
@@ -168,8 +174,9 @@ def decode_bound(batches: Sequence[Sequence[tuple[int, int]]], cost: ModelCost,
     return bound
 
 
-def prefill_bound(batches: Sequence[Sequence[tuple[int, int]]], cost: ModelCost,
-                  c: Ceilings) -> Bound:  # fmt: skip
+def prefill_bound(
+    batches: Sequence[Sequence[tuple[int, int]]], cost: ModelCost, c: Ceilings
+) -> Bound:
     bound = Bound()
     for rows in batches:
         lens = [p for p, _ in rows]

@@ -1,13 +1,8 @@
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from tiny_models import FAMILIES, save_tiny_model  # noqa: E402
+from tiny_models import FAMILIES, save_tiny_model
 
 # Tiny test models gain nothing from a second thread, and a busy machine stalls it.
 torch.set_num_threads(1)
@@ -18,6 +13,18 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny random checkpoint per supported family, saved with transformers."""
     root = tmp_path_factory.mktemp("tiny")
     return {f: save_tiny_model(f, root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def model(tiny_dirs) -> Path:
+    """The tiny Llama: the model most tests run."""
+    return tiny_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def gpt2(tiny_dirs) -> Path:
+    """The tiny GPT-2 (learned positions, LayerNorm, fused c_attn)."""
+    return tiny_dirs["gpt2"]
 
 
 @pytest.fixture(scope="session")

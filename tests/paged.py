@@ -15,7 +15,9 @@ class Pages:
     """A paged cache with block tables by hand. Blocks come from a shuffled free list, so a
     sequence's cache is never contiguous; block 0 is scratch, as in the engine."""
 
-    def __init__(self, model: Transformer, num_blocks: int = 64, block_size: int = 4, seed: int = 0):  # fmt: skip
+    def __init__(
+        self, model: Transformer, num_blocks: int = 64, block_size: int = 4, seed: int = 0
+    ):
         model.setup_caches(num_blocks, block_size)
         self.model, self.bs = model, block_size
         self.free = list(range(1, num_blocks))
@@ -62,7 +64,9 @@ class Pages:
             width = max(len(self.tables[seq]) for seq, _, _ in group)
             tables = [self.tables[s] + [0] * (width - len(self.tables[s])) for s, _, _ in group]
             lens = [p + 1 for _, p, _ in group]
-            decode_groups.append(DecodeGroup(lo, torch.tensor(tables, device=dev), torch.tensor(lens, device=dev)))  # fmt: skip
+            decode_groups.append(
+                DecodeGroup(lo, torch.tensor(tables, device=dev), torch.tensor(lens, device=dev))
+            )
             lo += size
         assert lo == len(decodes)
         step = StepAttention(

@@ -9,14 +9,20 @@ from helpers import FAST, read_output, rows_by_id, run_cli, write_jsonl, write_p
 LONG = "the quick brown fox jumps over the lazy dog. " * 8  # well over 16 tokens
 
 
-@pytest.fixture(scope="module")
-def model(tiny_dirs):
-    return tiny_dirs["llama"]
-
-
 def _run(src, out, model, *flags, exit_code=0):
-    return run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 4, *flags,
-                   exit_code=exit_code)  # fmt: skip
+    return run_cli(
+        "run",
+        src,
+        "-o",
+        out,
+        "--model",
+        model,
+        *FAST,
+        "--max-new-tokens",
+        4,
+        *flags,
+        exit_code=exit_code,
+    )
 
 
 def _check_error_row(row, *words):
@@ -128,8 +134,9 @@ def test_truncate_keeps_part_of_a_long_prompt(tmp_path, model, policy):
 
 def test_truncate_error_stops_the_job_naming_the_fix(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": ["the lazy dog", LONG]})
-    r = _run(src, tmp_path / "out", model, "--max-prompt-len", 16, "--truncate", "error",
-             exit_code=1)  # fmt: skip
+    r = _run(
+        src, tmp_path / "out", model, "--max-prompt-len", 16, "--truncate", "error", exit_code=1
+    )
     assert "max_prompt_len 16" in r.stderr
     assert "--truncate left|right|skip" in r.stderr and "--max-prompt-len" in r.stderr
     assert not (tmp_path / "out" / "_SUCCESS").exists()
@@ -204,9 +211,18 @@ def _template_syntax(d):
 
 @pytest.mark.parametrize(
     "make",
-    [_corrupt_parquet, _truncated_parquet, _missing_prompt_column, _missing_template_column,
-     _missing_id_column, _missing_file, _jsonl_type_change, _json_array, _template_syntax],
-)  # fmt: skip
+    [
+        _corrupt_parquet,
+        _truncated_parquet,
+        _missing_prompt_column,
+        _missing_template_column,
+        _missing_id_column,
+        _missing_file,
+        _jsonl_type_change,
+        _json_array,
+        _template_syntax,
+    ],
+)
 def test_bad_input_fails_before_the_model_loads(tmp_path, unloadable_model, make):
     src, flags, words = make(tmp_path)
     out = tmp_path / "out"

@@ -24,11 +24,6 @@ from batchgen.job.config import RunConfig
 from batchgen.job.fingerprint import options_fingerprint
 
 
-@pytest.fixture(scope="module")
-def model(tiny_dirs):
-    return tiny_dirs["llama"]
-
-
 def _model_copy(tmp_path, model, **config):
     """A copy of the tiny model whose config.json has `config` merged in (None: key removed)."""
     d = shutil.copytree(model, tmp_path / "model")
@@ -72,10 +67,19 @@ def test_spec_values_are_checked_against_the_option_types(tmp_path, model, value
 
 @pytest.mark.parametrize(
     "flags",
-    [("--seed", -1), ("--top-p", 0), ("--top-p", 1.5), ("--temperature", -0.5), ("--top-k", -1),
-     ("--max-new-tokens", 0), ("--max-new-tokens", 3.5), ("--flush-seconds", -1),
-     ("--kv-cache-tokens", "1e11"), ("--threads", 0)],
-)  # fmt: skip
+    [
+        ("--seed", -1),
+        ("--top-p", 0),
+        ("--top-p", 1.5),
+        ("--temperature", -0.5),
+        ("--top-k", -1),
+        ("--max-new-tokens", 0),
+        ("--max-new-tokens", 3.5),
+        ("--flush-seconds", -1),
+        ("--kv-cache-tokens", "1e11"),
+        ("--threads", 0),
+    ],
+)
 def test_flag_values_are_usage_errors(tmp_path, model, flags):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *flags, exit_code=2)
@@ -95,8 +99,10 @@ def test_python_api_checks_types_too():
 
 @pytest.mark.parametrize("column", ["uid", "id"])  # named, or the default id column
 def test_float_id_column_is_refused(tmp_path, model, column):
-    src = write_parquet(tmp_path / "in.parquet",
-                        {"prompt": prompts(4), column: [1.0, float("nan"), float("nan"), 2.0]})  # fmt: skip
+    src = write_parquet(
+        tmp_path / "in.parquet",
+        {"prompt": prompts(4), column: [1.0, float("nan"), float("nan"), 2.0]},
+    )
     flag = ("--id-column", column) if column != "id" else ()
     r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, *flag, exit_code=2)
     assert_one_line_error(r, f"id column {column!r}", "cast it to int or string")
@@ -126,15 +132,28 @@ def test_invalid_utf8_line_is_one_error_record(tmp_path, model):
 def test_runaway_template_is_a_row_error(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"text": ["short", "long"]})
     out = tmp_path / "out"
-    template = ("{% if text == 'long' %}{% for i in range(100000) %}{% for j in range(100000) %}"
-                "x{% endfor %}{% endfor %}{% endif %}Label: {{ text }}")  # fmt: skip
+    template = (
+        "{% if text == 'long' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+        "x{% endfor %}{% endfor %}{% endif %}Label: {{ text }}"
+    )
     run_cli("run", src, "-o", out, "--model", model, *FAST, "-t", template, "--max-new-tokens", 2)
     rows = rows_by_id(out)
     assert rows[0]["error"] is None
     assert "simplify the template" in rows[1]["error"]
     huge = write_parquet(tmp_path / "huge.parquet", {"text": ["x"]})
-    run_cli("run", huge, "-o", tmp_path / "out2", "--model", model, *FAST,
-            "-t", "{{ text * 10**10 }}", "--max-new-tokens", 2)  # fmt: skip
+    run_cli(
+        "run",
+        huge,
+        "-o",
+        tmp_path / "out2",
+        "--model",
+        model,
+        *FAST,
+        "-t",
+        "{{ text * 10**10 }}",
+        "--max-new-tokens",
+        2,
+    )
     assert "simplify the template" in rows_by_id(tmp_path / "out2")[0]["error"]
 
 
@@ -152,8 +171,19 @@ def test_huge_rope_table_is_refused_naming_the_setting(tmp_path, model):
 
 def test_huge_kv_cache_is_refused_naming_the_flag(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, "--device", "cpu",
-                "--kv-cache-tokens", 10**11, exit_code=2)  # fmt: skip
+    r = run_cli(
+        "run",
+        src,
+        "-o",
+        tmp_path / "out",
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--kv-cache-tokens",
+        10**11,
+        exit_code=2,
+    )
     assert_one_line_error(r, "KV cache of 100000000000 tokens", "TiB", "lower --kv-cache-tokens")
     r = run_cli("plan", src, "--model", model, "--kv-cache-tokens", 10**11, exit_code=2)
     assert_one_line_error(r, "lower --kv-cache-tokens")
@@ -211,14 +241,15 @@ def _pickle_with_objects(tmp_path, model):
 
 
 @pytest.mark.parametrize(
-    "make", [_broken_config, _incomplete_config, _bad_size_config, _size_mismatch,
-             _pickle_with_objects],
-)  # fmt: skip
+    "make",
+    [_broken_config, _incomplete_config, _bad_size_config, _size_mismatch, _pickle_with_objects],
+)
 def test_broken_model_directory_is_aassert_one_line_error(tmp_path, model, make):
     d, words = make(tmp_path, model)
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", d, *FAST, "--allow-pickle",
-                exit_code=2)  # fmt: skip
+    r = run_cli(
+        "run", src, "-o", tmp_path / "out", "--model", d, *FAST, "--allow-pickle", exit_code=2
+    )
     assert_one_line_error(r, *words)
 
 
@@ -229,13 +260,18 @@ def test_int4_on_a_model_128_does_not_divide(tmp_path, model):
     """The tiny model is 32 wide (MLP 64): int4's default group of 128 divides no layer."""
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 2,
-            "--quantize", "int4")  # fmt: skip
+    run_cli(
+        "run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 2, "--quantize", "int4"
+    )
     assert sorted(rows_by_id(out)) == [0, 1, 2]
     q = read_stats(out)["quantization"]
     assert q["group_size"] == 128 and q["granularity"] == "groups of 32/64"
-    assert q["group_sizes"] == {"layers.*.attn.wqkv": 32, "layers.*.attn.wo": 32,
-                                "layers.*.mlp.w_in": 32, "layers.*.mlp.w_out": 64}  # fmt: skip
+    assert q["group_sizes"] == {
+        "layers.*.attn.wqkv": 32,
+        "layers.*.attn.wo": 32,
+        "layers.*.mlp.w_in": 32,
+        "layers.*.mlp.w_out": 64,
+    }
 
 
 def test_quant_group_size_is_checked():
@@ -244,7 +280,4 @@ def test_quant_group_size_is_checked():
     with pytest.raises(ConfigError, match="int4 only"):
         RunConfig(input="x", output="y", quantize="int8", quant_group_size=64)
     cfg = RunConfig(input="x", output="y", quantize="int4", quant_group_size=64)
-    assert (
-        options_fingerprint(cfg)["quant_group_size"]
-        == 64
-    )
+    assert options_fingerprint(cfg)["quant_group_size"] == 64

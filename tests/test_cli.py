@@ -29,11 +29,6 @@ N = 12
 
 
 @pytest.fixture(scope="module")
-def model(tiny_dirs):
-    return tiny_dirs["llama"]
-
-
-@pytest.fixture(scope="module")
 def tok(model):
     return AutoTokenizer.from_pretrained(str(model))
 
@@ -55,8 +50,19 @@ def test_parquet_end_to_end(tmp_path, model, tok):
         row_group_size=5,
     )
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 8,
-            "--with-token-ids", "--with-logprobs")  # fmt: skip
+    run_cli(
+        "run",
+        src,
+        "-o",
+        out,
+        "--model",
+        model,
+        *FAST,
+        "--max-new-tokens",
+        8,
+        "--with-token-ids",
+        "--with-logprobs",
+    )
 
     table = read_output(out)
     assert table.schema.names == [
@@ -138,8 +144,7 @@ def test_template_over_columns_equals_the_rendered_prompt(tmp_path, model, tok, 
     tmpl = "Review ({{ lang }}): {{ text }}\nSentiment:"
     run_cli("run", src, "-o", out, "--model", model, *FAST, "-t", tmpl, "--max-new-tokens", 6)
     plain = write_parquet(tmp_path / "plain.parquet", {"prompt": rendered})
-    run_cli("run", plain, "-o", tmp_path / "plain", "--model", model, *FAST,
-            "--max-new-tokens", 6)  # fmt: skip
+    run_cli("run", plain, "-o", tmp_path / "plain", "--model", model, *FAST, "--max-new-tokens", 6)
 
     got, want = rows_by_id(out), rows_by_id(tmp_path / "plain")
     # the input `text` column cannot pass through under its own name: the output's text wins
@@ -164,16 +169,26 @@ def test_messages_column_uses_the_chat_template(tmp_path, model, tok):
     ]
     src = write_parquet(tmp_path / "in.parquet", {"messages": chats})
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "--messages-column", "messages",
-            "--max-new-tokens", 6)  # fmt: skip
+    run_cli(
+        "run",
+        src,
+        "-o",
+        out,
+        "--model",
+        model,
+        *FAST,
+        "--messages-column",
+        "messages",
+        "--max-new-tokens",
+        6,
+    )
     rendered = {
         i: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
         for i, m in enumerate(chats)
         if m
     }
     plain = write_parquet(tmp_path / "plain.parquet", {"prompt": list(rendered.values())})
-    run_cli("run", plain, "-o", tmp_path / "plain", "--model", model, *FAST,
-            "--max-new-tokens", 6)  # fmt: skip
+    run_cli("run", plain, "-o", tmp_path / "plain", "--model", model, *FAST, "--max-new-tokens", 6)
 
     rows, plain_rows = rows_by_id(out), rows_by_id(tmp_path / "plain")
     want = [plain_rows[j] for j in sorted(plain_rows)]
@@ -192,12 +207,25 @@ def test_id_column_keeps_its_name(tmp_path, model):
     their own row, and no `id`; an input column named `id` beside it is just passed through."""
     ids = [f"r{(i * 7) % N:02d}" for i in range(N)]
     others = [f"other-{i}" for i in range(N)]
-    for cols in ({"row_id": ids, "prompt": prompts(N)},
-                 {"row_id": ids, "id": others, "prompt": prompts(N)}):  # fmt: skip
+    for cols in (
+        {"row_id": ids, "prompt": prompts(N)},
+        {"row_id": ids, "id": others, "prompt": prompts(N)},
+    ):
         src = write_parquet(tmp_path / "in.parquet", cols)
         out = tmp_path / f"out-{len(cols)}"
-        run_cli("run", src, "-o", out, "--model", model, *FAST, "--id-column", "row_id",
-                "--max-new-tokens", 4)  # fmt: skip
+        run_cli(
+            "run",
+            src,
+            "-o",
+            out,
+            "--model",
+            model,
+            *FAST,
+            "--id-column",
+            "row_id",
+            "--max-new-tokens",
+            4,
+        )
         table = read_output(out)
         assert table.schema.names == [*cols, *BASE_COLUMNS]
         assert table.schema.field("row_id").type == pa.string()
@@ -225,30 +253,50 @@ def test_an_input_id_column_is_the_default_id(tmp_path, model, caplog):
     assert sorted(rows) == sorted(ids)
     assert all(rows[rid]["prompt"] == prompts(N)[i] for i, rid in enumerate(ids))
     parts = {p.name: p.read_bytes() for p in out.glob("part-*.parquet")}
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 4,
-            "--id-column", "id")  # fmt: skip
+    run_cli(
+        "run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 4, "--id-column", "id"
+    )
     assert "already holds this job's complete results" in caplog.text
     assert {p.name: p.read_bytes() for p in out.glob("part-*.parquet")} == parts
 
     plain = write_parquet(tmp_path / "plain.parquet", {"prompt": prompts(N)})
-    run_cli("run", plain, "-o", tmp_path / "plain", "--model", model, *FAST,
-            "--max-new-tokens", 4)  # fmt: skip
+    run_cli("run", plain, "-o", tmp_path / "plain", "--model", model, *FAST, "--max-new-tokens", 4)
     assert read_output(tmp_path / "plain").schema.field("id").type == pa.int64()
     assert sorted(rows_by_id(tmp_path / "plain")) == list(range(N))
 
 
 def test_id_column_named_like_an_output_column_is_refused(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"text": prompts(3), "prompt": prompts(3)})
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
-                "--id-column", "text", exit_code=2)  # fmt: skip
+    r = run_cli(
+        "run",
+        src,
+        "-o",
+        tmp_path / "out",
+        "--model",
+        model,
+        *FAST,
+        "--id-column",
+        "text",
+        exit_code=2,
+    )
     assert_one_line_error(r, "id column 'text'", "output column", "rename it")
     assert not (tmp_path / "out").exists()
 
 
 def test_duplicate_ids_fail_with_a_fix(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"uid": [1, 2, 1], "prompt": prompts(3)})
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
-                "--id-column", "uid", exit_code=2)  # fmt: skip
+    r = run_cli(
+        "run",
+        src,
+        "-o",
+        tmp_path / "out",
+        "--model",
+        model,
+        *FAST,
+        "--id-column",
+        "uid",
+        exit_code=2,
+    )
     assert "twice" in r.stderr and "--id-column" in r.stderr
 
 
@@ -258,8 +306,7 @@ def test_per_row_max_new_tokens(tmp_path, model):
         tmp_path / "in.parquet", {"prompt": prompts(6), "max_new_tokens": pa.array(limits)}
     )
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "--ignore-eos",
-            "--max-new-tokens", 4)  # fmt: skip
+    run_cli("run", src, "-o", out, "--model", model, *FAST, "--ignore-eos", "--max-new-tokens", 4)
     rows = rows_by_id(out)
     for i, want in enumerate(limits):
         assert rows[i]["completion_tokens"] == (want or 4), i
@@ -289,8 +336,18 @@ def test_per_row_sampling_columns(tmp_path, model):
     seeded = write_parquet(tmp_path / "seeded.parquet", {"prompt": prompts(n), "seed": [3] * n})
 
     def flags_run(name, *flags, src=plain):
-        run_cli("run", src, "-o", tmp_path / name, "--model", model, *FAST,
-                "--max-new-tokens", 8, *flags)  # fmt: skip
+        run_cli(
+            "run",
+            src,
+            "-o",
+            tmp_path / name,
+            "--model",
+            model,
+            *FAST,
+            "--max-new-tokens",
+            8,
+            *flags,
+        )
         rows = rows_by_id(tmp_path / name)
         return [rows[i]["text"] for i in sorted(rows)]
 
@@ -315,8 +372,19 @@ def test_bad_per_row_sampling_value_is_a_row_error(tmp_path, model):
 
 def test_limit(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(N)})
-    run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, "--limit", 5,
-            "--max-new-tokens", 2)  # fmt: skip
+    run_cli(
+        "run",
+        src,
+        "-o",
+        tmp_path / "out",
+        "--model",
+        model,
+        *FAST,
+        "--limit",
+        5,
+        "--max-new-tokens",
+        2,
+    )
     assert sorted(rows_by_id(tmp_path / "out")) == [0, 1, 2, 3, 4]
     plan = json.loads(run_cli("plan", src, "--model", model, "--limit", 5, "--json").stdout)
     assert plan["rows"] == 5
@@ -328,11 +396,20 @@ def test_greedy_cli_equals_the_python_api(tmp_path, tiny_dirs, family):
     texts = prompts(N)
     src = write_parquet(tmp_path / "in.parquet", {"prompt": texts})
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 10,
-            "--with-token-ids")  # fmt: skip
+    run_cli(
+        "run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 10, "--with-token-ids"
+    )
     # the engine the CLI builds from the same flags
-    job = open_job(RunConfig(input=str(src), output=str(out), model=str(model), device="cpu",
-                             kv_cache_tokens=4096, max_new_tokens=10))  # fmt: skip
+    job = open_job(
+        RunConfig(
+            input=str(src),
+            output=str(out),
+            model=str(model),
+            device="cpu",
+            kv_cache_tokens=4096,
+            max_new_tokens=10,
+        )
+    )
     assert job.spec.engine.kv_cache_tokens == 4096
     llm = LLM(model, device="cpu", compile=False, engine=job.spec.engine)
     want = llm.generate(texts, SamplingParams(max_new_tokens=10))
@@ -361,18 +438,34 @@ def test_refuses_a_directory_it_did_not_write(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, "--overwrite",
-                exit_code=2)  # fmt: skip
+    r = run_cli(
+        "run", src, "-o", tmp_path / "out", "--model", model, *FAST, "--overwrite", exit_code=2
+    )
     assert "not written by batchgen" in r.stderr
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
 
 
 def test_run_help_mentions_the_main_options():
     text = run_cli("run", "--help").stdout
-    for opt in ("--output", "--model", "--prompt-column", "--messages-column", "--template",
-                "--id-column", "--max-new-tokens", "--truncate", "--temperature", "--seed",
-                "--rows-per-part", "--overwrite", "--quiet", "--no-compile", "--limit",
-                "job spec", "resume"):  # fmt: skip
+    for opt in (
+        "--output",
+        "--model",
+        "--prompt-column",
+        "--messages-column",
+        "--template",
+        "--id-column",
+        "--max-new-tokens",
+        "--truncate",
+        "--temperature",
+        "--seed",
+        "--rows-per-part",
+        "--overwrite",
+        "--quiet",
+        "--no-compile",
+        "--limit",
+        "job spec",
+        "resume",
+    ):
         assert opt in text, opt
     assert "plan" in run_cli("--help").stdout
 
@@ -383,8 +476,9 @@ def test_device_without_a_gpu_is_a_clear_error(tmp_path, model):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, "--device", "cuda",
-                exit_code=2)  # fmt: skip
+    r = run_cli(
+        "run", src, "-o", tmp_path / "out", "--model", model, "--device", "cuda", exit_code=2
+    )
     assert "--device cpu" in r.stderr
     assert not (tmp_path / "out").exists()
 
@@ -394,10 +488,26 @@ def test_device_without_a_gpu_is_a_clear_error(tmp_path, model):
 
 def test_plan_text(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(40)})
-    text = run_cli("plan", src, "--model", model, "--max-num-seqs", 8,
-                   "--max-num-batched-tokens", 512, "--kv-cache-tokens", 4096).stdout  # fmt: skip
-    for part in ("prompt length histogram", "rows    40", "up to 8 sequences",
-                 "512 tokens a step", "prefix caching on", "KV cache 256 blocks of 16 tokens"):  # fmt: skip
+    text = run_cli(
+        "plan",
+        src,
+        "--model",
+        model,
+        "--max-num-seqs",
+        8,
+        "--max-num-batched-tokens",
+        512,
+        "--kv-cache-tokens",
+        4096,
+    ).stdout
+    for part in (
+        "prompt length histogram",
+        "rows    40",
+        "up to 8 sequences",
+        "512 tokens a step",
+        "prefix caching on",
+        "KV cache 256 blocks of 16 tokens",
+    ):
         assert part in text, part
     off = run_cli("plan", src, "--model", model, "--no-prefix-caching").stdout
     assert "prefix caching off" in off
@@ -408,10 +518,23 @@ def test_plan_json(tmp_path, model, tok):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": texts})
     report = json.loads(
         run_cli(
-            "plan", src, "--model", model, "--max-num-seqs", 8, "--max-num-batched-tokens", 256,
-            "--block-size", 8, "--max-prompt-len", 32, "--max-new-tokens", 5, "--json",
+            "plan",
+            src,
+            "--model",
+            model,
+            "--max-num-seqs",
+            8,
+            "--max-num-batched-tokens",
+            256,
+            "--block-size",
+            8,
+            "--max-prompt-len",
+            32,
+            "--max-new-tokens",
+            5,
+            "--json",
         ).stdout
-    )  # fmt: skip
+    )
     assert report["rows"] == len(texts)
     assert report["rows_error"] == 2  # too long (skip) and null
     assert sum(report["length_histogram"].values()) == len(texts) - 2
@@ -420,15 +543,22 @@ def test_plan_json(tmp_path, model, tok):
     assert report["prompt_tokens"] == sum(lens)
     assert report["max_output_tokens"] == 5 * 40
     assert report["longest_row_tokens"] == max(lens) + 5
-    assert (report["max_num_seqs"], report["max_num_batched_tokens"], report["block_size"]) == (8, 256, 8)  # fmt: skip
+    assert (report["max_num_seqs"], report["max_num_batched_tokens"], report["block_size"]) == (
+        8,
+        256,
+        8,
+    )
     assert report["prefix_caching"] is True
     if torch.cuda.is_available():  # sized from free memory when the job starts
         assert report["kv_cache_blocks"] is None and report["kv_cache_bytes"] is None
     else:  # the longest row at full concurrency, plus the scratch block
         assert report["kv_cache_blocks"] == 1 + 8 * -(-report["longest_row_tokens"] // 8)
         assert report["kv_cache_bytes"] > 0
-    flagged = json.loads(run_cli("plan", src, "--model", model, "--kv-cache-tokens", 1000,
-                                 "--block-size", 8, "--json").stdout)  # fmt: skip
+    flagged = json.loads(
+        run_cli(
+            "plan", src, "--model", model, "--kv-cache-tokens", 1000, "--block-size", 8, "--json"
+        ).stdout
+    )
     assert flagged["kv_cache_blocks"] == 125  # the flag wins, on any device
     # the tiny llama: 2 layers x (k, v) x 2 kv heads x 8 dims per token, bf16 on a GPU
     itemsize = 2 if torch.cuda.is_available() else 4
@@ -450,8 +580,18 @@ def test_compiled_run_equals_eager(tmp_path, model):
     """The compiled path end to end (--compile; the CPU default is eager): same results as
     --no-compile, shapes compiled."""
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
-    common = ("--model", model, "--device", "cpu", "--kv-cache-tokens", 4096, "--quiet",
-              "--max-new-tokens", 6, "--with-token-ids")  # fmt: skip
+    common = (
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--kv-cache-tokens",
+        4096,
+        "--quiet",
+        "--max-new-tokens",
+        6,
+        "--with-token-ids",
+    )
     run_cli("run", src, "-o", tmp_path / "compiled", *common, "--compile")
     run_cli("run", src, "-o", tmp_path / "eager", *common, "--no-compile")
     compiled, eager = rows_by_id(tmp_path / "compiled"), rows_by_id(tmp_path / "eager")

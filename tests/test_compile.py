@@ -33,8 +33,19 @@ def _workload(seed: int) -> list[Request]:
         prompt = torch.randint(2, 500, (length,), generator=g).tolist()
         max_new = int(torch.randint(1, 17, (1,), generator=g))
         temperature = 0.0 if i % 3 == 2 else 0.9
-        reqs.append(Request(i, prompt, SamplingParams(max_new_tokens=max_new, temperature=temperature,
-                                                      top_k=40, top_p=0.95, seed=seed * 100 + i)))  # fmt: skip
+        reqs.append(
+            Request(
+                i,
+                prompt,
+                SamplingParams(
+                    max_new_tokens=max_new,
+                    temperature=temperature,
+                    top_k=40,
+                    top_p=0.95,
+                    seed=seed * 100 + i,
+                ),
+            )
+        )
     return reqs
 
 
@@ -69,7 +80,10 @@ def _run(llm: LLM, reqs: list[Request]):
     done = sorted((c for r in reports for c in r.finished), key=lambda c: c.index)
     assert [c.index for c in done] == list(range(len(reqs)))  # each request once
     for c in done:
-        assert len(c.token_ids) == reqs[c.index].params.max_new_tokens or c.finish_reason == FinishReason.STOP  # fmt: skip
+        assert (
+            len(c.token_ids) == reqs[c.index].params.max_new_tokens
+            or c.finish_reason == FinishReason.STOP
+        )
     return reports, [c.token_ids for c in done]
 
 

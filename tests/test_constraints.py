@@ -32,11 +32,6 @@ LABELS = ["positive", "negative", "neutral"]
 SAMPLED = (*FAST, "--temperature", 1.0, "--max-new-tokens", 24)
 
 
-@pytest.fixture(scope="module")
-def model(tiny_dirs):
-    return tiny_dirs["llama"]
-
-
 def test_apply_bitmask_keeps_exactly_the_set_bits():
     vocab = 70  # three words, the last one partly past the vocabulary
     allowed = [{0, 31, 32, 69}, set(range(vocab))]
@@ -101,8 +96,20 @@ def test_json_schema_file_gives_valid_json(tmp_path, model):
     path.write_text(json.dumps(schema))
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(6)})
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *SAMPLED, "--max-new-tokens", 96,
-            "--json-schema", path, "--ignore-eos")  # fmt: skip
+    run_cli(
+        "run",
+        src,
+        "-o",
+        out,
+        "--model",
+        model,
+        *SAMPLED,
+        "--max-new-tokens",
+        96,
+        "--json-schema",
+        path,
+        "--ignore-eos",
+    )
     for r in rows_by_id(out).values():
         assert r["finish_reason"] == "stop", r  # the grammar ends the row, EOS ignored or not
         obj = json.loads(r["text"])
@@ -162,7 +169,9 @@ def test_constrained_rows_survive_preemption(model):
     """A pool too small for all rows at once: sequences are preempted and recomputed with
     their grammar state kept; outputs stay valid and equal to an unpreempted run."""
     c = Constraint(ConstraintKind.REGEX, "[a-z]{6,9}")
-    params = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=i, constraint=c) for i in range(6)]  # fmt: skip
+    params = [
+        SamplingParams(max_new_tokens=12, temperature=1.0, seed=i, constraint=c) for i in range(6)
+    ]
     big = LLM(model, device="cpu", compile=False).generate(prompts(6), params)
     small = LLM(
         model, device="cpu", compile=False, engine=EngineConfig(block_size=4, kv_cache_tokens=48)
@@ -170,13 +179,18 @@ def test_constrained_rows_survive_preemption(model):
     out = small.generate(prompts(6), params)
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in out] == [o.token_ids for o in big]
-    assert all(re.fullmatch("[a-z]{6,9}", o.text) and o.finish_reason is FinishReason.STOP for o in out)  # fmt: skip
+    assert all(
+        re.fullmatch("[a-z]{6,9}", o.text) and o.finish_reason is FinishReason.STOP for o in out
+    )
 
 
 @pytest.mark.slow
 def test_compiled_constrained_decode_equals_eager(model):
     c = Constraint(ConstraintKind.CHOICE, tuple(LABELS))
-    params = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=i, constraint=c if i % 2 else None) for i in range(5)]  # fmt: skip
+    params = [
+        SamplingParams(max_new_tokens=8, temperature=1.0, seed=i, constraint=c if i % 2 else None)
+        for i in range(5)
+    ]
     eager = LLM(model, device="cpu", compile=False).generate(prompts(5), params)
     compiled = LLM(model, device="cpu", compile=True).generate(prompts(5), params)
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
@@ -203,8 +217,13 @@ def test_a_token_the_grammar_refuses_fails_only_its_row(model, monkeypatch):
 
     c = Constraint(ConstraintKind.REGEX, "[a-z]{6,9}")
     d = Constraint(ConstraintKind.REGEX, "[a-z]{4,5}")
-    monkeypatch.setattr(Grammars, "matcher", lambda self, k: Refusing(make(self, k)) if k == c else make(self, k))  # fmt: skip
-    params = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=i, constraint=c if i == 1 else d) for i in range(3)]  # fmt: skip
+    monkeypatch.setattr(
+        Grammars, "matcher", lambda self, k: Refusing(make(self, k)) if k == c else make(self, k)
+    )
+    params = [
+        SamplingParams(max_new_tokens=12, temperature=1.0, seed=i, constraint=c if i == 1 else d)
+        for i in range(3)
+    ]
     out = LLM(model, device="cpu", compile=False).generate(prompts(3), params)
     assert out[1].finish_reason is FinishReason.ERROR and "refused token" in out[1].error
     assert all(re.fullmatch("[a-z]{4,5}", o.text) for o in (out[0], out[2]))

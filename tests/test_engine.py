@@ -64,7 +64,7 @@ def references(dirs):
         m: (
             hf_greedy(dirs[m], _prompts(), max(MAX_NEW)),
             hf_greedy(dirs[m], _prefixed(), max(MAX_NEW)),
-        )  # fmt: skip
+        )
         for m in MODELS
     }
 
@@ -82,7 +82,7 @@ def plans(monkeypatch) -> list[dict]:
                 decodes=[(s.seq.request.index, s.start, 1) for s in plan.decodes],
                 prefills=[
                     (s.seq.request.index, s.start, s.num_tokens, s.samples) for s in plan.prefills
-                ],  # fmt: skip
+                ],
                 num_tokens=plan.num_tokens,
                 preempted=[seq.request.index for seq in plan.preempted],
             )
@@ -169,8 +169,9 @@ def test_a_second_generate_reuses_every_full_prompt_block(dirs, references):
     assert all(c.cached_tokens == 0 for c in again) and off.engine.scheduler.pool.hits == 0
 
 
-SEEDED = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=1234,
-                        ignore_eos=True)  # fmt: skip
+SEEDED = SamplingParams(
+    max_new_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=1234, ignore_eos=True
+)
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
@@ -189,7 +190,7 @@ def test_seeded_row_same_alone_in_a_batch_and_after_preemption(model, dirs, pree
         SamplingParams(max_new_tokens=16, temperature=1.3, seed=7, ignore_eos=True),
         SamplingParams(
             max_new_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=1235, ignore_eos=True
-        ),  # fmt: skip
+        ),
         SamplingParams(max_new_tokens=16, temperature=0.5, top_p=0.5, seed=1234, ignore_eos=True),
     ]
     rows, row_params = (
@@ -219,13 +220,16 @@ def test_stop_strings_and_eos_are_unchanged_by_scheduling(dirs):
         SamplingParams(
             max_new_tokens=MAX_NEW[i] + 8,
             stop=(base.detokenize(c.token_ids[5:6]),) if i % 2 == 0 else (),
-        )  # fmt: skip
+        )
         for i, c in enumerate(free)
     ]
     want = base.generate(prompts, params)
     assert sum(c.finish_reason == FinishReason.STOP for c in want) >= 3
     # 12 usable blocks of 4 for rows of up to 45 tokens (12 blocks), 5 tokens a step
-    tight = _llm(dirs["llama"], EngineConfig(max_num_seqs=3, max_num_batched_tokens=5, block_size=4, kv_cache_tokens=52))  # fmt: skip
+    tight = _llm(
+        dirs["llama"],
+        EngineConfig(max_num_seqs=3, max_num_batched_tokens=5, block_size=4, kv_cache_tokens=52),
+    )
     got = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
@@ -277,8 +281,10 @@ def test_step_reports_return_each_request_once_as_it_finishes(dirs):
 
 def test_a_one_token_prompt_chunk_counts_as_prompt_work(dirs):
     llm = _llm(dirs["llama"], EngineConfig(max_num_batched_tokens=4))
-    reqs = [Request(0, [5], SamplingParams(max_new_tokens=3, ignore_eos=True)),
-            Request(1, list(range(2, 11)), SamplingParams(max_new_tokens=3, ignore_eos=True))]  # fmt: skip
+    reqs = [
+        Request(0, [5], SamplingParams(max_new_tokens=3, ignore_eos=True)),
+        Request(1, list(range(2, 11)), SamplingParams(max_new_tokens=3, ignore_eos=True)),
+    ]
     reports = list(llm.engine.generate(reqs))
     assert sum(r.prompt_tokens for r in reports) == 1 + 9
     assert sum(r.decode_rows for r in reports) == 2 * (3 - 1)

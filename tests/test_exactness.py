@@ -48,8 +48,13 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new: int) -> list[list[in
 def test_greedy_matches_transformers_compiled(family, tiny_dirs):
     graphs_before = counters["stats"]["unique_graphs"]
     # rows of up to 29 tokens: decode batches of 1-8 rows over tables of 1-2 blocks
-    llm = LLM(tiny_dirs[family], dtype="float32", device="cpu", compile=True,
-              engine=EngineConfig(block_size=16))  # fmt: skip
+    llm = LLM(
+        tiny_dirs[family],
+        dtype="float32",
+        device="cpu",
+        compile=True,
+        engine=EngineConfig(block_size=16),
+    )
     got = llm.generate(_prompts(), SamplingParams(max_new_tokens=MAX_NEW))
     assert [c.token_ids for c in got] == hf_greedy(tiny_dirs[family], _prompts(), MAX_NEW)
     shapes = llm.runner.shapes

@@ -68,8 +68,14 @@ def hf_generate(hf, rows: list[list[int]], n: int, device) -> list[list[int]]:
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
     with torch.inference_mode():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, pad_token_id=pad)  # fmt: skip
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=pad,
+        )
     return out[:, width:].tolist()
 
 
@@ -177,11 +183,19 @@ def test_run_stats_have_nvml_samples(model_dir, tmp_path):
     from batchgen.job.config import RunConfig
     from batchgen.runner.run import run
 
-    pq.write_table(pa.table({"prompt": [f"review {i}: the quick brown fox" for i in range(16)]}),
-                   tmp_path / "in.parquet")  # fmt: skip
-    cfg = RunConfig(input=str(tmp_path / "in.parquet"), output=str(tmp_path / "out"),
-                    model=str(model_dir), device="cuda", compile=False, max_new_tokens=8,
-                    quiet=True)  # fmt: skip
+    pq.write_table(
+        pa.table({"prompt": [f"review {i}: the quick brown fox" for i in range(16)]}),
+        tmp_path / "in.parquet",
+    )
+    cfg = RunConfig(
+        input=str(tmp_path / "in.parquet"),
+        output=str(tmp_path / "out"),
+        model=str(model_dir),
+        device="cuda",
+        compile=False,
+        max_new_tokens=8,
+        quiet=True,
+    )
     stats = run(cfg).to_dict()
     assert stats["gpu_name"], stats
     assert stats["gpu_samples"] >= 1
@@ -256,8 +270,15 @@ def test_quantized_path_generates_without_recompiles(model_dir, backend, method)
     pytest.importorskip("torchao" if backend == "torchao" else "optimum.quanto")
     from torch._dynamo.utils import counters
 
-    llm = LLM(model_dir, dtype="bfloat16", device="cuda", compile=True, engine=ENGINE,
-              quantize=method, quant_backend=backend)  # fmt: skip
+    llm = LLM(
+        model_dir,
+        dtype="bfloat16",
+        device="cuda",
+        compile=True,
+        engine=ENGINE,
+        quantize=method,
+        quant_backend=backend,
+    )
     scheme = llm.quant
     assert scheme.weight_format not in (None, "Tensor", "Parameter"), scheme
     first = llm.generate(prompts(), greedy())

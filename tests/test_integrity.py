@@ -9,7 +9,6 @@ import signal
 import subprocess
 
 import pyarrow.parquet as pq
-import pytest
 from helpers import (
     FAST,
     ROOT,
@@ -25,11 +24,6 @@ from helpers import (
 )
 
 N = 60
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dirs):
-    return tiny_dirs["llama"]
 
 
 def _job(tmp_path, model, n=N, *flags):
@@ -65,14 +59,27 @@ def test_damaged_part_of_a_complete_job_is_redone(tmp_path, model, caplog):
 
 def test_second_run_on_a_locked_output_fails_naming_the_holder(tmp_path, model):
     # One part per batch of 4, flushed at once: a job that runs for several seconds.
-    args, out = _job(tmp_path, model, 24, "--rows-per-part", 4, "--flush-seconds", 0,
-                     "--max-num-seqs", 4, "--max-new-tokens", 16, "--ignore-eos")  # fmt: skip
+    args, out = _job(
+        tmp_path,
+        model,
+        24,
+        "--rows-per-part",
+        4,
+        "--flush-seconds",
+        0,
+        "--max-num-seqs",
+        4,
+        "--max-new-tokens",
+        16,
+        "--ignore-eos",
+    )
     first = start_cli(*args)
     wait_for_part(out, first)
     first.send_signal(signal.SIGSTOP)  # frozen mid-job, holding the lock
     try:
-        second = subprocess.run(cli_command(*args), cwd=ROOT, capture_output=True, text=True,
-                                timeout=300)  # fmt: skip
+        second = subprocess.run(
+            cli_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
     finally:
         first.send_signal(signal.SIGCONT)
     assert second.returncode == 1, second.stderr
@@ -147,8 +154,19 @@ def test_another_id_column_is_another_job(tmp_path, model):
     cols = {"a": keys, "b": keys[::-1], "prompt": prompts(8)}
     src = write_parquet(tmp_path / "in.parquet", cols)
     out = tmp_path / "out"
-    args = ("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 2,
-            "--rows-per-part", 4)  # fmt: skip
+    args = (
+        "run",
+        src,
+        "-o",
+        out,
+        "--model",
+        model,
+        *FAST,
+        "--max-new-tokens",
+        2,
+        "--rows-per-part",
+        4,
+    )
     run_cli(*args, "--id-column", "a")
     for other in (("--id-column", "b"), ()):  # another column, or row numbers
         r = run_cli(*args, *other, exit_code=2)
@@ -256,8 +274,11 @@ def test_unwritable_empty_or_file_output_is_aassert_one_line_error(tmp_path, mod
 def test_run_help_documents_the_exit_codes():
     text = run_cli("run", "--help").stdout
     assert "Exit codes:" in text
-    codes = [line.split()[0] for line in text.split("Exit codes:")[1].splitlines() if line[4:5] != " "
-             and line.strip()]  # fmt: skip
+    codes = [
+        line.split()[0]
+        for line in text.split("Exit codes:")[1].splitlines()
+        if line[4:5] != " " and line.strip()
+    ]
     assert codes == ["0", "1", "2", "128+N"]
     readme = (ROOT / "README.md").read_text()
     assert "Exit codes" in readme and "128+N" in readme
@@ -269,5 +290,5 @@ def test_job_file_records_the_model_and_input_contents(tmp_path, model):
     job = json.loads((out / "_job.json").read_text())
     assert job["model_files"]["config.json"].startswith("sha256:")
     assert len(job["model_files"]["model.safetensors"]) == 2  # size, mtime
-    (path, size, _mtime), = job["input_files"]  # fmt: skip
+    ((path, size, _mtime),) = job["input_files"]
     assert path == str(tmp_path / "in.parquet") and size == (tmp_path / "in.parquet").stat().st_size

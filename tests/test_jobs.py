@@ -33,8 +33,10 @@ def test_shipped_jobs_are_valid_on_the_embedded_default(spec):
 
 def _run_spec(name: str, out) -> list[dict]:
     """The first 12 rows of a shipped job spec, eagerly; its output rows."""
-    r = CliRunner().invoke(main, ["run", str(ROOT / "jobs" / name), "--limit", "12",
-                                  "--no-compile", "-o", str(out), "-q"])  # fmt: skip
+    r = CliRunner().invoke(
+        main,
+        ["run", str(ROOT / "jobs" / name), "--limit", "12", "--no-compile", "-o", str(out), "-q"],
+    )
     assert r.exit_code == 0, r.output
     return pq.read_table(out).to_pylist()
 
@@ -56,7 +58,10 @@ def test_choice_label_job_gives_only_labels(tmp_path):
 
 def test_score_label_job_gives_probabilities_of_the_labels(tmp_path):
     rows = _run_spec("label_sentiment_score.yaml", tmp_path / "out")
-    truth = {r["id"]: r["label"] for r in pq.read_table(ROOT / "batchgen/assets/samples/reviews.parquet").to_pylist()}  # fmt: skip
+    truth = {
+        r["id"]: r["label"]
+        for r in pq.read_table(ROOT / "batchgen/assets/samples/reviews.parquet").to_pylist()
+    }
     assert len(rows) == 12 and all(r["error"] is None for r in rows)
     for r in rows:
         probs = dict(r["scores"])
@@ -73,8 +78,9 @@ def test_docs_list_every_key():
 
 
 def test_pipeline_makefile_parses():
-    r = subprocess.run(["make", "-n", "-B", "label", "summarize"], cwd=ROOT, capture_output=True,
-                       text=True)  # fmt: skip
+    r = subprocess.run(
+        ["make", "-n", "-B", "label", "summarize"], cwd=ROOT, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     assert "batchgen merge out/label/run" in r.stdout
     assert "pipeline.py report label out/label/run" in r.stdout

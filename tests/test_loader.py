@@ -68,7 +68,9 @@ def test_weights_land_where_transformers_has_them(tiny_dirs):
     qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
     assert torch.equal(llama.layers[1].attn.wqkv.weight, qkv)
     m = hf.model.layers[0].mlp
-    assert torch.equal(llama.layers[0].mlp.w_in.weight, torch.cat([m.gate_proj.weight, m.up_proj.weight]))  # fmt: skip
+    assert torch.equal(
+        llama.layers[0].mlp.w_in.weight, torch.cat([m.gate_proj.weight, m.up_proj.weight])
+    )
     assert torch.equal(llama.layers[0].mlp.w_out.weight, m.down_proj.weight)
 
     gpt2, hf = load_model(tiny_dirs["gpt2"]), _hf(tiny_dirs["gpt2"])
@@ -96,7 +98,9 @@ def test_only_indexed_shards_are_read(tiny_dirs, tmp_path):
     stray = load_model(tiny_dirs["qwen3"])  # other shapes: would break the load if read
     from safetensors.torch import save_file
 
-    save_file({"model.embed_tokens.weight": stray.embed.weight.contiguous()}, sharded / "zz.safetensors")  # fmt: skip
+    save_file(
+        {"model.embed_tokens.weight": stray.embed.weight.contiguous()}, sharded / "zz.safetensors"
+    )
     _same_weights(load_model(sharded), load_model(tiny_dirs["llama"]))
 
 
@@ -159,9 +163,12 @@ def llama31_dir(tmp_path_factory):
 def test_llama31_rope_scaling_matches_transformers_greedy(llama31_dir, tmp_path):
     model = load_model(llama31_dir)
     assert model.cfg.rope_scaling == RopeScaling(
-        kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        kind="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
         original_max_position_embeddings=16,
-    )  # fmt: skip
+    )
     assert _greedy(llama31_dir) == hf_greedy(llama31_dir, _prompts(), 10)
     # and the scaling is not a no-op here: logits differ from the unscaled model's
     plain_dir = tmp_path / "plain"
@@ -208,7 +215,11 @@ def test_llama31_config_json_as_published():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_tied_and_untied_embeddings(tied, tiny_dirs, tmp_path):
-    path = save_tiny_model("llama", tmp_path / "m", tie_word_embeddings=tied) if tied else tiny_dirs["llama"]  # fmt: skip
+    path = (
+        save_tiny_model("llama", tmp_path / "m", tie_word_embeddings=tied)
+        if tied
+        else tiny_dirs["llama"]
+    )
     model, hf = load_model(path), _hf(path)
     assert model.cfg.tie_embeddings is tied
     shares = model.lm_head.weight.data_ptr() == model.embed.weight.data_ptr()

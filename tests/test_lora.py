@@ -40,8 +40,14 @@ def make_adapter(base_dir, out_dir, config, seed: int = 0):
 
 
 def _llm(model_dir, **kw) -> LLM:
-    return LLM(model_dir, dtype="float32", device="cpu", compile=False,
-               engine=EngineConfig(max_num_seqs=4), **kw)  # fmt: skip
+    return LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        compile=False,
+        engine=EngineConfig(max_num_seqs=4),
+        **kw,
+    )
 
 
 CASES = {
@@ -51,9 +57,15 @@ CASES = {
     "qwen3-attn": ("qwen3", dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])),
     "qwen2-k-up": ("qwen2", dict(target_modules=["k_proj", "up_proj"])),
     "llama-rslora": ("llama", dict(target_modules=["v_proj", "gate_proj"], use_rslora=True)),
-    "llama-patterns": ("llama", dict(target_modules=["q_proj", "v_proj", "down_proj"],
-                                     rank_pattern={"v_proj": 2}, alpha_pattern={"down_proj": 3})),
-}  # fmt: skip
+    "llama-patterns": (
+        "llama",
+        dict(
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            rank_pattern={"v_proj": 2},
+            alpha_pattern={"down_proj": 3},
+        ),
+    ),
+}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -139,8 +151,18 @@ def test_adapter_for_another_hidden_size_is_a_usage_error(tmp_path, tiny_dirs):
     wide = save_tiny_model("llama", tmp_path / "wide", hidden_size=64, intermediate_size=128)
     make_adapter(wide, tmp_path / "adapter", LoraConfig(r=4, target_modules=["q_proj"]))
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    result = run_cli("run", src, "-o", tmp_path / "out", "--model", tiny_dirs["llama"], *FAST,
-                     "--lora", tmp_path / "adapter", exit_code=2)  # fmt: skip
+    result = run_cli(
+        "run",
+        src,
+        "-o",
+        tmp_path / "out",
+        "--model",
+        tiny_dirs["llama"],
+        *FAST,
+        "--lora",
+        tmp_path / "adapter",
+        exit_code=2,
+    )
     err = result.stderr.strip()
     assert len(err.splitlines()) == 1, err
     assert str(tmp_path / "adapter") in err and "does not fit" in err
@@ -163,11 +185,17 @@ def _refusal(base_dir, adapter_dir) -> str:
         (LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), "lm_head, which batchgen cannot"),
         (LoraConfig(r=4, target_modules=["embed_tokens"]), "not the A or B matrix"),
         (LoraConfig(r=4, target_modules=["q_proj"], bias="lora_only"), "trained biases"),
-        (LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
-        (IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]), "IA3 adapter"),
+        (
+            LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+            "modules_to_save",
+        ),
+        (
+            IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+            "IA3 adapter",
+        ),
     ],
     ids=["dora", "lm_head", "embedding", "bias", "modules_to_save", "ia3"],
-)  # fmt: skip
+)
 def test_unsupported_adapters_are_refused(config, expect, tmp_path, tiny_dirs):
     make_adapter(tiny_dirs["llama"], tmp_path / "adapter", config)
     assert expect in _refusal(tiny_dirs["llama"], tmp_path / "adapter")

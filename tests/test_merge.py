@@ -34,13 +34,14 @@ def write_shard(out, shard: Shard, ids, *, complete=True, wall_s=2.0, job=None, 
             "prompt_tokens": 5,
             "completion_tokens": 2,
             "error": "bad row" if i == 0 else None,
-        }  # fmt: skip
+        }
         for i in ids
     )
     buf.flush()
     if stats:
-        d.write_stats({"wall_s": wall_s, "complete": complete, "device": "cpu",
-                       "rows_skipped_done": 0})  # fmt: skip
+        d.write_stats(
+            {"wall_s": wall_s, "complete": complete, "device": "cpu", "rows_skipped_done": 0}
+        )
     if complete:
         d.mark_success()
     return d
@@ -137,8 +138,21 @@ def test_cli_shards_with_an_id_column_merge_under_its_name(tmp_path, tiny_dirs):
     src = write_parquet(tmp_path / "in.parquet", {"key": keys, "prompt": prompts(12)})
     out = tmp_path / "out"
     for i in range(2):
-        run_cli("run", src, "-o", out, "--model", tiny_dirs["llama"], *FAST, "--max-new-tokens",
-                2, "--id-column", "key", "--shard", f"{i}/2")  # fmt: skip
+        run_cli(
+            "run",
+            src,
+            "-o",
+            out,
+            "--model",
+            tiny_dirs["llama"],
+            *FAST,
+            "--max-new-tokens",
+            2,
+            "--id-column",
+            "key",
+            "--shard",
+            f"{i}/2",
+        )
     run_cli("merge", out)
     merged = pq.read_table(out / "merged.parquet")
     assert merged.schema.names == ["key", "prompt", *BASE_COLUMNS]

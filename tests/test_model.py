@@ -70,12 +70,16 @@ def test_cached_decode_equals_full_forward(family, model_dirs):
 
     # both prompts in one packed step, then both rows decode together, one token a step,
     # in one decode group or in two (as the runner groups rows of different widths)
-    logits = pages.step(prefills=[(i, 0, s[:n]) for i, (s, n) in enumerate(zip(seqs, prompt_lens, strict=True))])  # fmt: skip
+    logits = pages.step(
+        prefills=[(i, 0, s[:n]) for i, (s, n) in enumerate(zip(seqs, prompt_lens, strict=True))]
+    )
     for t in range(9):
         for i, n in enumerate(prompt_lens):
             torch.testing.assert_close(logits[i], refs[i][n - 1 + t], **TOL)
         if t < 8:
-            feed = [(i, n + t, s[n + t]) for i, (s, n) in enumerate(zip(seqs, prompt_lens, strict=True))]  # fmt: skip
+            feed = [
+                (i, n + t, s[n + t]) for i, (s, n) in enumerate(zip(seqs, prompt_lens, strict=True))
+            ]
             logits = pages.step(decodes=feed, groups=[1, 1] if t % 2 else None)
 
     # our own uncached prefill of the whole sequences agrees at every position
@@ -95,7 +99,9 @@ def test_chunked_prefill_next_to_a_decode_equals_full_forward(family, model_dirs
     torch.testing.assert_close(pages.step(prefills=[(1, 0, short[:4])])[0], ref_short[3], **TOL)
     for k, start in enumerate(range(0, 17, 5)):
         chunk = long[start : start + 5]
-        out = pages.step(decodes=[(1, 4 + k, short[4 + k])], prefills=[(0, start, chunk)], all_logits=True)  # fmt: skip
+        out = pages.step(
+            decodes=[(1, 4 + k, short[4 + k])], prefills=[(0, start, chunk)], all_logits=True
+        )
         torch.testing.assert_close(out[0], ref_short[4 + k], **TOL)
         torch.testing.assert_close(out[1:], ref_long[start : start + len(chunk)], **TOL)
 
@@ -132,7 +138,9 @@ def _naive(q, k, v, q_pos, window):
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (S, H, D)
     scores = torch.einsum("nhd,shd->hns", q, k) / math.sqrt(q.shape[-1])
     k_pos = torch.arange(k.shape[0])
-    ok = (k_pos[None, :] <= q_pos[:, None]) & ((q_pos[:, None] - k_pos[None, :]) < (window or 10**9))  # fmt: skip
+    ok = (k_pos[None, :] <= q_pos[:, None]) & (
+        (q_pos[:, None] - k_pos[None, :]) < (window or 10**9)
+    )
     w = scores.masked_fill(~ok, float("-inf")).softmax(-1)
     return torch.einsum("hns,shd->nhd", w, v)
 
@@ -196,8 +204,12 @@ def test_inv_frequencies_match_transformers(params):
     init = ROPE_INIT_FUNCTIONS.get(kind, LlamaRotaryEmbedding.compute_default_rope_parameters)
     hf_inv, attention_factor = init(hf_cfg, device="cpu")
     assert attention_factor == 1.0
-    scaling = RopeScaling() if kind == "default" else RopeScaling(
-        kind=kind, **{k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")}
-    )  # fmt: skip
+    scaling = (
+        RopeScaling()
+        if kind == "default"
+        else RopeScaling(
+            kind=kind, **{k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")}
+        )
+    )
     ours = inv_frequencies(16, params["rope_theta"], scaling)
     assert torch.equal(ours, hf_inv.float())

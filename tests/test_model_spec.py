@@ -21,11 +21,6 @@ from batchgen.llm import LLM
 SAME = ("model_dir", "model_cfg", "eos_ids", "device", "dtype", "compile", "quant", "lora")
 
 
-@pytest.fixture(scope="module")
-def model(tiny_dirs):
-    return tiny_dirs["llama"]
-
-
 def _job(tmp_path: Path, model: Path, **kw) -> RunConfig:
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
     return RunConfig(input=str(src), output=str(tmp_path / "out"), model=str(model), **kw)
@@ -38,8 +33,17 @@ def test_run_and_the_api_resolve_the_same_spec(tmp_path, model):
     for name in SAME:
         assert getattr(job.spec, name) == getattr(llm.spec, name), name
     # the flags of the engine reach it through the same resolution
-    job = open_job(_job(tmp_path, model, device="cpu", max_num_seqs=3, block_size=8,
-                        prefix_caching=False, window_rows=5))  # fmt: skip
+    job = open_job(
+        _job(
+            tmp_path,
+            model,
+            device="cpu",
+            max_num_seqs=3,
+            block_size=8,
+            prefix_caching=False,
+            window_rows=5,
+        )
+    )
     want = EngineConfig(max_num_seqs=3, block_size=8, prefix_caching=False, read_ahead=5)
     assert job.spec.engine == want
     assert ModelSpec.resolve(model, device="cpu", engine=want).engine is want
@@ -91,8 +95,9 @@ def test_a_job_loads_its_tokenizer_and_reads_config_json_once(tmp_path, model, m
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
     out = tmp_path / "out"
     # the job's constraint is compiled in open_job, before loading; its rows in the engine
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 3,
-            "--choice", "yes,no")  # fmt: skip
+    run_cli(
+        "run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 3, "--choice", "yes,no"
+    )
     assert calls["tokenizer"] == 1
     assert calls["config.json"] == calls["generation_config.json"] == 1
     assert calls["grammar vocabulary"] == 1
@@ -113,9 +118,19 @@ def test_a_scheme_that_cannot_run_is_refused_before_the_output_is_claimed(tmp_pa
     anything is written (it was checked only at load, after the output was claimed)."""
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     spec = tmp_path / "job.yaml"
-    spec.write_text(yaml.safe_dump({
-        "input": str(src), "output": str(tmp_path / "out"), "model": str(model), "device": "cpu",
-        "quantize": "int4", "quant_backend": "quanto", "dtype": "bfloat16"}))  # fmt: skip
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "input": str(src),
+                "output": str(tmp_path / "out"),
+                "model": str(model),
+                "device": "cpu",
+                "quantize": "int4",
+                "quant_backend": "quanto",
+                "dtype": "bfloat16",
+            }
+        )
+    )
     for command in ("run", "plan"):
         r = run_cli(command, spec, exit_code=2)
         assert_one_line_error(r, "int4 with backend quanto is not available on cpu with bfloat16")

@@ -25,13 +25,21 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 def chat_line(cid, content, **body):
     messages = [{"role": "user", "content": content}]
-    return {"custom_id": cid, "method": "POST", "url": CHAT,
-            "body": {"model": "any", "messages": messages, **body}}  # fmt: skip
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": CHAT,
+        "body": {"model": "any", "messages": messages, **body},
+    }
 
 
 def completion_line(cid, prompt, **body):
-    return {"custom_id": cid, "method": "POST", "url": COMPLETIONS,
-            "body": {"model": "any", "prompt": prompt, **body}}  # fmt: skip
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": COMPLETIONS,
+        "body": {"model": "any", "prompt": prompt, **body},
+    }
 
 
 def parse(obj, lineno=1):
@@ -58,7 +66,7 @@ def test_parse_chat_line_maps_every_field():
             tools=[],
             logit_bias={"1": 2},
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
-        )  # fmt: skip
+        )
     )
     assert rec == {
         "custom_id": "a",
@@ -86,7 +94,7 @@ def test_parse_completion_line():
             stop=["x", "y"],
             logprobs=0,
             response_format={"type": "json_object"},
-        )  # fmt: skip
+        )
     )
     assert (rec["prompt"], rec["messages"], rec["max_new_tokens"]) == ("the lazy dog", None, 3)
     assert (rec["stop"], rec["logprobs"]) == (["x", "y"], True)
@@ -140,11 +148,6 @@ def test_detection(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def model(tiny_dirs):
-    return tiny_dirs["llama"]
-
-
-@pytest.fixture(scope="module")
 def tok(model):
     return AutoTokenizer.from_pretrained(model)
 
@@ -187,8 +190,10 @@ def test_mixed_file_equals_plain_runs(tmp_path, model, tok):
     msgs = [json.dumps([{"role": "user", "content": c}]) for c in CHATS]
     chats = write_parquet(tmp_path / "c.parquet", {"messages": msgs, "max_new_tokens": [5, 6]})
     _run(chats, tmp_path / "chat", model, "--messages-column", "messages")
-    want = {**{f"p{i}": r for i, r in rows_by_id(tmp_path / "plain").items()},
-            **{f"c{i}": r for i, r in rows_by_id(tmp_path / "chat").items()}}  # fmt: skip
+    want = {
+        **{f"p{i}": r for i, r in rows_by_id(tmp_path / "plain").items()},
+        **{f"c{i}": r for i, r in rows_by_id(tmp_path / "chat").items()},
+    }
     for cid, row in rows.items():
         assert row["error"] is None, row
         keys = ("text", "finish_reason", "prompt_tokens", "completion_tokens")
@@ -197,28 +202,37 @@ def test_mixed_file_equals_plain_runs(tmp_path, model, tok):
     # The request's prompt travels with its row; the chat one through the model's template.
     assert rows["p0"]["prompt"] == PROMPTS[0] and rows["p0"]["messages"] is None
     assert json.loads(rows["c0"]["messages"]) == [{"role": "user", "content": CHATS[0]}]
-    rendered = tok.apply_chat_template(json.loads(msgs[0]), tokenize=False,
-                                       add_generation_prompt=True)  # fmt: skip
+    rendered = tok.apply_chat_template(
+        json.loads(msgs[0]), tokenize=False, add_generation_prompt=True
+    )
     assert rows["c0"]["prompt_tokens"] == len(tok(rendered, add_special_tokens=False)["input_ids"])
 
 
 def test_malformed_lines_become_error_rows(tmp_path, model):
-    text = "\n".join([
-        json.dumps(completion_line("ok0", PROMPTS[0])),
-        "{truncated",
-        json.dumps({"custom_id": "u", "url": "/v1/embeddings", "body": {"input": "x"}}),
-        json.dumps(chat_line("t", "x", temperature="warm")),
-        "",
-        json.dumps(chat_line("ok1", CHATS[1])),
-    ]) + "\n"  # fmt: skip
+    text = (
+        "\n".join(
+            [
+                json.dumps(completion_line("ok0", PROMPTS[0])),
+                "{truncated",
+                json.dumps({"custom_id": "u", "url": "/v1/embeddings", "body": {"input": "x"}}),
+                json.dumps(chat_line("t", "x", temperature="warm")),
+                "",
+                json.dumps(chat_line("ok1", CHATS[1])),
+            ]
+        )
+        + "\n"
+    )
     src = tmp_path / "req.jsonl"
     src.write_text(text)
     out = tmp_path / "out"
     _run(src, out, model)
     rows = rows_by_id(out, "custom_id")
     assert sorted(rows) == ["line-2", "ok0", "ok1", "t", "u"]
-    for cid, words in {"line-2": ["line 2", "not JSON"], "u": ["line 3", "url"],
-                       "t": ["line 4", "temperature"]}.items():  # fmt: skip
+    for cid, words in {
+        "line-2": ["line 2", "not JSON"],
+        "u": ["line 3", "url"],
+        "t": ["line 4", "temperature"],
+    }.items():
         row = rows[cid]
         assert row["finish_reason"] == "error" and row["text"] is None
         assert all(w in row["error"] for w in words), row["error"]
@@ -327,37 +341,82 @@ def test_openai_output_lines_in_input_order(tmp_path, model):
     _run(src, plain, model)
     assert not (plain / "results.jsonl").exists()
     _run(src, plain, model, "--output-format", "openai")
-    strip = [{**g, "response": {**g["response"], "body": g["response"]["body"] and
-              {**g["response"]["body"], "created": 0}}} for g in got]  # fmt: skip
-    again = [{**g, "response": {**g["response"], "body": g["response"]["body"] and
-              {**g["response"]["body"], "created": 0}}} for g in _results(plain)]  # fmt: skip
+    strip = [
+        {
+            **g,
+            "response": {
+                **g["response"],
+                "body": g["response"]["body"] and {**g["response"]["body"], "created": 0},
+            },
+        }
+        for g in got
+    ]
+    again = [
+        {
+            **g,
+            "response": {
+                **g["response"],
+                "body": g["response"]["body"] and {**g["response"]["body"], "created": 0},
+            },
+        }
+        for g in _results(plain)
+    ]
     assert again == strip
 
 
 def test_openai_output_needs_an_openai_input(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": PROMPTS})
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
-                "--output-format", "openai", exit_code=None)  # fmt: skip
+    r = run_cli(
+        "run",
+        src,
+        "-o",
+        tmp_path / "out",
+        "--model",
+        model,
+        *FAST,
+        "--output-format",
+        "openai",
+        exit_code=None,
+    )
     assert r.exit_code != 0
     assert_one_line_error(r, "OpenAI batch request file")
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST,
-                "--output-format", "openai", "--shard", "0/2", exit_code=None)  # fmt: skip
+    r = run_cli(
+        "run",
+        src,
+        "-o",
+        tmp_path / "out",
+        "--model",
+        model,
+        *FAST,
+        "--output-format",
+        "openai",
+        "--shard",
+        "0/2",
+        exit_code=None,
+    )
     assert_one_line_error(r, "shard")
 
 
 def test_output_lines_of_several_samples(tmp_path):
     """Results with a sample_index (n samples of a request) are one line with a choice each."""
-    requests = pa.table({"custom_id": ["x", "y", "z"], "messages": ["[]", None, None],
-                         "logprobs": pa.array([None] * 3, pa.bool_())})  # fmt: skip
-    results = pa.table({
-        "custom_id": ["y", "x", "x", "z", "z"],
-        "sample_index": [0, 1, 0, 0, 1],
-        "text": ["t", "b", "a", "ok", None],
-        "finish_reason": ["length", "stop", "length", "stop", "error"],
-        "prompt_tokens": [3, 5, 5, 2, 0],
-        "completion_tokens": [4, 1, 2, 1, 0],
-        "error": [None, None, None, None, "engine error"],
-    })  # fmt: skip
+    requests = pa.table(
+        {
+            "custom_id": ["x", "y", "z"],
+            "messages": ["[]", None, None],
+            "logprobs": pa.array([None] * 3, pa.bool_()),
+        }
+    )
+    results = pa.table(
+        {
+            "custom_id": ["y", "x", "x", "z", "z"],
+            "sample_index": [0, 1, 0, 0, 1],
+            "text": ["t", "b", "a", "ok", None],
+            "finish_reason": ["length", "stop", "length", "stop", "error"],
+            "prompt_tokens": [3, 5, 5, 2, 0],
+            "completion_tokens": [4, 1, 2, 1, 0],
+            "error": [None, None, None, None, "engine error"],
+        }
+    )
     assert write_results(str(tmp_path), requests, results, "m", created=7) == 3
     x, y, z = _results(tmp_path)
     body = x["response"]["body"]
@@ -372,8 +431,12 @@ def test_output_lines_of_several_samples(tmp_path):
 
 
 def test_n_and_response_format_are_applied(tmp_path, model):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
     lines = [
         completion_line("json", PROMPTS[0], max_tokens=40, response_format=fmt),
@@ -404,7 +467,10 @@ def test_logprobs_asked_for_are_in_the_output_lines(tmp_path, model):
     c, p, q = _results(out)
     content = c["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert [e["logprob"] for e in content] == pytest.approx(rows["c"]["logprobs"])
-    assert "".join(e["token"] for e in content) == c["response"]["body"]["choices"][0]["message"]["content"]  # fmt: skip
+    assert (
+        "".join(e["token"] for e in content)
+        == c["response"]["body"]["choices"][0]["message"]["content"]
+    )
     assert all(e["bytes"] == list(e["token"].encode()) and e["top_logprobs"] == [] for e in content)
     lp = p["response"]["body"]["choices"][0]["logprobs"]
     assert lp["token_logprobs"] == pytest.approx(rows["p"]["logprobs"]) and len(lp["tokens"]) == 3

@@ -59,9 +59,11 @@ def prompts(seed: int = 0) -> list[list[int]]:
 def wide_dir(tmp_path_factory):
     """A tiny Llama 128 wide, so int4's default group size of 128 divides every layer."""
     return save_tiny_model(
-        "llama", tmp_path_factory.mktemp("quant") / "llama128", hidden_size=128,
+        "llama",
+        tmp_path_factory.mktemp("quant") / "llama128",
+        hidden_size=128,
         intermediate_size=256,
-    )  # fmt: skip
+    )
 
 
 # --------------------------------------------------------------------------- schemes
@@ -107,8 +109,12 @@ def test_int4_picks_per_layer_the_largest_group_size_that_divides(tiny_dirs):
     scheme = quantize_model(
         load_model(tiny_dirs["llama"]), QuantScheme("int4", "torchao", 128), "cpu"
     )
-    assert dict(scheme.layer_group_sizes) == {"attn.wqkv": 32, "attn.wo": 32, "mlp.w_in": 32,
-                                              "mlp.w_out": 64}  # fmt: skip
+    assert dict(scheme.layer_group_sizes) == {
+        "attn.wqkv": 32,
+        "attn.wo": 32,
+        "mlp.w_in": 32,
+        "mlp.w_out": 64,
+    }
     d = scheme.to_dict()
     assert d["group_size"] == 128 and d["granularity"] == "groups of 32/64"
     assert d["group_sizes"]["layers.*.mlp.w_out"] == 64
@@ -161,8 +167,15 @@ def test_quantized_weights_are_smaller_and_tie_kept(tiny_dirs, backend, method):
 
 @pytest.mark.parametrize(("backend", "method"), LLM_PATHS)
 def test_llm_records_the_scheme(wide_dir, backend, method):
-    llm = LLM(wide_dir, dtype="float32", device="cpu", compile=False, engine=ENGINE,
-              quantize=method, quant_backend=backend)  # fmt: skip
+    llm = LLM(
+        wide_dir,
+        dtype="float32",
+        device="cpu",
+        compile=False,
+        engine=ENGINE,
+        quantize=method,
+        quant_backend=backend,
+    )
     d = llm.quant.to_dict()
     assert (d["method"], d["backend"]) == (method, backend)
     assert d["group_size"] == (128 if method == "int4" else None)
@@ -185,10 +198,24 @@ def test_compiled_generation_has_no_recompiles(wide_dir, backend, method):
     """fullgraph=True compile (the runner's setting) of the quantized model: warm-up makes
     one graph per decode shape (prefill steps run eagerly), and later same-shape batches
     compile nothing."""
-    llm = LLM(wide_dir, dtype="float32", device="cpu", compile=True, engine=ENGINE,
-              quantize=method, quant_backend=backend)  # fmt: skip
-    eager = LLM(wide_dir, dtype="float32", device="cpu", compile=False, engine=ENGINE,
-                quantize=method, quant_backend=backend)  # fmt: skip
+    llm = LLM(
+        wide_dir,
+        dtype="float32",
+        device="cpu",
+        compile=True,
+        engine=ENGINE,
+        quantize=method,
+        quant_backend=backend,
+    )
+    eager = LLM(
+        wide_dir,
+        dtype="float32",
+        device="cpu",
+        compile=False,
+        engine=ENGINE,
+        quantize=method,
+        quant_backend=backend,
+    )
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     before = counters["stats"]["unique_graphs"]
     first = llm.generate(prompts(0), params)
@@ -201,8 +228,11 @@ def test_compiled_generation_has_no_recompiles(wide_dir, backend, method):
     assert counters["stats"]["unique_graphs"] == warm and llm.runner.shapes == shapes
     # Compiled and eager run the same quantized kernels: greedy tokens agree.
     ref = eager.generate(prompts(0), params)
-    same = sum(a == b for c, r in zip(first, ref, strict=True)
-               for a, b in zip(c.token_ids, r.token_ids, strict=True))  # fmt: skip
+    same = sum(
+        a == b
+        for c, r in zip(first, ref, strict=True)
+        for a, b in zip(c.token_ids, r.token_ids, strict=True)
+    )
     assert same >= 0.9 * 4 * 8, (same, [c.token_ids for c in first], [c.token_ids for c in ref])
 
 
@@ -216,8 +246,9 @@ def test_gpu_quantized_decode_keeps_cuda_graphs(wide_dir):
     from torch._inductor import cudagraph_trees
 
     counters.clear()
-    llm = LLM(wide_dir, dtype="bfloat16", device="cuda", compile=True, engine=ENGINE,
-              quantize="int8")  # fmt: skip
+    llm = LLM(
+        wide_dir, dtype="bfloat16", device="cuda", compile=True, engine=ENGINE, quantize="int8"
+    )
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     llm.generate(prompts(0), params)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
@@ -231,8 +262,10 @@ def test_gpu_quantized_decode_keeps_cuda_graphs(wide_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("backend", "method"), [("quanto", "int4"), ("torchao", "fp8"),
-                                                 ("torchao", "int4"), ("torchao", "int8")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("backend", "method"),
+    [("quanto", "int4"), ("torchao", "fp8"), ("torchao", "int4"), ("torchao", "int8")],
+)
 def test_gpu_bf16_logits_close_to_float(wide_dir, backend, method):
     """bf16 on CUDA: quanto int4 (bf16, groups of 128: its tinygemm kernel), torchao fp8,
     and torchao int4/int8, within the CPU bounds plus bf16 rounding."""
@@ -252,15 +285,15 @@ def test_gpu_quantizing_never_holds_the_float_model(tmp_path):
     """Peak CUDA memory while building a quantized LLM stays below the float weights'
     size: the pass moves and quantizes one block at a time (16 blocks here, so a full
     float copy would stand out well above the quantized model plus one float block)."""
-    path = save_tiny_model("llama", tmp_path / "deep", hidden_size=128, intermediate_size=256,
-                           num_hidden_layers=16)  # fmt: skip
+    path = save_tiny_model(
+        "llama", tmp_path / "deep", hidden_size=128, intermediate_size=256, num_hidden_layers=16
+    )
     float_model = load_model(path, torch.bfloat16, "cpu")
     float_bytes = sum(tensor_bytes(p) for p in float_model.parameters())
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    llm = LLM(path, dtype="bfloat16", device="cuda", compile=False, engine=ENGINE,
-              quantize="int8")  # fmt: skip
+    llm = LLM(path, dtype="bfloat16", device="cuda", compile=False, engine=ENGINE, quantize="int8")
     kv = sum(c.k.numel() * c.k.element_size() * 2 for c in llm.model.kv_caches)
     peak = torch.cuda.max_memory_allocated() - base - kv
     assert peak < float_bytes, (peak, float_bytes)

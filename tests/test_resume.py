@@ -24,8 +24,18 @@ from helpers import (
 N = 24
 # 4 sequences at a time, a part per 4 rows flushed at once: a job of 6+ parts that runs for
 # several seconds.
-FLAGS = (*FAST, "--max-new-tokens", 16, "--ignore-eos", "--max-num-seqs", 4,
-         "--rows-per-part", 4, "--flush-seconds", 0)  # fmt: skip
+FLAGS = (
+    *FAST,
+    "--max-new-tokens",
+    16,
+    "--ignore-eos",
+    "--max-num-seqs",
+    4,
+    "--rows-per-part",
+    4,
+    "--flush-seconds",
+    0,
+)
 
 
 KEYS = [f"key-{(i * 7) % N:02d}" for i in range(N)]  # the ids of --id-column key
@@ -76,13 +86,15 @@ def test_sigkill_then_rerun_finishes_every_row_once(tmp_path, job, id_column):
     table = read_output(out)
     row = table.to_pylist()[0]
     bogus = [{**row, id_column: i, "text": "BOGUS"} for i in todo]
-    pq.write_table(pa.Table.from_pylist(bogus, schema=table.schema),
-                   out / ".tmp-part-00090.parquet.abc123")  # fmt: skip
+    pq.write_table(
+        pa.Table.from_pylist(bogus, schema=table.schema), out / ".tmp-part-00090.parquet.abc123"
+    )
     data = (out / ".tmp-part-00090.parquet.abc123").read_bytes()
     (out / ".tmp-part-00091.parquet.def456").write_bytes(data[: len(data) // 2])
 
-    rerun = subprocess.run(cli_command(*args), cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)  # fmt: skip
+    rerun = subprocess.run(
+        cli_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert rerun.returncode == 0, rerun.stderr
     _check_complete(out, clean, id_column)
     for name, data in parts_before.items():  # finished parts are kept as they were

@@ -12,11 +12,6 @@ N = 8
 SAMPLED = (*FAST, "--temperature", 1.0, "--max-new-tokens", 8, "--ignore-eos", "--with-token-ids")
 
 
-@pytest.fixture(scope="module")
-def model(tiny_dirs):
-    return tiny_dirs["llama"]
-
-
 def _tokens(out, id_column: str = "id") -> dict:
     return {i: r["token_ids"] for i, r in rows_by_id(out, id_column).items()}
 
@@ -63,8 +58,19 @@ def test_seed_column_pins_a_row_whatever_its_id(tmp_path, model):
         tmp_path / "other.parquet", {"key": ["zz"], "prompt": [prompt], "seed": [5]}
     )
     for name, path in (("out", src), ("other", other)):
-        run_cli("run", path, "-o", tmp_path / name, "--model", model, *SAMPLED,
-                "--id-column", "key", "--seed", 9)  # fmt: skip
+        run_cli(
+            "run",
+            path,
+            "-o",
+            tmp_path / name,
+            "--model",
+            model,
+            *SAMPLED,
+            "--id-column",
+            "key",
+            "--seed",
+            9,
+        )
     rows = _tokens(tmp_path / "out", "key")
     assert rows["a"] == rows["b"] == _tokens(tmp_path / "other", "key")["zz"]
     # without a seed value, rows fall back to their own derived seeds
@@ -78,8 +84,20 @@ def test_a_row_is_the_same_under_limit_and_in_another_order(tmp_path, model):
     flipped = write_parquet(tmp_path / "flip.parquet", {k: v[::-1] for k, v in cols.items()})
     runs = {"all": (src,), "flipped": (flipped,), "limit": (src, "--limit", 3)}
     for name, (path, *extra) in runs.items():
-        run_cli("run", path, "-o", tmp_path / name, "--model", model, *SAMPLED,
-                "--id-column", "key", "--max-num-seqs", 4 if name == "flipped" else 8, *extra)  # fmt: skip
+        run_cli(
+            "run",
+            path,
+            "-o",
+            tmp_path / name,
+            "--model",
+            model,
+            *SAMPLED,
+            "--id-column",
+            "key",
+            "--max-num-seqs",
+            4 if name == "flipped" else 8,
+            *extra,
+        )
     full = _tokens(tmp_path / "all", "key")
     assert _tokens(tmp_path / "flipped", "key") == full
     limited = _tokens(tmp_path / "limit", "key")

@@ -9,11 +9,6 @@ from helpers import FAST, prompts, read_output, read_stats, run_cli, write_parqu
 SAMPLED = (*FAST, "--temperature", 1.0, "--max-new-tokens", 6, "--ignore-eos", "--with-token-ids")
 
 
-@pytest.fixture(scope="module")
-def model(tiny_dirs):
-    return tiny_dirs["llama"]
-
-
 def _samples(out, id_column: str = "id") -> dict:
     rows = read_output(out).to_pylist()
     keys = [(r[id_column], r["sample_index"]) for r in rows]
@@ -73,8 +68,21 @@ def test_n_as_list_gives_one_row_with_the_samples_in_order(tmp_path, model):
     run_cli("run", src, "-o", tmp_path / "rows", "--model", model, *SAMPLED, "--n", 3)
     per_sample = _samples(tmp_path / "rows")
     out = tmp_path / "lists"
-    run_cli("run", src, "-o", out, "--model", model, *SAMPLED, "--n", 3, "--n-as-list",
-            "--with-logprobs", "--rows-per-part", 1)  # fmt: skip
+    run_cli(
+        "run",
+        src,
+        "-o",
+        out,
+        "--model",
+        model,
+        *SAMPLED,
+        "--n",
+        3,
+        "--n-as-list",
+        "--with-logprobs",
+        "--rows-per-part",
+        1,
+    )
     table = read_output(out)
     assert "sample_index" not in table.column_names
     assert table.schema.field("text").type.value_type == pa.string()
@@ -90,8 +98,21 @@ def test_n_as_list_gives_one_row_with_the_samples_in_order(tmp_path, model):
     # a rerun finds every row done; a killed part's rows are redone whole
     (out / "_SUCCESS").unlink()
     sorted(out.glob("part-*.parquet"))[0].unlink()
-    run_cli("run", src, "-o", out, "--model", model, *SAMPLED, "--n", 3, "--n-as-list",
-            "--with-logprobs", "--rows-per-part", 1)  # fmt: skip
+    run_cli(
+        "run",
+        src,
+        "-o",
+        out,
+        "--model",
+        model,
+        *SAMPLED,
+        "--n",
+        3,
+        "--n-as-list",
+        "--with-logprobs",
+        "--rows-per-part",
+        1,
+    )
     again = {r["id"]: r for r in read_output(out).to_pylist()}
     assert again == got
 
@@ -111,8 +132,20 @@ def test_n_as_list_shards_merge(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(5)})
     out = tmp_path / "out"
     for shard in ("0/2", "1/2"):
-        run_cli("run", src, "-o", out, "--model", model, *SAMPLED, "--n", 2, "--n-as-list",
-                "--shard", shard)  # fmt: skip
+        run_cli(
+            "run",
+            src,
+            "-o",
+            out,
+            "--model",
+            model,
+            *SAMPLED,
+            "--n",
+            2,
+            "--n-as-list",
+            "--shard",
+            shard,
+        )
     run_cli("merge", out)
     merged = pq.read_table(out / "merged.parquet")
     assert sorted(merged.column("id").to_pylist()) == list(range(5))

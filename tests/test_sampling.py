@@ -77,7 +77,9 @@ def test_uniform_never_rounds_to_one():
     u = row_uniforms(seeds, torch.zeros(3, dtype=torch.long), 4096)
     assert bool((u > 0).all()) and bool((u < 1).all())
     logits = _logits(3, 4096, seed=3)
-    got = sample(logits, _params(3, 1.0, top_k=1, seed=seeds), torch.zeros(3, dtype=torch.long), False)  # fmt: skip
+    got = sample(
+        logits, _params(3, 1.0, top_k=1, seed=seeds), torch.zeros(3, dtype=torch.long), False
+    )
     assert torch.equal(got, logits.argmax(-1))
 
 
@@ -158,15 +160,21 @@ def model_dir(request, tiny_dirs):
 
 def test_seeded_row_same_alone_and_in_a_mixed_batch(model_dir):
     prompt = _prompt(5, seed=0)
-    alone_llm = LLM(model_dir, dtype="float32", device="cpu", compile=False,
-                    engine=EngineConfig(max_num_seqs=1))  # fmt: skip
+    alone_llm = LLM(
+        model_dir, dtype="float32", device="cpu", compile=False, engine=EngineConfig(max_num_seqs=1)
+    )
     (alone,) = alone_llm.generate([prompt], SEEDED)
     assert len(alone.token_ids) == 20 and alone.finish_reason == FinishReason.LENGTH
 
     # Another block size, batch size (5 vs 1), step budget (prefills in chunks), position,
     # and neighbours that are greedy or sampled with other seeds and settings.
-    mixed_llm = LLM(model_dir, dtype="float32", device="cpu", compile=False,
-                    engine=EngineConfig(block_size=4, max_num_batched_tokens=8))  # fmt: skip
+    mixed_llm = LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        compile=False,
+        engine=EngineConfig(block_size=4, max_num_batched_tokens=8),
+    )
     neighbours = [_prompt(n, seed=n) for n in (9, 2, 30, 14)]
     params = [
         SamplingParams(max_new_tokens=20),
@@ -174,7 +182,9 @@ def test_seeded_row_same_alone_and_in_a_mixed_batch(model_dir):
         SamplingParams(max_new_tokens=5, temperature=0.8, top_k=50, top_p=0.9, seed=1235),
         SamplingParams(max_new_tokens=33, temperature=0.5, top_p=0.5, seed=1234),
     ]
-    outs = mixed_llm.generate([*neighbours[:2], prompt, *neighbours[2:]], [*params[:2], SEEDED, *params[2:]])  # fmt: skip
+    outs = mixed_llm.generate(
+        [*neighbours[:2], prompt, *neighbours[2:]], [*params[:2], SEEDED, *params[2:]]
+    )
     assert outs[2].token_ids == alone.token_ids
 
     # the greedy neighbour is what it is on its own, too

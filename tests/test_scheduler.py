@@ -171,7 +171,9 @@ def _sched(num_blocks=17, block_size=4, max_num_seqs=4, budget=64, caching=True)
 
 
 def _req(i: int, n: int, max_new: int = 4, **kw) -> Request:
-    return Request(i, [10 + 100 * i + t for t in range(n)], SamplingParams(max_new_tokens=max_new, **kw))  # fmt: skip
+    return Request(
+        i, [10 + 100 * i + t for t in range(n)], SamplingParams(max_new_tokens=max_new, **kw)
+    )
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -292,7 +294,9 @@ def test_decodes_come_before_prefills_and_admissions():
     assert [s.seq for s in plan.scheduled] == [a, b]
     sched.max_num_batched_tokens = 3
     h.run()
-    assert [h.output(i) for i in range(3)] == [h.model.expected(r) for r in (_req(0, 2, 9), _req(1, 1, 9), _req(2, 10, 2))]  # fmt: skip
+    assert [h.output(i) for i in range(3)] == [
+        h.model.expected(r) for r in (_req(0, 2, 9), _req(1, 1, 9), _req(2, 10, 2))
+    ]
 
 
 # --------------------------------------------------------------------------- preemption
@@ -449,7 +453,11 @@ def _workload(seed: int):
         prefix = rng.choice(templates) if rng.random() < 0.5 else []
         prompt = prefix + [rng.randint(2, 500) for _ in range(rng.randint(1, 24))]
         params = SamplingParams(max_new_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.2)
-        score_from = scoring.randint(1, len(prompt) - 1) if len(prompt) > 1 and scoring.random() < 0.25 else None  # fmt: skip
+        score_from = (
+            scoring.randint(1, len(prompt) - 1)
+            if len(prompt) > 1 and scoring.random() < 0.25
+            else None
+        )
         requests.append(Request(i, prompt, params, score_from=score_from))
         arrivals.append(rng.randint(0, 30))
         if rng.random() < 0.3:
@@ -514,7 +522,9 @@ def test_random_workloads_preempt_chunk_and_hit_the_cache():
     for seed in range(30):
         h = _run_workload(seed)
         preempting += h.sched.num_preemptions > 0
-        chunking += any(not s.samples and not s.seq.request.scoring for p in h.plans for s in p.prefills)  # fmt: skip
+        chunking += any(
+            not s.samples and not s.seq.request.scoring for p in h.plans for s in p.prefills
+        )
         hitting += any(s.num_cached_prompt for s in h.finished)
         scoring += any(s.request.scoring and s.num_preemptions for s in h.finished)
     assert preempting >= 5 and chunking >= 5 and hitting >= 5, (preempting, chunking, hitting)
@@ -556,8 +566,13 @@ def test_plain_data_properties():
 def test_engine_config_validation_and_pool_sizing():
     from batchgen.engine.config import EngineConfig
 
-    for bad in (dict(max_num_seqs=0), dict(max_num_batched_tokens=0), dict(block_size=0),
-                dict(kv_cache_tokens=31), dict(gpu_memory_utilization=0.0)):  # fmt: skip
+    for bad in (
+        dict(max_num_seqs=0),
+        dict(max_num_batched_tokens=0),
+        dict(block_size=0),
+        dict(kv_cache_tokens=31),
+        dict(gpu_memory_utilization=0.0),
+    ):
         with pytest.raises(ValueError):
             EngineConfig(**bad)
     cfg = EngineConfig(max_num_seqs=4, block_size=16)

@@ -9,7 +9,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from tiny_models import save_tiny_model
 
 from batchgen.cli import main
 from batchgen.errors import ConfigError
@@ -39,9 +38,7 @@ def test_shard_of_is_stable():
     assert [shard_of(i, 7) for i in range(12)] == [4, 2, 1, 6, 5, 5, 2, 3, 2, 5, 6, 4]
     assert [shard_of(s, 7) for s in ["r0001", "r0002", "a", "b", "c"]] == [4, 4, 2, 5, 3]
     # and the same in another interpreter, whatever its hash seed
-    code = (
-        "from batchgen.job.shard import shard_of; print([shard_of(i, 7) for i in range(12)])"
-    )
+    code = "from batchgen.job.shard import shard_of; print([shard_of(i, 7) for i in range(12)])"
     env = {"PYTHONHASHSEED": "123"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip().splitlines()[-1] == "[4, 2, 1, 6, 5, 5, 2, 3, 2, 5, 6, 4]"
@@ -80,8 +77,12 @@ def test_config_shard_fields():
     plain = RunConfig(input="in.parquet", output="out")
     assert plain.output_dir == "out" and "shard" not in options_fingerprint(plain)
     assert RunConfig(input="i", output="o", workers="3").workers == 3
-    for bad in ({"shard": "3/3"}, {"workers": "0"}, {"workers": "many"},
-                {"shard": "0/2", "workers": 2}):  # fmt: skip
+    for bad in (
+        {"shard": "3/3"},
+        {"workers": "0"},
+        {"workers": "many"},
+        {"shard": "0/2", "workers": 2},
+    ):
         with pytest.raises(ConfigError):
             RunConfig(input="i", output="o", **bad)
     with pytest.raises(ConfigError, match="shard"):
@@ -123,20 +124,23 @@ def test_cli_shard_flag_spec_and_slurm_env(tmp_path, captured_config, monkeypatc
     assert r.exit_code == 2 and "pass one of them" in r.output
 
 
-@pytest.fixture(scope="module")
-def tiny_gpt2(tmp_path_factory):
-    return save_tiny_model("gpt2", tmp_path_factory.mktemp("tiny") / "gpt2")
-
-
 @pytest.mark.parametrize("id_column", [None, "key"])
-def test_sharded_runs_write_every_row_once(tmp_path, tiny_gpt2, id_column):
+def test_sharded_runs_write_every_row_once(tmp_path, gpt2, id_column):
     n_rows, n = 23, 3
     data = tmp_path / "in.parquet"
     keys = [f"k{(i * 7919) % 1000:03d}" for i in range(n_rows)]
     pq.write_table(pa.table({"key": keys, "prompt": [f"the fox {i}" for i in range(n_rows)]}), data)
-    base = dict(input=str(data), output=str(tmp_path / "out"), model=str(tiny_gpt2),
-                id_column=id_column, max_new_tokens=3, device="cpu", compile=False,
-                window_rows=5, quiet=True)  # fmt: skip
+    base = dict(
+        input=str(data),
+        output=str(tmp_path / "out"),
+        model=str(gpt2),
+        id_column=id_column,
+        max_new_tokens=3,
+        device="cpu",
+        compile=False,
+        window_rows=5,
+        quiet=True,
+    )
     ids = []
     for i in range(n):
         cfg = RunConfig(**base, shard=f"{i}/{n}")
@@ -159,5 +163,8 @@ def test_sharded_runs_write_every_row_once(tmp_path, tiny_gpt2, id_column):
 
 
 def _ids(directory, id_column: str = "id") -> list:
-    return [x for p in sorted(Path(directory).glob("part-*.parquet"))
-            for x in pq.read_table(p, columns=[id_column]).column(id_column).to_pylist()]  # fmt: skip
+    return [
+        x
+        for p in sorted(Path(directory).glob("part-*.parquet"))
+        for x in pq.read_table(p, columns=[id_column]).column(id_column).to_pylist()
+    ]

@@ -18,29 +18,35 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from slurm_cluster import LocalSlurm, SlurmUnavailable, logs_tail
-from tiny_models import save_tiny_model
 
 from batchgen.cli import main
 
 BATCHGEN = [sys.executable, "-m", "batchgen.cli"]
 
 
-@pytest.fixture(scope="module")
-def tiny_gpt2(tmp_path_factory):
-    return save_tiny_model("gpt2", tmp_path_factory.mktemp("tiny") / "gpt2")
-
-
 def make_job(tmp_path: Path, model: Path, n_rows: int = 30, **extra) -> Path:
     """A job spec over a small Parquet dataset with string ids, on the tiny model."""
     data = tmp_path / "reviews.parquet"
     pq.write_table(
-        pa.table({"key": [f"r{i:03d}" for i in range(n_rows)],
-                  "text": [f"great product {i}, would buy again" for i in range(n_rows)]}),
+        pa.table(
+            {
+                "key": [f"r{i:03d}" for i in range(n_rows)],
+                "text": [f"great product {i}, would buy again" for i in range(n_rows)],
+            }
+        ),
         data,
-    )  # fmt: skip
-    spec = {"input": str(data), "output": str(tmp_path / "out"), "model": str(model),
-            "id_column": "key", "template": "Review: {{ text }}\nSentiment:",
-            "max_new_tokens": 3, "device": "cpu", "compile": False, **extra}  # fmt: skip
+    )
+    spec = {
+        "input": str(data),
+        "output": str(tmp_path / "out"),
+        "model": str(model),
+        "id_column": "key",
+        "template": "Review: {{ text }}\nSentiment:",
+        "max_new_tokens": 3,
+        "device": "cpu",
+        "compile": False,
+        **extra,
+    }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -54,15 +60,39 @@ def dry_run(*args: str) -> str:
 
 def test_dry_run_script(tmp_path):
     spec = make_job(tmp_path, tmp_path / "model")
-    script = dry_run(str(spec), "--shards", "3", "-p", "gpu", "--gpus-per-task", "1",
-                     "--time", "01:00:00", "--cpus-per-task", "4", "--mem", "16G",
-                     "--", "--limit", "10")  # fmt: skip
+    script = dry_run(
+        str(spec),
+        "--shards",
+        "3",
+        "-p",
+        "gpu",
+        "--gpus-per-task",
+        "1",
+        "--time",
+        "01:00:00",
+        "--cpus-per-task",
+        "4",
+        "--mem",
+        "16G",
+        "--",
+        "--limit",
+        "10",
+    )
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash"
-    for want in ("--array=0-2", "--requeue", "--signal=B:USR1@120", "--open-mode=append",
-                 f"--output={tmp_path}/out/logs/%A_%a.out", "--partition=gpu",
-                 "--gpus-per-task=1", "--time=01:00:00", "--cpus-per-task=4", "--mem=16G",
-                 f"--chdir={Path.cwd()}"):  # fmt: skip
+    for want in (
+        "--array=0-2",
+        "--requeue",
+        "--signal=B:USR1@120",
+        "--open-mode=append",
+        f"--output={tmp_path}/out/logs/%A_%a.out",
+        "--partition=gpu",
+        "--gpus-per-task=1",
+        "--time=01:00:00",
+        "--cpus-per-task=4",
+        "--mem=16G",
+        f"--chdir={Path.cwd()}",
+    ):
         assert f"#SBATCH {want}" in lines
     run_line = next(x for x in lines if "-m batchgen.cli run" in x)
     assert run_line.startswith(f"{sys.executable} -m batchgen.cli run {spec} --limit 10")
@@ -99,24 +129,38 @@ def test_slurm_refuses_unknown_spec_keys(tmp_path):
     assert "unknown key(s) max_tokens" in r.output and "max_new_tokens" in r.output
 
 
-def test_script_saves_requeues_and_resumes_on_usr1(tmp_path, tiny_gpt2):
+def test_script_saves_requeues_and_resumes_on_usr1(tmp_path, gpt2):
     """The time-limit path, without Slurm: USR1 to the batch shell stops batchgen (which saves
     its rows) and requeues the task; the rerun resumes and completes."""
     # Long enough (100 rows of a shard, 2 sequences at a time) that USR1 lands mid-job.
-    spec = make_job(tmp_path, tiny_gpt2, n_rows=200, max_new_tokens=32, ignore_eos=True,
-                    max_num_seqs=2, rows_per_part=2, flush_seconds=0)  # fmt: skip
+    spec = make_job(
+        tmp_path,
+        gpt2,
+        n_rows=200,
+        max_new_tokens=32,
+        ignore_eos=True,
+        max_num_seqs=2,
+        rows_per_part=2,
+        flush_seconds=0,
+    )
     script = tmp_path / "job.sbatch"
     script.write_text(dry_run(str(spec), "--shards", "2"))
     bin_dir = tmp_path / "bin"  # a fake scontrol that records how it was called
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
     (bin_dir / "scontrol").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "1",
-           "SLURM_ARRAY_JOB_ID": "77", "SLURM_JOB_ID": "78"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_ARRAY_TASK_ID": "1",
+        "SLURM_ARRAY_JOB_ID": "77",
+        "SLURM_JOB_ID": "78",
+    }
     shard_dir = tmp_path / "out" / "shard-00001-of-00002"
 
-    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.monotonic() + 120
     while not list(shard_dir.glob("part-*.parquet")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
@@ -158,8 +202,13 @@ def slurm():
 
 
 def submit(spec: Path, *args: str) -> str:
-    r = subprocess.run([*BATCHGEN, "slurm", str(spec), *args], capture_output=True, text=True,
-                       cwd=spec.parent, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [*BATCHGEN, "slurm", str(spec), *args],
+        capture_output=True,
+        text=True,
+        cwd=spec.parent,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout.split()[0]
 
@@ -170,8 +219,9 @@ def wait_for(job: str, timeout: float = 300, until=None) -> None:
     while time.monotonic() < deadline:
         if until is not None and until():
             return
-        q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i %T"], capture_output=True,
-                           text=True)  # fmt: skip
+        q = subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%i %T"], capture_output=True, text=True
+        )
         if until is None and q.returncode == 0 and not q.stdout.strip():
             return
         time.sleep(1)
@@ -185,8 +235,8 @@ def task_states(job: str) -> list[str]:
 
 
 @pytest.mark.slurm
-def test_array_job_on_slurm_then_merge(slurm, tmp_path, tiny_gpt2):
-    spec = make_job(tmp_path, tiny_gpt2, n_rows=30)
+def test_array_job_on_slurm_then_merge(slurm, tmp_path, gpt2):
+    spec = make_job(tmp_path, gpt2, n_rows=30)
     job = submit(spec, "--shards", "3")
     wait_for(job)
     out = tmp_path / "out"
@@ -201,25 +251,34 @@ def test_array_job_on_slurm_then_merge(slurm, tmp_path, tiny_gpt2):
 
 
 @pytest.mark.slurm
-def test_spaces_in_the_output_path_and_job_name_on_slurm(slurm, tmp_path, tiny_gpt2):
+def test_spaces_in_the_output_path_and_job_name_on_slurm(slurm, tmp_path, gpt2):
     """sbatch parses #SBATCH lines itself: the quoted values must reach it whole."""
-    spec = make_job(tmp_path, tiny_gpt2, n_rows=6, output=str(tmp_path / "out dir"))
+    spec = make_job(tmp_path, gpt2, n_rows=6, output=str(tmp_path / "out dir"))
     job = submit(spec, "--shards", "1", "--job-name", "my job")
     wait_for(job)
     out = tmp_path / "out dir"
     assert [p.name for p in (out / "logs").glob("*.out")] == [f"{job}_0.out"]
     assert (out / "shard-00000-of-00001" / "_SUCCESS").exists()
-    name = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "JobName%20"],
-                          capture_output=True, text=True).stdout  # fmt: skip
+    name = subprocess.run(
+        ["sacct", "-n", "-X", "-j", job, "-o", "JobName%20"], capture_output=True, text=True
+    ).stdout
     assert "my job" in name or not name.strip()  # sacct needs accounting, which may be off
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_time_limit_signal_requeues_and_resumes_on_slurm(slurm, tmp_path, tiny_gpt2):
+def test_time_limit_signal_requeues_and_resumes_on_slurm(slurm, tmp_path, gpt2):
     # Long enough (200 rows, 2 sequences at a time) that the signal lands mid-job.
-    spec = make_job(tmp_path, tiny_gpt2, n_rows=200, max_new_tokens=32, ignore_eos=True,
-                    max_num_seqs=2, rows_per_part=2, flush_seconds=0)  # fmt: skip
+    spec = make_job(
+        tmp_path,
+        gpt2,
+        n_rows=200,
+        max_new_tokens=32,
+        ignore_eos=True,
+        max_num_seqs=2,
+        rows_per_part=2,
+        flush_seconds=0,
+    )
     job = submit(spec, "--shards", "1")
     shard_dir = tmp_path / "out" / "shard-00000-of-00001"
     wait_for(job, 120, until=lambda: list(shard_dir.glob("part-*.parquet")))
@@ -230,8 +289,9 @@ def test_time_limit_signal_requeues_and_resumes_on_slurm(slurm, tmp_path, tiny_g
     log = (tmp_path / "out" / "logs" / f"{job}_0.out").read_text()
     assert "requeueing" in log and "restart 1" in log, log
     assert task_states(job) == ["COMPLETED"], log
-    merged = subprocess.run([*BATCHGEN, "merge", str(tmp_path / "out")], capture_output=True,
-                            text=True)  # fmt: skip
+    merged = subprocess.run(
+        [*BATCHGEN, "merge", str(tmp_path / "out")], capture_output=True, text=True
+    )
     assert merged.returncode == 0, merged.stdout + merged.stderr
     assert "(resumed)" in merged.stdout
     ids = pq.read_table(tmp_path / "out" / "merged.parquet").column("key").to_pylist()

@@ -18,15 +18,46 @@ from helpers import (
 LONG = "the quick brown fox jumps over the lazy dog. " * 8
 
 FIELDS = (
-    "rows", "rows_error", "rows_skipped_done", "prompt_tokens", "computed_prompt_tokens",
-    "cached_prompt_tokens", "output_tokens", "steps", "decode_steps", "decode_rows",
-    "padded_rows", "preemptions", "load_s", "prefill_s", "decode_s", "compile_s",
-    "peak_memory_bytes", "wall_s", "rows_per_s", "prompt_tokens_per_s", "output_tokens_per_s",
-    "decode_tokens_per_s", "prompt_compute_ratio", "decode_live_share", "model", "family",
-    "device", "dtype", "compiled", "compiled_shapes", "kv_cache_tokens", "kv_cache_bytes",
-    "prefix_cache_hit_rate", "max_num_seqs", "max_num_batched_tokens", "block_size",
-    "prefix_caching", "quantization", "complete",
-)  # fmt: skip
+    "rows",
+    "rows_error",
+    "rows_skipped_done",
+    "prompt_tokens",
+    "computed_prompt_tokens",
+    "cached_prompt_tokens",
+    "output_tokens",
+    "steps",
+    "decode_steps",
+    "decode_rows",
+    "padded_rows",
+    "preemptions",
+    "load_s",
+    "prefill_s",
+    "decode_s",
+    "compile_s",
+    "peak_memory_bytes",
+    "wall_s",
+    "rows_per_s",
+    "prompt_tokens_per_s",
+    "output_tokens_per_s",
+    "decode_tokens_per_s",
+    "prompt_compute_ratio",
+    "decode_live_share",
+    "model",
+    "family",
+    "device",
+    "dtype",
+    "compiled",
+    "compiled_shapes",
+    "kv_cache_tokens",
+    "kv_cache_bytes",
+    "prefix_cache_hit_rate",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "prefix_caching",
+    "quantization",
+    "complete",
+)
 GONE = ("padding_efficiency", "batches", "schedule", "prefix_tokens_saved")
 
 
@@ -72,7 +103,11 @@ def test_stats_fields_agree_with_the_output(job):
     assert stats["complete"] is True
     assert (stats["compiled"], stats["compile_s"], stats["compiled_shapes"]) == (False, 0.0, 0)
     assert (stats["family"], stats["device"], stats["dtype"]) == ("llama", "cpu", "float32")
-    assert (stats["max_num_seqs"], stats["max_num_batched_tokens"], stats["block_size"]) == (4, 2048, 16)  # fmt: skip
+    assert (stats["max_num_seqs"], stats["max_num_batched_tokens"], stats["block_size"]) == (
+        4,
+        2048,
+        16,
+    )
     assert stats["prefix_caching"] is True and stats["prefix_cache_hit_rate"] == 0.0
     # --kv-cache-tokens 4096: 256 blocks of 16, one of them scratch
     assert stats["kv_cache_tokens"] == 4096 - 16
@@ -98,9 +133,23 @@ def test_shared_template_prefix_is_cached_and_changes_nothing(tmp_path, tiny_dir
     later rows take its blocks from the cache; the rows written are the same as without."""
     texts = prompts(12)
     src = write_parquet(tmp_path / "in.parquet", {"text": texts})
-    template = "label the sentiment of this review: great product, would buy again. " * 2 + "{{ text }}"  # fmt: skip
-    common = ("--model", tiny_dirs["llama"], *FAST, "--template", template, "--max-new-tokens", 6,
-              "--with-token-ids", "--block-size", 4, "--max-num-seqs", 4)  # fmt: skip
+    template = (
+        "label the sentiment of this review: great product, would buy again. " * 2 + "{{ text }}"
+    )
+    common = (
+        "--model",
+        tiny_dirs["llama"],
+        *FAST,
+        "--template",
+        template,
+        "--max-new-tokens",
+        6,
+        "--with-token-ids",
+        "--block-size",
+        4,
+        "--max-num-seqs",
+        4,
+    )
     run_cli("run", src, "-o", tmp_path / "on", *common)
     run_cli("run", src, "-o", tmp_path / "off", *common, "--no-prefix-caching")
     on, off = read_stats(tmp_path / "on"), read_stats(tmp_path / "off")
@@ -118,8 +167,15 @@ def test_table_is_printed(job):
     stats = read_stats(out)
     assert f"wrote {out}" in stdout
     assert "12 (2 errors, 0 done before)" in stdout
-    for label in ("rows/s", "prompt tokens/s", "output tokens/s", "prefill / decode",
-                  "compile + warm-up", "model load", "peak memory"):  # fmt: skip
+    for label in (
+        "rows/s",
+        "prompt tokens/s",
+        "output tokens/s",
+        "prefill / decode",
+        "compile + warm-up",
+        "model load",
+        "peak memory",
+    ):
         assert label in stdout, label
     assert f"prompt tokens computed  {stats['prompt_compute_ratio']:.1%} of real" in stdout
     assert f"decode rows live        {stats['decode_live_share']:.1%}" in stdout

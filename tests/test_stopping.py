@@ -202,8 +202,13 @@ def test_stop_string_that_never_matches_runs_to_length(llm, free_runs):
 def test_rows_that_each_fit_the_context_run_together(family, tiny_dirs):
     """Regression: a long prompt with few new tokens next to a short prompt with many, each
     within the 256 positions; the finished row kept stepping past position 255 (IndexError)."""
-    llm = LLM(tiny_dirs[family], dtype="float32", device="cpu", compile=False,
-              engine=EngineConfig(max_num_seqs=2))  # fmt: skip
+    llm = LLM(
+        tiny_dirs[family],
+        dtype="float32",
+        device="cpu",
+        compile=False,
+        engine=EngineConfig(max_num_seqs=2),
+    )
     long_prompt, short_prompt = list(range(2, 122)), [5, 6, 7]
     params = [
         SamplingParams(max_new_tokens=10, ignore_eos=True),
@@ -218,5 +223,7 @@ def test_rows_that_each_fit_the_context_run_together(family, tiny_dirs):
     (over,) = llm.generate([long_prompt], SamplingParams(max_new_tokens=256 - len(long_prompt) + 1))
     assert over.finish_reason == FinishReason.ERROR and over.token_ids == []
     assert "exceeds the model's 256 positions" in over.error
-    (fits,) = llm.generate([long_prompt], SamplingParams(max_new_tokens=256 - len(long_prompt), ignore_eos=True))  # fmt: skip
+    (fits,) = llm.generate(
+        [long_prompt], SamplingParams(max_new_tokens=256 - len(long_prompt), ignore_eos=True)
+    )
     assert len(fits.token_ids) == 256 - len(long_prompt)

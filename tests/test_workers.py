@@ -8,7 +8,6 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tiny_models import save_tiny_model
 
 from batchgen.errors import ConfigError
 from batchgen.job.config import RunConfig
@@ -17,11 +16,6 @@ from batchgen.scaleout.workers import plan_workers, run_workers
 
 N_SLOW = 60
 COMPARED = ["id", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens"]
-
-
-@pytest.fixture(scope="module")
-def tiny_gpt2(tmp_path_factory):
-    return save_tiny_model("gpt2", tmp_path_factory.mktemp("tiny") / "gpt2")
 
 
 def _data(path, n=30):
@@ -34,9 +28,15 @@ def _sorted_rows(table: pa.Table) -> list[dict]:
     return sorted(table.select(COMPARED).to_pylist(), key=lambda r: r["id"])
 
 
-def test_two_cpu_workers_equal_one_process(tmp_path, tiny_gpt2):
-    base = dict(input=_data(tmp_path / "in.parquet"), model=str(tiny_gpt2), max_new_tokens=6,
-                device="cpu", compile=False, quiet=True)  # fmt: skip
+def test_two_cpu_workers_equal_one_process(tmp_path, gpt2):
+    base = dict(
+        input=_data(tmp_path / "in.parquet"),
+        model=str(gpt2),
+        max_new_tokens=6,
+        device="cpu",
+        compile=False,
+        quiet=True,
+    )
     run(RunConfig(**base, output=str(tmp_path / "one")))
     summary = run_workers(RunConfig(**base, output=str(tmp_path / "two"), workers=2))
     assert [str(s.shard) for s in summary.shards] == ["0/2", "1/2"]
@@ -68,12 +68,33 @@ def test_plan_workers(monkeypatch):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_workers_and_a_rerun_resumes(tmp_path, tiny_gpt2):
+def test_sigterm_stops_the_workers_and_a_rerun_resumes(tmp_path, gpt2):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "batchgen.cli", "run", _data(tmp_path / "in.parquet", N_SLOW),
-           "-m", str(tiny_gpt2), "-o", str(out), "--workers", "2", "--device", "cpu",
-           "--no-compile", "--max-new-tokens", "16", "--ignore-eos", "--max-num-seqs", "2",
-           "--rows-per-part", "2", "--flush-seconds", "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "batchgen.cli",
+        "run",
+        _data(tmp_path / "in.parquet", N_SLOW),
+        "-m",
+        str(gpt2),
+        "-o",
+        str(out),
+        "--workers",
+        "2",
+        "--device",
+        "cpu",
+        "--no-compile",
+        "--max-new-tokens",
+        "16",
+        "--ignore-eos",
+        "--max-num-seqs",
+        "2",
+        "--rows-per-part",
+        "2",
+        "--flush-seconds",
+        "0",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not list(out.glob("shard-*/part-*.parquet")) and time.monotonic() < deadline:

@@ -75,7 +75,11 @@ def run_cmd(ctx: click.Context, source: str, **flags) -> None:
         click.echo(f"\nwrote {cfg.output_dir}\n{stats.table()}")
     else:
         d = stats.to_dict()
-        rate = f"{d['rows_per_s']:.1f} rows/s" if cfg.task is Task.SCORE else f"{d['output_tokens_per_s']:.1f} output tokens/s"  # fmt: skip
+        rate = (
+            f"{d['rows_per_s']:.1f} rows/s"
+            if cfg.task is Task.SCORE
+            else f"{d['output_tokens_per_s']:.1f} output tokens/s"
+        )
         click.echo(f"wrote {cfg.output_dir}: {stats.rows} rows, {rate}")
 
 

@@ -44,63 +44,187 @@ def _opt(*decls: str, **kw):
 
 
 def data_options(f):
-    for o in reversed([
-        _opt("--input", "-i", help="Input data; overrides a job spec's input (builtin:samples/... for the shipped samples)."),
-        _opt("--model", "-m", help="Local model directory (config.json + *.safetensors). Default: the embedded demo model."),
-        _opt("--prompt-column", help="Input column holding the prompt text."),
-        _opt("--messages-column", help="Input column of chat messages [{role, content}], rendered with the tokenizer's chat template."),
-        _opt("--template", "-t", help='Jinja prompt template over input columns, e.g. "Label the sentiment of: {{ text }}".'),
-        _opt("--id-column", help="Input column of unique row ids. Default: the row number."),
-        _opt("--limit", type=int, help="Only the first N input rows."),
-        _opt("--max-new-tokens", type=int, help="Tokens to generate per row (a max_new_tokens column overrides per row)."),
-        _opt("--max-prompt-len", type=int, help="Longest prompt in tokens (the largest length bucket)."),
-        _opt("--truncate", help="Prompts over --max-prompt-len: skip (error record), error (stop the job), left/right (cut)."),
-        _opt("--max-num-seqs", type=int, help=f"Sequences in flight at once (the largest decode batch). {_per_device('max_num_seqs')}"),
-        _opt("--max-num-batched-tokens", type=int, help=f"Tokens one engine step may run: decodes plus prompt chunks (long prompts are prefilled in chunks). {_per_device('max_num_batched_tokens')}"),
-        _opt("--block-size", type=int, help="KV cache block size in tokens (the paging and prefix-caching unit)."),
-        _opt("--kv-cache-tokens", type=int, help=f"KV cache capacity in tokens. Default: on the CPU what the job needs (longest row x max-num-seqs); on a GPU {ENGINE_DEFAULTS.gpu_memory_utilization:.0%} of free memory."),
-        _opt("--prefix-caching/--no-prefix-caching", help="Reuse the KV cache blocks of prompt prefixes already computed (shared instructions, few-shot examples, templates)."),
-        _opt("--window-rows", type=int, help="Rows read and tokenized ahead of the engine; it admits the longest of them first."),
-    ]):  # fmt: skip
+    for o in reversed(
+        [
+            _opt(
+                "--input",
+                "-i",
+                help="Input data; overrides a job spec's input (builtin:samples/... for the shipped samples).",
+            ),
+            _opt(
+                "--model",
+                "-m",
+                help="Local model directory (config.json + *.safetensors). Default: the embedded demo model.",
+            ),
+            _opt("--prompt-column", help="Input column holding the prompt text."),
+            _opt(
+                "--messages-column",
+                help="Input column of chat messages [{role, content}], rendered with the tokenizer's chat template.",
+            ),
+            _opt(
+                "--template",
+                "-t",
+                help='Jinja prompt template over input columns, e.g. "Label the sentiment of: {{ text }}".',
+            ),
+            _opt("--id-column", help="Input column of unique row ids. Default: the row number."),
+            _opt("--limit", type=int, help="Only the first N input rows."),
+            _opt(
+                "--max-new-tokens",
+                type=int,
+                help="Tokens to generate per row (a max_new_tokens column overrides per row).",
+            ),
+            _opt(
+                "--max-prompt-len",
+                type=int,
+                help="Longest prompt in tokens (the largest length bucket).",
+            ),
+            _opt(
+                "--truncate",
+                help="Prompts over --max-prompt-len: skip (error record), error (stop the job), left/right (cut).",
+            ),
+            _opt(
+                "--max-num-seqs",
+                type=int,
+                help=f"Sequences in flight at once (the largest decode batch). {_per_device('max_num_seqs')}",
+            ),
+            _opt(
+                "--max-num-batched-tokens",
+                type=int,
+                help=f"Tokens one engine step may run: decodes plus prompt chunks (long prompts are prefilled in chunks). {_per_device('max_num_batched_tokens')}",
+            ),
+            _opt(
+                "--block-size",
+                type=int,
+                help="KV cache block size in tokens (the paging and prefix-caching unit).",
+            ),
+            _opt(
+                "--kv-cache-tokens",
+                type=int,
+                help=f"KV cache capacity in tokens. Default: on the CPU what the job needs (longest row x max-num-seqs); on a GPU {ENGINE_DEFAULTS.gpu_memory_utilization:.0%} of free memory.",
+            ),
+            _opt(
+                "--prefix-caching/--no-prefix-caching",
+                help="Reuse the KV cache blocks of prompt prefixes already computed (shared instructions, few-shot examples, templates).",
+            ),
+            _opt(
+                "--window-rows",
+                type=int,
+                help="Rows read and tokenized ahead of the engine; it admits the longest of them first.",
+            ),
+        ]
+    ):
         f = o(f)
     return f
 
 
 def run_options(f):
-    for o in reversed([
-        _opt("--output", "-o", help="Output directory of Parquet part files (required, or from the job spec)."),
-        _opt("--passthrough", help="Comma-separated input columns to copy to the output. Default: all."),
-        _opt("--temperature", type=float, help="0 = greedy (a temperature column overrides per row)."),
-        _opt("--top-k", type=int, help="Sample from the k most likely tokens (0 = off)."),
-        _opt("--top-p", type=float, help="Nucleus sampling mass (1 = off; a top_p column overrides per row)."),
-        _opt("--seed", type=int, help="Job sampling seed: each row samples with its own seed, derived from this and its id, so rows are independent and a row's output does not depend on its batch, order or --limit (a seed column sets a row's seed itself)."),
-        _opt("--stop", multiple=True, default=(), help="Stop string (repeatable)."),
-        _opt("--ignore-eos", is_flag=True, help="Generate max_new_tokens even past EOS."),
-        _opt("--task", help="generate: sample a completion per row. score: the probability of each --choice label (or choice column) given the prompt, in `scores` and `label` columns; nothing is sampled."),
-        _opt("--n", type=int, help="Sampled completions per row (an n column overrides per row): one output row each, keyed by (id, sample_index), each with its own seed; use with --temperature > 0."),
-        _opt("--n-as-list", is_flag=True, help="With --n: one output row per input row, its samples' text, finish_reason, completion_tokens (token_ids, logprobs) as lists in sample order."),
-        _opt("--choice", help='Structured output: the output is one of these comma-separated labels, e.g. "positive,negative,neutral" (a choice list column overrides per row).'),
-        _opt("--regex", help="Structured output: the output matches this regular expression (a regex column overrides per row)."),
-        _opt("--json-schema", help="Structured output: a JSON schema file the output must match (a json_schema column of schema text overrides per row)."),
-        _opt("--device", help="auto, cpu, cuda, cuda:N."),
-        _opt("--dtype", help="auto = bfloat16 on GPU, float32 on CPU."),
-        _opt("--compile/--no-compile", help="torch.compile prefill and decode (decode as CUDA graphs). Default: on with a GPU, off on the CPU, where compiling costs 10-70 s a shape and measured no faster."),
-        _opt("--lora", help="PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), merged into the model's weights at load, before --quantize."),
-        _opt("--quantize", help="Weight-only quantization."),
-        _opt("--quant-backend", help="Quantization library (auto picks per device)."),
-        _opt("--quant-group-size", type=int, help="int4: the largest group of input channels (32, 64, 128, 256); a layer it does not divide gets the largest one that does. Default: 128."),
-        _opt("--rows-per-part", type=int, help="Rows per output Parquet part file."),
-        _opt("--flush-seconds", type=float, help="Write a part at least this often."),
-        _opt("--with-token-ids", is_flag=True, help="Add a token_ids column."),
-        _opt("--with-logprobs", is_flag=True, help="Add a logprobs column (log-probability of each generated token)."),
-        _opt("--output-format", help="openai: also write OUTPUT/results.jsonl, OpenAI batch output lines in input order (OpenAI batch input only)."),
-        _opt("--overwrite", is_flag=True, help="Replace another job's results in --output."),
-        _opt("--quiet", "-q", is_flag=True, help="No progress bar (for schedulers' logs)."),
-        _opt("--allow-pickle", is_flag=True, help="Allow loading pytorch_model.bin pickle checkpoints (can run code)."),
-        _opt("--threads", type=int, help="CPU threads for torch. Default: torch's (all cores); 1 is faster on a busy machine."),
-        _opt("--shard", help="Run only shard I/N of the rows (by id hash), into OUTPUT/shard-IIIII-of-NNNNN/. Default in a Slurm array task: SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT."),
-        _opt("--workers", type=str, help="auto or N: N processes (auto: one per visible GPU) over shards of the input, then merged into OUTPUT/merged.parquet."),
-    ]):  # fmt: skip
+    for o in reversed(
+        [
+            _opt(
+                "--output",
+                "-o",
+                help="Output directory of Parquet part files (required, or from the job spec).",
+            ),
+            _opt(
+                "--passthrough",
+                help="Comma-separated input columns to copy to the output. Default: all.",
+            ),
+            _opt(
+                "--temperature",
+                type=float,
+                help="0 = greedy (a temperature column overrides per row).",
+            ),
+            _opt("--top-k", type=int, help="Sample from the k most likely tokens (0 = off)."),
+            _opt(
+                "--top-p",
+                type=float,
+                help="Nucleus sampling mass (1 = off; a top_p column overrides per row).",
+            ),
+            _opt(
+                "--seed",
+                type=int,
+                help="Job sampling seed: each row samples with its own seed, derived from this and its id, so rows are independent and a row's output does not depend on its batch, order or --limit (a seed column sets a row's seed itself).",
+            ),
+            _opt("--stop", multiple=True, default=(), help="Stop string (repeatable)."),
+            _opt("--ignore-eos", is_flag=True, help="Generate max_new_tokens even past EOS."),
+            _opt(
+                "--task",
+                help="generate: sample a completion per row. score: the probability of each --choice label (or choice column) given the prompt, in `scores` and `label` columns; nothing is sampled.",
+            ),
+            _opt(
+                "--n",
+                type=int,
+                help="Sampled completions per row (an n column overrides per row): one output row each, keyed by (id, sample_index), each with its own seed; use with --temperature > 0.",
+            ),
+            _opt(
+                "--n-as-list",
+                is_flag=True,
+                help="With --n: one output row per input row, its samples' text, finish_reason, completion_tokens (token_ids, logprobs) as lists in sample order.",
+            ),
+            _opt(
+                "--choice",
+                help='Structured output: the output is one of these comma-separated labels, e.g. "positive,negative,neutral" (a choice list column overrides per row).',
+            ),
+            _opt(
+                "--regex",
+                help="Structured output: the output matches this regular expression (a regex column overrides per row).",
+            ),
+            _opt(
+                "--json-schema",
+                help="Structured output: a JSON schema file the output must match (a json_schema column of schema text overrides per row).",
+            ),
+            _opt("--device", help="auto, cpu, cuda, cuda:N."),
+            _opt("--dtype", help="auto = bfloat16 on GPU, float32 on CPU."),
+            _opt(
+                "--compile/--no-compile",
+                help="torch.compile prefill and decode (decode as CUDA graphs). Default: on with a GPU, off on the CPU, where compiling costs 10-70 s a shape and measured no faster.",
+            ),
+            _opt(
+                "--lora",
+                help="PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors), merged into the model's weights at load, before --quantize.",
+            ),
+            _opt("--quantize", help="Weight-only quantization."),
+            _opt("--quant-backend", help="Quantization library (auto picks per device)."),
+            _opt(
+                "--quant-group-size",
+                type=int,
+                help="int4: the largest group of input channels (32, 64, 128, 256); a layer it does not divide gets the largest one that does. Default: 128.",
+            ),
+            _opt("--rows-per-part", type=int, help="Rows per output Parquet part file."),
+            _opt("--flush-seconds", type=float, help="Write a part at least this often."),
+            _opt("--with-token-ids", is_flag=True, help="Add a token_ids column."),
+            _opt(
+                "--with-logprobs",
+                is_flag=True,
+                help="Add a logprobs column (log-probability of each generated token).",
+            ),
+            _opt(
+                "--output-format",
+                help="openai: also write OUTPUT/results.jsonl, OpenAI batch output lines in input order (OpenAI batch input only).",
+            ),
+            _opt("--overwrite", is_flag=True, help="Replace another job's results in --output."),
+            _opt("--quiet", "-q", is_flag=True, help="No progress bar (for schedulers' logs)."),
+            _opt(
+                "--allow-pickle",
+                is_flag=True,
+                help="Allow loading pytorch_model.bin pickle checkpoints (can run code).",
+            ),
+            _opt(
+                "--threads",
+                type=int,
+                help="CPU threads for torch. Default: torch's (all cores); 1 is faster on a busy machine.",
+            ),
+            _opt(
+                "--shard",
+                help="Run only shard I/N of the rows (by id hash), into OUTPUT/shard-IIIII-of-NNNNN/. Default in a Slurm array task: SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT.",
+            ),
+            _opt(
+                "--workers",
+                type=str,
+                help="auto or N: N processes (auto: one per visible GPU) over shards of the input, then merged into OUTPUT/merged.parquet.",
+            ),
+        ]
+    ):
         f = o(f)
     return f
 

@@ -33,9 +33,11 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
             output_tokens += r.params.max_new_tokens
             longest = max(longest, r.prompt_len + r.params.max_new_tokens)
     kv_per_token = spec.model_cfg.kv_bytes_per_token(spec.dtype.itemsize)
-    blocks = None if spec.device.type == "cuda" and eng.kv_cache_tokens is None else (
-        eng.pool_blocks(longest, None, kv_per_token * eng.block_size)
-    )  # fmt: skip
+    blocks = (
+        None
+        if spec.device.type == "cuda" and eng.kv_cache_tokens is None
+        else (eng.pool_blocks(longest, None, kv_per_token * eng.block_size))
+    )
     return {
         "input": cfg.input,
         "model": str(spec.model_dir),

@@ -63,7 +63,7 @@ def write_results(
     lines = [
         json.dumps(
             output_line(i, cid, chat, by_id[cid], model, created, token_text if lp else None)
-        )  # fmt: skip
+        )
         for i, (cid, chat, lp) in enumerate(zip(ids, chats, asked, strict=True))
         if cid in by_id
     ]

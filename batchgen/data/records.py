@@ -159,7 +159,9 @@ def output_schema(
     if with_logprobs:
         fields.append(pa.field("logprobs", pa.list_(pa.float32())))
     if as_list:
-        fields = [pa.field(f.name, pa.list_(f.type)) if f.name in LIST_FIELDS else f for f in fields]  # fmt: skip
+        fields = [
+            pa.field(f.name, pa.list_(f.type)) if f.name in LIST_FIELDS else f for f in fields
+        ]
     return pa.schema(fields)
 
 

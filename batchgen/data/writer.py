@@ -124,7 +124,9 @@ class OutputDir:
                 self._unmark_success()
                 continue
             ids = table.column(id_column).to_pylist()
-            done.update(zip(ids, table.column("sample_index").to_pylist(), strict=True) if samples else ids)  # fmt: skip
+            done.update(
+                zip(ids, table.column("sample_index").to_pylist(), strict=True) if samples else ids
+            )
         return done
 
     def write_part(self, table: pa.Table) -> str:

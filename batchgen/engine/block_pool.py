@@ -34,7 +34,9 @@ def chain_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     """Keys of every full block of `tokens`, in order."""
     hashes: list[int] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        hashes.append(block_hash(hashes[-1] if hashes else None, tokens[start : start + block_size]))  # fmt: skip
+        hashes.append(
+            block_hash(hashes[-1] if hashes else None, tokens[start : start + block_size])
+        )
     return hashes
 
 

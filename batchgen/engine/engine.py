@@ -119,12 +119,17 @@ class Engine:
         if not r.candidates:
             return [r]
         n = r.prompt_len
-        return [replace(r, prompt_ids=r.prompt_ids + list(c), candidates=(), score_from=n) for c in r.candidates]  # fmt: skip
+        return [
+            replace(r, prompt_ids=r.prompt_ids + list(c), candidates=(), score_from=n)
+            for c in r.candidates
+        ]
 
     def _add(self, r: Request) -> Completion | None:
         """Queue r, or return its error completion if it cannot run."""
         parts = self._expand(r)
-        error = self._size_error(r, max(parts, key=lambda c: c.max_tokens)) or self._check_constraint(r)  # fmt: skip
+        error = self._size_error(
+            r, max(parts, key=lambda c: c.max_tokens)
+        ) or self._check_constraint(r)
         if error is not None:
             return Completion(r.index, [], FinishReason.ERROR, r.prompt_len, error=error)
         if not r.candidates:
@@ -145,7 +150,7 @@ class Engine:
         else:
             return None
         if r.candidates:
-            return f"prompt ({r.prompt_len} tokens) + its longest candidate ({longest.prompt_len - r.prompt_len}) {why}"  # fmt: skip
+            return f"prompt ({r.prompt_len} tokens) + its longest candidate ({longest.prompt_len - r.prompt_len}) {why}"
         return f"prompt ({r.prompt_len} tokens) + max_new_tokens ({r.params.max_new_tokens}) {why}"
 
     def _check_constraint(self, r: Request) -> str | None:
@@ -207,7 +212,9 @@ class Engine:
         if seq.request.scoring:
             return self._scored_completion(seq)
         if seq.finish_reason is FinishReason.ERROR:
-            return Completion(seq.request.index, [], FinishReason.ERROR, seq.prompt_len, error=seq.error)  # fmt: skip
+            return Completion(
+                seq.request.index, [], FinishReason.ERROR, seq.prompt_len, error=seq.error
+            )
         ids, logprobs = seq.output_ids, seq.logprobs
         if seq.keep is not None:
             ids, logprobs = ids[: seq.keep], logprobs[: seq.keep]

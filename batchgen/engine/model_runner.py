@@ -37,7 +37,9 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _width_groups(widths: list[int], max_groups: int = 4, keep: float = 0.6) -> list[tuple[int, int]]:  # fmt: skip
+def _width_groups(
+    widths: list[int], max_groups: int = 4, keep: float = 0.6
+) -> list[tuple[int, int]]:
     """Cut widths (sorted descending) into at most max_groups ranges [lo, hi): a new group
     starts where a width falls below keep x its group's first, so padding stays small."""
     groups, lo = [], 0
@@ -153,7 +155,9 @@ class ModelRunner:
         sampling = SamplingColumns()
         index: list[int] = []
         # Decodes packed longest table first, in groups of similar width (see attention.py).
-        order = sorted(range(len(plan.decodes)), key=lambda i: -len(plan.decodes[i].seq.block_table))  # fmt: skip
+        order = sorted(
+            range(len(plan.decodes)), key=lambda i: -len(plan.decodes[i].seq.block_table)
+        )
         groups = []
         for lo, hi in _width_groups([len(plan.decodes[i].seq.block_table) for i in order]):
             width = len(plan.decodes[order[lo]].seq.block_table)
@@ -165,7 +169,9 @@ class ModelRunner:
                 index.append(len(tokens) - 1)
                 tables.append(s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)))
                 lens.append(s.start + 1)
-            groups.append(DecodeGroup(lo, torch.tensor(tables, device=dev), torch.tensor(lens, device=dev)))  # fmt: skip
+            groups.append(
+                DecodeGroup(lo, torch.tensor(tables, device=dev), torch.tensor(lens, device=dev))
+            )
         spans = []
         scored: list[list[int]] = []  # per scored chunk: its positions in the step's tokens
         targets: list[int] = []  # the token each scored position predicts
@@ -248,7 +254,10 @@ class ModelRunner:
         for s in plan.decodes:
             self._add_tokens(s, tokens, positions, slots)
             sampling.add(s)
-        tables = [s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)) for s in plan.decodes]  # fmt: skip
+        tables = [
+            s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table))
+            for s in plan.decodes
+        ]
         pad = b - n  # padding rows: token 0 at position 0, written to the scratch block
         tokens += [0] * pad
         positions += [0] * pad

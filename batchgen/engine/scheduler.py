@@ -212,7 +212,9 @@ class Scheduler:
         keys, bs = seq.block_keys, self.block_size
         while len(keys) < n_blocks:
             j = len(keys)
-            keys.append(block_hash(keys[-1] if keys else None, seq.token_ids[j * bs : (j + 1) * bs]))  # fmt: skip
+            keys.append(
+                block_hash(keys[-1] if keys else None, seq.token_ids[j * bs : (j + 1) * bs])
+            )
         return keys[:n_blocks]
 
     def _preempt(self, seq: Sequence) -> None:

@@ -153,7 +153,9 @@ class RunConfig:
         if self.n != 1 or self.n_as_list:
             raise ConfigError("task score samples nothing; drop --n / --n-as-list")
         if self.output_format is OutputFormat.OPENAI:
-            raise ConfigError("task score writes scores, not OpenAI completions; drop --output-format openai")  # fmt: skip
+            raise ConfigError(
+                "task score writes scores, not OpenAI completions; drop --output-format openai"
+            )
 
     @property
     def output_dir(self) -> str:
@@ -255,6 +257,12 @@ def _describe(hint: Any) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(hint))
     if typing.get_origin(hint) is list:
         return f"a list of {_describe(typing.get_args(hint)[0])}"
-    names = {type(None): "null", bool: "bool (true or false, unquoted)", int: "int",
-             float: "float", str: "str", Shard: "str I/N"}  # fmt: skip
+    names = {
+        type(None): "null",
+        bool: "bool (true or false, unquoted)",
+        int: "int",
+        float: "float",
+        str: "str",
+        Shard: "str I/N",
+    }
     return "str" if issubclass(hint, Choice) else names[hint]

@@ -84,7 +84,11 @@ GENERIC_MODEL_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen3"})
 def load_tokenizer(model_dir: Path, model_type: str | None = None):
     generic = False
     config = model_dir / "tokenizer_config.json"
-    if model_type in GENERIC_MODEL_TYPES and config.is_file() and (model_dir / "tokenizer.json").is_file():  # fmt: skip
+    if (
+        model_type in GENERIC_MODEL_TYPES
+        and config.is_file()
+        and (model_dir / "tokenizer.json").is_file()
+    ):
         with contextlib.suppress(ValueError, OSError):  # unreadable: AutoTokenizer reports it
             generic = json.loads(config.read_text()).get("tokenizer_class") in GENERIC_TOKENIZERS
     if generic:

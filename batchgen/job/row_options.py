@@ -127,7 +127,9 @@ class RowOptions:
         """A score row's labels (its choice column's, else the job's) and their token ids."""
         if rec.get("choice") is None:
             if not self.job_labels:
-                raise RowError("no labels to score: the row's choice is null and there is no --choice")  # fmt: skip
+                raise RowError(
+                    "no labels to score: the row's choice is null and there is no --choice"
+                )
             return self.job_labels, self.job_label_ids
         try:
             labels = _parse_labels(rec["choice"])

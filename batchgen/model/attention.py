@@ -88,7 +88,9 @@ class StepAttention:
 
 
 def _window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    return (q_pos - k_pos) < window if window is not None else torch.ones_like(k_pos, dtype=torch.bool)  # fmt: skip
+    return (
+        (q_pos - k_pos) < window if window is not None else torch.ones_like(k_pos, dtype=torch.bool)
+    )
 
 
 def decode_mask(lens: torch.Tensor, s: int, window: int | None) -> torch.Tensor:
@@ -98,7 +100,9 @@ def decode_mask(lens: torch.Tensor, s: int, window: int | None) -> torch.Tensor:
     return ((k_pos <= q_pos) & _window_ok(q_pos, k_pos, window))[:, None, None, :]
 
 
-def prefill_mask(span: PrefillSpan, window: int | None, device: torch.device) -> torch.Tensor | None:  # fmt: skip
+def prefill_mask(
+    span: PrefillSpan, window: int | None, device: torch.device
+) -> torch.Tensor | None:
     """The span's (q_len, ctx_start + q_len) mask; None where plain causal SDPA does."""
     if span.blocks is None and window is None:
         return None

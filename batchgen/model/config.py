@@ -73,8 +73,16 @@ class ModelConfig:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        sizes = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                 "intermediate_size", "max_position_embeddings")  # fmt: skip
+        sizes = (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position_embeddings",
+        )
         for name in sizes:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

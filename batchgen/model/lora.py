@@ -71,9 +71,15 @@ class LoraAdapter:
     merges: tuple[LoraMerge, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"path": str(self.path.resolve()), "r": self.r, "alpha": self.alpha,
-               "use_rslora": self.use_rslora, "targets": list(self.targets),
-               "layers_adapted": len(self.merges), "sha256": self.sha256}  # fmt: skip
+        out = {
+            "path": str(self.path.resolve()),
+            "r": self.r,
+            "alpha": self.alpha,
+            "use_rslora": self.use_rslora,
+            "targets": list(self.targets),
+            "layers_adapted": len(self.merges),
+            "sha256": self.sha256,
+        }
         if self.rank_pattern:
             out["rank_pattern"] = dict(self.rank_pattern)
         if self.alpha_pattern:
@@ -133,7 +139,9 @@ def _read_config(path: Path):
         f"trained biases (bias={config.bias!r})": config.bias != "none",
         "LoRA biases (lora_bias)": getattr(config, "lora_bias", False),
         f"fully trained modules (modules_to_save={config.modules_to_save})": config.modules_to_save,
-        "trainable tokens (trainable_token_indices)": getattr(config, "trainable_token_indices", None),
+        "trainable tokens (trainable_token_indices)": getattr(
+            config, "trainable_token_indices", None
+        ),
         "layer replication (layer_replication)": getattr(config, "layer_replication", None),
         "parameter targets (target_parameters)": getattr(config, "target_parameters", None),
         "aLoRA (alora_invocation_tokens)": getattr(config, "alora_invocation_tokens", None),
@@ -141,9 +149,9 @@ def _read_config(path: Path):
         "block-diagonal LoRA (use_bdlora)": getattr(config, "use_bdlora", None),
         "Megatron layers (megatron_config)": getattr(config, "megatron_config", None),
         f"an init that changes the base weights (init_lora_weights={init!r}; convert it with "
-        "save_pretrained(path_initial_model_for_weight_conversion=...))":
-            isinstance(init, str) and init.lower().startswith(_MUTATING_INITS),
-    }  # fmt: skip
+        "save_pretrained(path_initial_model_for_weight_conversion=...))": isinstance(init, str)
+        and init.lower().startswith(_MUTATING_INITS),
+    }
     used = [what for what, on in unsupported.items() if on]
     if used:
         raise LoraError(f"LoRA adapter {path} uses {used[0]}, which cannot be merged")

@@ -74,8 +74,11 @@ def layer_group_sizes(model: Transformer, scheme: QuantScheme) -> dict[str, int]
     sizes = {}
     for name in TARGETS:
         widths = {block.get_submodule(name).in_features for block in model.layers}
-        fits = [g for g in INT4_GROUP_SIZES
-                if g <= scheme.group_size and all(k % g == 0 for k in widths)]  # fmt: skip
+        fits = [
+            g
+            for g in INT4_GROUP_SIZES
+            if g <= scheme.group_size and all(k % g == 0 for k in widths)
+        ]
         if not fits:
             raise QuantUnavailableError(
                 f"int4 groups input channels in {', '.join(map(str, INT4_GROUP_SIZES))}s, and "

@@ -122,12 +122,22 @@ class MergeSummary:
             )
             for s in d["per_shard"]
         ]
-        total = ("total", str(d["rows"]), str(d["rows_error"]), str(d["output_tokens"]),
-                 f"{d['max_wall_s']:.2f}", f"{d['output_tokens_per_s']:.1f}", "(max wall)")  # fmt: skip
+        total = (
+            "total",
+            str(d["rows"]),
+            str(d["rows_error"]),
+            str(d["output_tokens"]),
+            f"{d['max_wall_s']:.2f}",
+            f"{d['output_tokens_per_s']:.1f}",
+            "(max wall)",
+        )
         widths = [max(len(r[i]) for r in [head, *rows, total]) for i in range(len(head))]
 
         def fmt(r):
-            return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))  # fmt: skip
+            return "  ".join(
+                c.rjust(w) if i else c.ljust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
 
         rule = "  ".join("-" * w for w in widths)
         lines = [fmt(head), rule, *map(fmt, rows), rule, fmt(total)]

@@ -4,7 +4,7 @@ Used by the tests and benchmarks: `save_tiny_model("llama", dir)` writes a real
 checkpoint directory (config.json, model.safetensors, generation_config.json and a
 small byte-level BPE tokenizer) that batchgen loads through its normal loader.
 
-    python scripts/tiny_models.py llama /tmp/tiny-llama
+    python tests/tiny_models.py llama /tmp/tiny-llama
 """
 
 from __future__ import annotations
