@@ -62,6 +62,11 @@ def run_cli(*args: Any, exit_code: int | None = 0) -> Result:
     return result
 
 
+def run_job(source: Any, out: Any, model: Any, *flags: Any, exit_code: int | None = 0) -> Result:
+    """`batchgen run SOURCE -o OUT --model MODEL` with the fast test flags, then FLAGS."""
+    return run_cli("run", source, "-o", out, "--model", model, *FAST, *flags, exit_code=exit_code)
+
+
 def assert_one_line_error(r: Result, *words: str) -> None:
     """The CLI failed with no traceback and a last line "Error: ..." holding every word."""
     lines = r.stderr.strip().splitlines()

@@ -4,25 +4,13 @@ import json
 import shutil
 
 import pytest
-from helpers import FAST, read_output, rows_by_id, run_cli, write_jsonl, write_parquet
+from helpers import read_output, rows_by_id, run_cli, run_job, write_jsonl, write_parquet
 
 LONG = "the quick brown fox jumps over the lazy dog. " * 8  # well over 16 tokens
 
 
 def _run(src, out, model, *flags, exit_code=0):
-    return run_cli(
-        "run",
-        src,
-        "-o",
-        out,
-        "--model",
-        model,
-        *FAST,
-        "--max-new-tokens",
-        4,
-        *flags,
-        exit_code=exit_code,
-    )
+    return run_job(src, out, model, "--max-new-tokens", 4, *flags, exit_code=exit_code)
 
 
 def _check_error_row(row, *words):

@@ -10,12 +10,12 @@ import pytest
 import torch
 import yaml
 from helpers import (
-    FAST,
     assert_one_line_error,
     prompts,
     read_stats,
     rows_by_id,
     run_cli,
+    run_job,
     write_parquet,
 )
 
@@ -104,7 +104,7 @@ def test_float_id_column_is_refused(tmp_path, model, column):
         {"prompt": prompts(4), column: [1.0, float("nan"), float("nan"), 2.0]},
     )
     flag = ("--id-column", column) if column != "id" else ()
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, *flag, exit_code=2)
+    r = run_job(src, tmp_path / "out", model, *flag, exit_code=2)
     assert_one_line_error(r, f"id column {column!r}", "cast it to int or string")
     assert not (tmp_path / "out").exists()
 
@@ -118,7 +118,7 @@ def test_invalid_utf8_line_is_one_error_record(tmp_path, model):
     src = tmp_path / "in.jsonl"
     src.write_bytes(b"\n".join(lines) + b"\n")
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 2)
+    run_job(src, out, model, "--max-new-tokens", 2)
     rows = rows_by_id(out)
     assert sorted(rows) == list(range(6)) and (out / "_SUCCESS").exists()
     assert "invalid UTF-8 in column 'prompt' of input row 4" in rows[4]["error"]
@@ -136,24 +136,12 @@ def test_runaway_template_is_a_row_error(tmp_path, model):
         "{% if text == 'long' %}{% for i in range(100000) %}{% for j in range(100000) %}"
         "x{% endfor %}{% endfor %}{% endif %}Label: {{ text }}"
     )
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "-t", template, "--max-new-tokens", 2)
+    run_job(src, out, model, "-t", template, "--max-new-tokens", 2)
     rows = rows_by_id(out)
     assert rows[0]["error"] is None
     assert "simplify the template" in rows[1]["error"]
     huge = write_parquet(tmp_path / "huge.parquet", {"text": ["x"]})
-    run_cli(
-        "run",
-        huge,
-        "-o",
-        tmp_path / "out2",
-        "--model",
-        model,
-        *FAST,
-        "-t",
-        "{{ text * 10**10 }}",
-        "--max-new-tokens",
-        2,
-    )
+    run_job(huge, tmp_path / "out2", model, "-t", "{{ text * 10**10 }}", "--max-new-tokens", 2)
     assert "simplify the template" in rows_by_id(tmp_path / "out2")[0]["error"]
 
 
@@ -163,7 +151,7 @@ def test_runaway_template_is_a_row_error(tmp_path, model):
 def test_huge_rope_table_is_refused_naming_the_setting(tmp_path, model):
     big = _model_copy(tmp_path, model, max_position_embeddings=10**10)
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", big, *FAST, exit_code=2)
+    r = run_job(src, tmp_path / "out", big, exit_code=2)
     assert_one_line_error(
         r, "RoPE tables", "TiB", "lower max_position_embeddings in", "config.json"
     )
@@ -247,9 +235,7 @@ def _pickle_with_objects(tmp_path, model):
 def test_broken_model_directory_is_aassert_one_line_error(tmp_path, model, make):
     d, words = make(tmp_path, model)
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    r = run_cli(
-        "run", src, "-o", tmp_path / "out", "--model", d, *FAST, "--allow-pickle", exit_code=2
-    )
+    r = run_job(src, tmp_path / "out", d, "--allow-pickle", exit_code=2)
     assert_one_line_error(r, *words)
 
 
@@ -260,9 +246,7 @@ def test_int4_on_a_model_128_does_not_divide(tmp_path, model):
     """The tiny model is 32 wide (MLP 64): int4's default group of 128 divides no layer."""
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
     out = tmp_path / "out"
-    run_cli(
-        "run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 2, "--quantize", "int4"
-    )
+    run_job(src, out, model, "--max-new-tokens", 2, "--quantize", "int4")
     assert sorted(rows_by_id(out)) == [0, 1, 2]
     q = read_stats(out)["quantization"]
     assert q["group_size"] == 128 and q["granularity"] == "groups of 32/64"

@@ -15,6 +15,7 @@ from helpers import (
     read_output,
     rows_by_id,
     run_cli,
+    run_job,
     write_jsonl,
     write_parquet,
 )
@@ -38,7 +39,7 @@ def reference(model, tmp_path_factory):
     """A plain Parquet run of prompts(N) that the other input formats must reproduce."""
     d = tmp_path_factory.mktemp("reference")
     src = write_parquet(d / "in.parquet", {"prompt": prompts(N), "k": list(range(N))})
-    run_cli("run", src, "-o", d / "out", "--model", model, *FAST, "--max-new-tokens", 8)
+    run_job(src, d / "out", model, "--max-new-tokens", 8)
     return rows_by_id(d / "out")
 
 
@@ -50,19 +51,7 @@ def test_parquet_end_to_end(tmp_path, model, tok):
         row_group_size=5,
     )
     out = tmp_path / "out"
-    run_cli(
-        "run",
-        src,
-        "-o",
-        out,
-        "--model",
-        model,
-        *FAST,
-        "--max-new-tokens",
-        8,
-        "--with-token-ids",
-        "--with-logprobs",
-    )
+    run_job(src, out, model, "--max-new-tokens", 8, "--with-token-ids", "--with-logprobs")
 
     table = read_output(out)
     assert table.schema.names == [
@@ -96,7 +85,7 @@ def test_parquet_end_to_end(tmp_path, model, tok):
 def test_output_files_follow_the_umask(tmp_path, model):
     """Results go to shared storage: files are created like any other, not owner-only."""
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
-    run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, "--max-new-tokens", 2)
+    run_job(src, tmp_path / "out", model, "--max-new-tokens", 2)
     umask = os.umask(0)
     os.umask(umask)
     for f in (tmp_path / "out").iterdir():
@@ -125,7 +114,7 @@ def _glob(d, n):
 def test_other_inputs_give_the_same_results(tmp_path, model, reference, make):
     src = make(tmp_path, N)
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 8)
+    run_job(src, out, model, "--max-new-tokens", 8)
     rows = rows_by_id(out)
     assert sorted(rows) == list(range(N))
     for i, r in rows.items():
@@ -142,9 +131,9 @@ def test_template_over_columns_equals_the_rendered_prompt(tmp_path, model, tok, 
     src = write_parquet(tmp_path / "in.parquet", {"text": texts, "lang": langs})
     out = tmp_path / "out"
     tmpl = "Review ({{ lang }}): {{ text }}\nSentiment:"
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "-t", tmpl, "--max-new-tokens", 6)
+    run_job(src, out, model, "-t", tmpl, "--max-new-tokens", 6)
     plain = write_parquet(tmp_path / "plain.parquet", {"prompt": rendered})
-    run_cli("run", plain, "-o", tmp_path / "plain", "--model", model, *FAST, "--max-new-tokens", 6)
+    run_job(plain, tmp_path / "plain", model, "--max-new-tokens", 6)
 
     got, want = rows_by_id(out), rows_by_id(tmp_path / "plain")
     # the input `text` column cannot pass through under its own name: the output's text wins
@@ -169,26 +158,14 @@ def test_messages_column_uses_the_chat_template(tmp_path, model, tok):
     ]
     src = write_parquet(tmp_path / "in.parquet", {"messages": chats})
     out = tmp_path / "out"
-    run_cli(
-        "run",
-        src,
-        "-o",
-        out,
-        "--model",
-        model,
-        *FAST,
-        "--messages-column",
-        "messages",
-        "--max-new-tokens",
-        6,
-    )
+    run_job(src, out, model, "--messages-column", "messages", "--max-new-tokens", 6)
     rendered = {
         i: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
         for i, m in enumerate(chats)
         if m
     }
     plain = write_parquet(tmp_path / "plain.parquet", {"prompt": list(rendered.values())})
-    run_cli("run", plain, "-o", tmp_path / "plain", "--model", model, *FAST, "--max-new-tokens", 6)
+    run_job(plain, tmp_path / "plain", model, "--max-new-tokens", 6)
 
     rows, plain_rows = rows_by_id(out), rows_by_id(tmp_path / "plain")
     want = [plain_rows[j] for j in sorted(plain_rows)]
@@ -213,19 +190,7 @@ def test_id_column_keeps_its_name(tmp_path, model):
     ):
         src = write_parquet(tmp_path / "in.parquet", cols)
         out = tmp_path / f"out-{len(cols)}"
-        run_cli(
-            "run",
-            src,
-            "-o",
-            out,
-            "--model",
-            model,
-            *FAST,
-            "--id-column",
-            "row_id",
-            "--max-new-tokens",
-            4,
-        )
+        run_job(src, out, model, "--id-column", "row_id", "--max-new-tokens", 4)
         table = read_output(out)
         assert table.schema.names == [*cols, *BASE_COLUMNS]
         assert table.schema.field("row_id").type == pa.string()
@@ -245,7 +210,7 @@ def test_an_input_id_column_is_the_default_id(tmp_path, model, caplog):
     ids = [f"r{(i * 7) % N:02d}" for i in range(N)]
     src = write_parquet(tmp_path / "in.parquet", {"id": ids, "prompt": prompts(N)})
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 4)
+    run_job(src, out, model, "--max-new-tokens", 4)
     assert "not copied" not in caplog.text
     table = read_output(out)
     assert table.schema.names == ["id", "prompt", *BASE_COLUMNS]
@@ -253,50 +218,26 @@ def test_an_input_id_column_is_the_default_id(tmp_path, model, caplog):
     assert sorted(rows) == sorted(ids)
     assert all(rows[rid]["prompt"] == prompts(N)[i] for i, rid in enumerate(ids))
     parts = {p.name: p.read_bytes() for p in out.glob("part-*.parquet")}
-    run_cli(
-        "run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 4, "--id-column", "id"
-    )
+    run_job(src, out, model, "--max-new-tokens", 4, "--id-column", "id")
     assert "already holds this job's complete results" in caplog.text
     assert {p.name: p.read_bytes() for p in out.glob("part-*.parquet")} == parts
 
     plain = write_parquet(tmp_path / "plain.parquet", {"prompt": prompts(N)})
-    run_cli("run", plain, "-o", tmp_path / "plain", "--model", model, *FAST, "--max-new-tokens", 4)
+    run_job(plain, tmp_path / "plain", model, "--max-new-tokens", 4)
     assert read_output(tmp_path / "plain").schema.field("id").type == pa.int64()
     assert sorted(rows_by_id(tmp_path / "plain")) == list(range(N))
 
 
 def test_id_column_named_like_an_output_column_is_refused(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"text": prompts(3), "prompt": prompts(3)})
-    r = run_cli(
-        "run",
-        src,
-        "-o",
-        tmp_path / "out",
-        "--model",
-        model,
-        *FAST,
-        "--id-column",
-        "text",
-        exit_code=2,
-    )
+    r = run_job(src, tmp_path / "out", model, "--id-column", "text", exit_code=2)
     assert_one_line_error(r, "id column 'text'", "output column", "rename it")
     assert not (tmp_path / "out").exists()
 
 
 def test_duplicate_ids_fail_with_a_fix(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"uid": [1, 2, 1], "prompt": prompts(3)})
-    r = run_cli(
-        "run",
-        src,
-        "-o",
-        tmp_path / "out",
-        "--model",
-        model,
-        *FAST,
-        "--id-column",
-        "uid",
-        exit_code=2,
-    )
+    r = run_job(src, tmp_path / "out", model, "--id-column", "uid", exit_code=2)
     assert "twice" in r.stderr and "--id-column" in r.stderr
 
 
@@ -306,7 +247,7 @@ def test_per_row_max_new_tokens(tmp_path, model):
         tmp_path / "in.parquet", {"prompt": prompts(6), "max_new_tokens": pa.array(limits)}
     )
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *FAST, "--ignore-eos", "--max-new-tokens", 4)
+    run_job(src, out, model, "--ignore-eos", "--max-new-tokens", 4)
     rows = rows_by_id(out)
     for i, want in enumerate(limits):
         assert rows[i]["completion_tokens"] == (want or 4), i
@@ -331,23 +272,12 @@ def test_per_row_sampling_columns(tmp_path, model):
         cols["top_p"] += [p] * n
         cols["seed"] += [s] * n
     src = write_parquet(tmp_path / "in.parquet", cols)
-    run_cli("run", src, "-o", tmp_path / "mixed", "--model", model, *FAST, "--max-new-tokens", 8)
+    run_job(src, tmp_path / "mixed", model, "--max-new-tokens", 8)
     plain = write_parquet(tmp_path / "plain.parquet", {"prompt": prompts(n)})
     seeded = write_parquet(tmp_path / "seeded.parquet", {"prompt": prompts(n), "seed": [3] * n})
 
     def flags_run(name, *flags, src=plain):
-        run_cli(
-            "run",
-            src,
-            "-o",
-            tmp_path / name,
-            "--model",
-            model,
-            *FAST,
-            "--max-new-tokens",
-            8,
-            *flags,
-        )
+        run_job(src, tmp_path / name, model, "--max-new-tokens", 8, *flags)
         rows = rows_by_id(tmp_path / name)
         return [rows[i]["text"] for i in sorted(rows)]
 
@@ -364,7 +294,7 @@ def test_per_row_sampling_columns(tmp_path, model):
 
 def test_bad_per_row_sampling_value_is_a_row_error(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3), "top_p": [1.0, 0.0, None]})
-    run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, "--max-new-tokens", 2)
+    run_job(src, tmp_path / "out", model, "--max-new-tokens", 2)
     rows = rows_by_id(tmp_path / "out")
     assert rows[1]["finish_reason"] == "error" and "top_p" in rows[1]["error"]
     assert rows[0]["error"] is None and rows[2]["error"] is None
@@ -372,19 +302,7 @@ def test_bad_per_row_sampling_value_is_a_row_error(tmp_path, model):
 
 def test_limit(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(N)})
-    run_cli(
-        "run",
-        src,
-        "-o",
-        tmp_path / "out",
-        "--model",
-        model,
-        *FAST,
-        "--limit",
-        5,
-        "--max-new-tokens",
-        2,
-    )
+    run_job(src, tmp_path / "out", model, "--limit", 5, "--max-new-tokens", 2)
     assert sorted(rows_by_id(tmp_path / "out")) == [0, 1, 2, 3, 4]
     plan = json.loads(run_cli("plan", src, "--model", model, "--limit", 5, "--json").stdout)
     assert plan["rows"] == 5
@@ -396,9 +314,7 @@ def test_greedy_cli_equals_the_python_api(tmp_path, tiny_dirs, family):
     texts = prompts(N)
     src = write_parquet(tmp_path / "in.parquet", {"prompt": texts})
     out = tmp_path / "out"
-    run_cli(
-        "run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 10, "--with-token-ids"
-    )
+    run_job(src, out, model, "--max-new-tokens", 10, "--with-token-ids")
     # the engine the CLI builds from the same flags
     job = open_job(
         RunConfig(
@@ -438,9 +354,7 @@ def test_refuses_a_directory_it_did_not_write(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
-    r = run_cli(
-        "run", src, "-o", tmp_path / "out", "--model", model, *FAST, "--overwrite", exit_code=2
-    )
+    r = run_job(src, tmp_path / "out", model, "--overwrite", exit_code=2)
     assert "not written by batchgen" in r.stderr
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
 

@@ -13,6 +13,7 @@ from helpers import (
     read_stats,
     rows_by_id,
     run_cli,
+    run_job,
     write_parquet,
 )
 
@@ -70,11 +71,11 @@ def test_choice_flag_gives_only_labels_even_sampling_noise(tmp_path, model):
 def test_unconstrained_rows_are_unaffected_by_constrained_neighbours(tmp_path, model):
     texts = prompts(8)
     plain = write_parquet(tmp_path / "plain.parquet", {"prompt": texts})
-    run_cli("run", plain, "-o", tmp_path / "a", "--model", model, *FAST, "--max-new-tokens", 12)
+    run_job(plain, tmp_path / "a", model, "--max-new-tokens", 12)
     # The same rows, half of them now constrained per row; greedy, in one job.
     regex = [r"[a-c]{2}-[0-9]+" if i % 2 else None for i in range(8)]
     mixed = write_parquet(tmp_path / "mixed.parquet", {"prompt": texts, "regex": regex})
-    run_cli("run", mixed, "-o", tmp_path / "b", "--model", model, *FAST, "--max-new-tokens", 12)
+    run_job(mixed, tmp_path / "b", model, "--max-new-tokens", 12)
     a, b = rows_by_id(tmp_path / "a"), rows_by_id(tmp_path / "b")
     for i in range(8):
         if regex[i] is None:
@@ -160,7 +161,7 @@ def test_a_row_with_two_constraints_is_an_error_record(tmp_path, model):
 def test_bad_job_constraints_fail_before_the_model_loads(tmp_path, model, flags, words):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     out = tmp_path / "out"
-    r = run_cli("run", src, "-o", out, "--model", model, *FAST, *flags, exit_code=2)
+    r = run_job(src, out, model, *flags, exit_code=2)
     assert_one_line_error(r, *words)
     assert not out.exists() or not any(out.glob("part-*"))
 

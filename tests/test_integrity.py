@@ -18,6 +18,7 @@ from helpers import (
     read_stats,
     rows_by_id,
     run_cli,
+    run_job,
     start_cli,
     wait_for_part,
     write_parquet,
@@ -105,7 +106,7 @@ def test_workers_refuse_an_output_of_another_split(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
     out = tmp_path / "out"
     (out / "shard-00000-of-00003").mkdir(parents=True)
-    r = run_cli("run", src, "-o", out, "--model", model, *FAST, "--workers", 2, exit_code=2)
+    r = run_job(src, out, model, "--workers", 2, exit_code=2)
     assert_one_line_error(r, "3-way split", "--workers 3")
 
 

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
-from helpers import FAST, prompts, read_stats, rows_by_id, run_cli, write_parquet
+from helpers import FAST, prompts, read_stats, rows_by_id, run_cli, run_job, write_parquet
 from peft import IA3Config, LoraConfig, get_peft_model
 from test_exactness import MAX_NEW, _prompts, hf_greedy
 from tiny_models import save_tiny_model
@@ -151,17 +151,8 @@ def test_adapter_for_another_hidden_size_is_a_usage_error(tmp_path, tiny_dirs):
     wide = save_tiny_model("llama", tmp_path / "wide", hidden_size=64, intermediate_size=128)
     make_adapter(wide, tmp_path / "adapter", LoraConfig(r=4, target_modules=["q_proj"]))
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    result = run_cli(
-        "run",
-        src,
-        "-o",
-        tmp_path / "out",
-        "--model",
-        tiny_dirs["llama"],
-        *FAST,
-        "--lora",
-        tmp_path / "adapter",
-        exit_code=2,
+    result = run_job(
+        src, tmp_path / "out", tiny_dirs["llama"], "--lora", tmp_path / "adapter", exit_code=2
     )
     err = result.stderr.strip()
     assert len(err.splitlines()) == 1, err

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from helpers import BASE_COLUMNS, FAST, prompts, run_cli, write_parquet
+from helpers import BASE_COLUMNS, prompts, run_cli, run_job, write_parquet
 
 from batchgen.cli import main
 from batchgen.data import OutputDir, PartBuffer, output_schema
@@ -138,14 +138,10 @@ def test_cli_shards_with_an_id_column_merge_under_its_name(tmp_path, tiny_dirs):
     src = write_parquet(tmp_path / "in.parquet", {"key": keys, "prompt": prompts(12)})
     out = tmp_path / "out"
     for i in range(2):
-        run_cli(
-            "run",
+        run_job(
             src,
-            "-o",
             out,
-            "--model",
             tiny_dirs["llama"],
-            *FAST,
             "--max-new-tokens",
             2,
             "--id-column",

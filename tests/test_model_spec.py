@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import FAST, assert_one_line_error, prompts, rows_by_id, run_cli, write_parquet
+from helpers import (
+    assert_one_line_error,
+    prompts,
+    rows_by_id,
+    run_cli,
+    run_job,
+    write_parquet,
+)
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from batchgen.engine.config import EngineConfig
@@ -95,9 +102,7 @@ def test_a_job_loads_its_tokenizer_and_reads_config_json_once(tmp_path, model, m
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
     out = tmp_path / "out"
     # the job's constraint is compiled in open_job, before loading; its rows in the engine
-    run_cli(
-        "run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 3, "--choice", "yes,no"
-    )
+    run_job(src, out, model, "--max-new-tokens", 3, "--choice", "yes,no")
     assert calls["tokenizer"] == 1
     assert calls["config.json"] == calls["generation_config.json"] == 1
     assert calls["grammar vocabulary"] == 1

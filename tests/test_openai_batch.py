@@ -5,12 +5,11 @@ import json
 import pyarrow as pa
 import pytest
 from helpers import (
-    FAST,
     assert_one_line_error,
     read_output,
     read_stats,
     rows_by_id,
-    run_cli,
+    run_job,
     write_jsonl,
     write_parquet,
 )
@@ -153,7 +152,7 @@ def tok(model):
 
 
 def _run(src, out, model, *flags):
-    return run_cli("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 8, *flags)
+    return run_job(src, out, model, "--max-new-tokens", 8, *flags)
 
 
 CHATS = ["label the sentiment of this review: great product", "the quick brown fox"]
@@ -162,7 +161,7 @@ PROMPTS = ["a static cache keeps every shape fixed", "summarise the text in one 
 
 def test_duplicate_custom_id_fails_before_the_model_loads(tmp_path, model):
     src = write_jsonl(tmp_path / "req.jsonl", [completion_line("a", "x"), chat_line("a", "y")])
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST, exit_code=None)
+    r = run_job(src, tmp_path / "out", model, exit_code=None)
     assert r.exit_code != 0
     assert_one_line_error(r, "custom_id 'a'", "line 1", "line 2")
     assert not (tmp_path / "out").exists()
@@ -366,33 +365,11 @@ def test_openai_output_lines_in_input_order(tmp_path, model):
 
 def test_openai_output_needs_an_openai_input(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": PROMPTS})
-    r = run_cli(
-        "run",
-        src,
-        "-o",
-        tmp_path / "out",
-        "--model",
-        model,
-        *FAST,
-        "--output-format",
-        "openai",
-        exit_code=None,
-    )
+    r = run_job(src, tmp_path / "out", model, "--output-format", "openai", exit_code=None)
     assert r.exit_code != 0
     assert_one_line_error(r, "OpenAI batch request file")
-    r = run_cli(
-        "run",
-        src,
-        "-o",
-        tmp_path / "out",
-        "--model",
-        model,
-        *FAST,
-        "--output-format",
-        "openai",
-        "--shard",
-        "0/2",
-        exit_code=None,
+    r = run_job(
+        src, tmp_path / "out", model, "--output-format", "openai", "--shard", "0/2", exit_code=None
     )
     assert_one_line_error(r, "shard")
 

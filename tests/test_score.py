@@ -7,13 +7,12 @@ import pytest
 import torch
 import transformers
 from helpers import (
-    FAST,
     assert_one_line_error,
     prompts,
     read_output,
     read_stats,
     rows_by_id,
-    run_cli,
+    run_job,
     write_parquet,
 )
 from test_engine import MODELS, _llm, _prompts
@@ -143,19 +142,7 @@ def test_score_task_writes_label_probabilities_equal_to_transformers(tmp_path, l
     src = write_parquet(tmp_path / "in.parquet", {"prompt": texts, "text": texts})
     labels = ["yes", "no", "maybe so"]
     out = tmp_path / "out"
-    run_cli(
-        "run",
-        src,
-        "-o",
-        out,
-        "--model",
-        llama,
-        *FAST,
-        "--task",
-        "score",
-        "--choice",
-        ",".join(labels),
-    )
+    run_job(src, out, llama, "--task", "score", "--choice", ",".join(labels))
     table = read_output(out)
     assert {"label", "scores", "text"} <= set(table.column_names)  # text: the input's, passed on
     tok = transformers.AutoTokenizer.from_pretrained(llama)
@@ -176,27 +163,14 @@ def test_per_row_labels_and_rows_without_any(tmp_path, llama):
         {"prompt": prompts(3), "choice": [["up", "down"], None, ["left", "right", "on"]]},
     )
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", llama, *FAST, "--task", "score")
+    run_job(src, out, llama, "--task", "score")
     got = rows_by_id(out)
     assert [k for k, _ in got[0]["scores"]] == ["up", "down"]
     assert [k for k, _ in got[2]["scores"]] == ["left", "right", "on"]
     assert got[1]["scores"] is None and "no labels to score" in got[1]["error"]
     assert sum(p for _, p in got[2]["scores"]) == pytest.approx(1.0)
     # the job's --choice fills in for the row without its own; a rerun adds it exactly once
-    run_cli(
-        "run",
-        src,
-        "-o",
-        out,
-        "--model",
-        llama,
-        *FAST,
-        "--task",
-        "score",
-        "--overwrite",
-        "--choice",
-        "a,b",
-    )
+    run_job(src, out, llama, "--task", "score", "--overwrite", "--choice", "a,b")
     got = rows_by_id(out)
     assert [k for k, _ in got[1]["scores"]] == ["a", "b"] and len(got) == 3
 
@@ -211,18 +185,6 @@ def test_per_row_labels_and_rows_without_any(tmp_path, llama):
 )
 def test_score_jobs_that_cannot_run_fail_before_the_model_loads(tmp_path, llama, flags, words):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    r = run_cli(
-        "run",
-        src,
-        "-o",
-        tmp_path / "out",
-        "--model",
-        llama,
-        *FAST,
-        "--task",
-        "score",
-        *flags,
-        exit_code=2,
-    )
+    r = run_job(src, tmp_path / "out", llama, "--task", "score", *flags, exit_code=2)
     assert_one_line_error(r, *words)
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())

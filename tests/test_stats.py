@@ -12,6 +12,7 @@ from helpers import (
     read_stats,
     rows_by_id,
     run_cli,
+    run_job,
     write_parquet,
 )
 
@@ -184,7 +185,7 @@ def test_table_is_printed(job):
 def test_quiet_prints_one_line(tmp_path, tiny_dirs):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
     out = tmp_path / "out"
-    r = run_cli("run", src, "-o", out, "--model", tiny_dirs["llama"], *FAST, "--max-new-tokens", 2)
+    r = run_job(src, out, tiny_dirs["llama"], "--max-new-tokens", 2)
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"wrote {out}: 3 rows")
     assert "prompt tokens computed" not in r.stdout

@@ -231,10 +231,7 @@ class Scheduler:
     # ---------------------------------------------------------------- results
 
     def update(
-        self,
-        plan: StepPlan,
-        sampled: Seq[tuple[int, float]],
-        scored: Seq[Seq[float]] = (),
+        self, plan: StepPlan, sampled: Seq[tuple[int, float]], scored: Seq[Seq[float]] = ()
     ) -> list[Sequence]:
         """Apply a step's results: sampled (token, logprob) for each scheduled sequence
         that samples, in plan order, and the scored tokens' log-probabilities of each

@@ -130,11 +130,7 @@ def decode_attention(
 
 
 def prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: PagedKVCache,
-    span: PrefillSpan,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, span: PrefillSpan
 ) -> torch.Tensor:
     """q (n, H, D) and the chunk's own k, v (n, Hkv, D) -> (n, H, D)."""
     n = q.shape[0]
@@ -149,11 +145,7 @@ def prefill_attention(
 
 
 def step_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: PagedKVCache,
-    step: StepAttention,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, step: StepAttention
 ) -> torch.Tensor:
     """q (T, H, D), k, v (T, Hkv, D) of a whole step (masks built) -> (T, H, D)."""
     cache.write(step.slots, k, v)

@@ -64,10 +64,7 @@ class Attention(nn.Module):
         self.kv_cache: PagedKVCache | None = None
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-        step: StepAttention,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, step: StepAttention
     ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim

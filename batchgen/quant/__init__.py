@@ -7,12 +7,7 @@ from batchgen.quant.quantize import (
     tensor_bytes,
     weight_bytes,
 )
-from batchgen.quant.scheme import (
-    QuantBackend,
-    QuantMethod,
-    QuantScheme,
-    available,
-)
+from batchgen.quant.scheme import QuantBackend, QuantMethod, QuantScheme, available
 
 __all__ = [
     "QuantBackend",

@@ -34,9 +34,7 @@ def _config(scheme: QuantScheme, device: torch.device, group_size: int | None):
         return PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False)
     # tinygemm's CUDA kernel (aten._weight_int4pack_mm), the layout gpt-fast uses.
     return Int4WeightOnlyConfig(
-        group_size=group_size,
-        int4_packing_format="tile_packed_to_4d",
-        set_inductor_config=False,
+        group_size=group_size, int4_packing_format="tile_packed_to_4d", set_inductor_config=False
     )
 
 
