@@ -1,63 +1,31 @@
 """Hugging Face checkpoint directories -> our Transformer.
 
-With hf_config.py (config.json's keys per family), the one module that knows file formats:
-the safetensors names of each family's weights, GPT-2's transposed Conv1D weights and the
-fusing of q/k/v and gate/up into single matrices. The model is built on the meta device
-and each tensor is cast and moved straight to its target, so a 16 GB checkpoint never
-has a float32 copy in host memory.
+With hf_config.py (config.json's keys per family) and checkpoint_names.py (each tensor's
+name and where it goes), the one place that knows file formats. The model is built on the
+meta device and each tensor is cast and moved straight to its target, so a 16 GB checkpoint
+never has a float32 copy in host memory. A tensor-parallel rank builds its part of the model
+(tensor_parallel.local_config) and reads only its slices of each tensor: no rank ever holds
+the whole model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
-import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from batchgen.errors import ModelLoadError
-from batchgen.model.config import Family, ModelConfig
+from batchgen.model.checkpoint_names import weight_slot
+from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import config_from_hf, read_hf_config
 from batchgen.model.memory import check_allocation
+from batchgen.model.tensor_parallel import SINGLE, Copy, TPShard, local_config
 from batchgen.model.transformer import Transformer
-
-# --- checkpoint names -------------------------------------------------------------------
-
-_LLAMA_NAMES = {
-    "self_attn.o_proj": "attn.wo",
-    "self_attn.q_norm": "attn.q_norm",
-    "self_attn.k_norm": "attn.k_norm",
-    "mlp.down_proj": "mlp.w_out",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "mlp_norm",
-}
-# Pieces concatenated (dim 0) into one of our fused matrices, in this order.
-_LLAMA_FUSED = {
-    "attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.w_in": ("mlp.gate_proj", "mlp.up_proj"),
-}
-_GPT2_NAMES = {
-    "ln_1": "attn_norm",
-    "attn.c_attn": "attn.wqkv",
-    "attn.c_proj": "attn.wo",
-    "ln_2": "mlp_norm",
-    "mlp.c_fc": "mlp.w_in",
-    "mlp.c_proj": "mlp.w_out",
-}
-_GPT2_TOP = {
-    "wte.weight": "embed.weight",
-    "wpe.weight": "pos_embed.weight",
-    "ln_f.weight": "norm.weight",
-    "ln_f.bias": "norm.bias",
-}
-_LLAMA_TOP = {
-    "model.embed_tokens.weight": "embed.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
 
 
 def _checkpoint_files(path: Path, allow_pickle: bool) -> list[Path]:
@@ -79,117 +47,93 @@ def _checkpoint_files(path: Path, allow_pickle: bool) -> list[Path]:
     raise ModelLoadError(f"no *.safetensors weights in {path}")
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Any, Path]]:
+    """(name, tensor, file) of every checkpoint tensor; a safetensors tensor comes as a slice
+    handle, so a rank reads only the bytes of its part (`_take`)."""
+    from safetensors import safe_open
 
     for f in files:
-        try:
+        with _reading(f):
             if f.suffix == ".bin":
-                yield from torch.load(f, map_location="cpu", weights_only=True, mmap=True).items()
+                tensors = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                for name, t in tensors.items():
+                    yield name, t, f
                 continue
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, sf.get_tensor(name)
-        except pickle.UnpicklingError as e:
-            # weights_only=True refuses objects other than tensors, which is what allows it;
-            # torch's message goes on for a page, its first sentence says what happened.
-            first = str(e).split(".")[0]
-            raise ModelLoadError(
-                f"cannot read weights file {f}: it holds more than tensors, or is not a PyTorch "
-                f"checkpoint ({first}); convert a trusted copy to safetensors"
-            ) from None
-        except (OSError, RuntimeError, ValueError, EOFError, SafetensorError) as e:
-            raise ModelLoadError(f"cannot read weights file {f}: {e}") from e
+                    yield name, sf.get_slice(name), f
 
 
-def _map_gpt2(name: str) -> tuple[str | None, bool]:
-    """Our name for a GPT-2 tensor, and whether it is a Conv1D weight to transpose."""
-    name = name.removeprefix("transformer.")
-    if name in _GPT2_TOP:
-        return _GPT2_TOP[name], False
-    m = re.fullmatch(r"h\.(\d+)\.(.+)\.(weight|bias)", name)
-    if not m or m.group(2) not in _GPT2_NAMES:
-        return None, False  # attn.bias / masked_bias buffers of old checkpoints, lm_head (tied)
-    i, mod, kind = m.groups()
-    conv = kind == "weight" and mod.startswith(("attn.", "mlp."))
-    return f"layers.{i}.{_GPT2_NAMES[mod]}.{kind}", conv
+@contextlib.contextmanager
+def _reading(f: Path) -> Iterator[None]:
+    """A failed read of weights file f as a one-line ModelLoadError."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except pickle.UnpicklingError as e:
+        # weights_only=True refuses objects other than tensors, which is what allows it;
+        # torch's message goes on for a page, its first sentence says what happened.
+        first = str(e).split(".")[0]
+        raise ModelLoadError(
+            f"cannot read weights file {f}: it holds more than tensors, or is not a PyTorch "
+            f"checkpoint ({first}); convert a trusted copy to safetensors"
+        ) from None
+    except (OSError, RuntimeError, ValueError, EOFError, SafetensorError) as e:
+        raise ModelLoadError(f"cannot read weights file {f}: {e}") from e
 
 
-def _map_llama(name: str) -> tuple[str | None, tuple[str, int, int] | None]:
-    """Our name for a Llama-style tensor, or (fused name, piece index, number of pieces)."""
-    if name in _LLAMA_TOP:
-        return _LLAMA_TOP[name], None
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
-    if not m:
-        return None, None
-    i, mod, kind = m.groups()
-    if mod in _LLAMA_NAMES:
-        return f"layers.{i}.{_LLAMA_NAMES[mod]}.{kind}", None
-    for fused, parts in _LLAMA_FUSED.items():
-        if mod in parts:
-            return None, (f"layers.{i}.{fused}.{kind}", parts.index(mod), len(parts))
-    return None, None
-
-
-@dataclass(frozen=True, slots=True)
-class WeightSlot:
-    """Where one checkpoint weight lives in our model: a parameter, or rows of a fused one."""
-
-    name: str  # our parameter, e.g. "layers.0.attn.wqkv.weight"
-    rows: slice | None = None  # the rows of a fused matrix this checkpoint tensor fills
-    transposed: bool = False  # GPT-2's Conv1D stores (in, out); we store (out, in)
-
-
-def weight_slot(cfg: ModelConfig, name: str) -> WeightSlot | None:
-    """Our parameter (and rows) for a checkpoint tensor name; None for one we do not load."""
-    if cfg.family == Family.GPT2:
-        ours, conv = _map_gpt2(name)
-        return WeightSlot(ours, transposed=conv) if ours is not None else None
-    ours, piece = _map_llama(name)
-    if ours is not None:
-        return WeightSlot(ours)
-    if piece is None:
-        return None
-    fused, idx, _ = piece
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    sizes = (q, kv, kv) if ".attn.wqkv." in fused else (cfg.intermediate_size,) * 2
-    start = sum(sizes[:idx])
-    return WeightSlot(fused, slice(start, start + sizes[idx]))
+def _take(tensor: Any, copy: Copy, transposed: bool) -> torch.Tensor:
+    """copy's slice of a checkpoint tensor (a safetensors slice handle or a tensor)."""
+    if copy.src is None:
+        t = tensor[:]
+    else:
+        shape = tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape
+        index = [slice(None)] * len(shape)
+        index[1 - copy.dim if transposed else copy.dim] = copy.src
+        t = tensor[tuple(index)]
+    return t.t().contiguous() if transposed else t
 
 
 def load_state_dict(
-    cfg: ModelConfig, files: list[Path], dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig,
+    files: list[Path],
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPShard = SINGLE,
+    shapes: dict[str, torch.Size] | None = None,
 ) -> dict[str, torch.Tensor]:
+    """Rank tp's parameters, read from the checkpoint files slice by slice and moved straight
+    to device/dtype. shapes: the local parameters' shapes (needed for fused matrices and
+    zero biases)."""
     out: dict[str, torch.Tensor] = {}
-    pending: dict[str, dict[int, torch.Tensor]] = {}
-
-    def put(name: str, t: torch.Tensor) -> None:
-        out[name] = t.to(device=device, dtype=dtype)
-
-    for name, t in _iter_tensors(files):
-        if cfg.family == Family.GPT2:
-            ours, conv = _map_gpt2(name)
-            if ours is not None:
-                put(ours, t.t().contiguous() if conv else t)
+    filled: dict[str, int] = {}  # rows written into each fused matrix so far
+    for name, tensor, file in _iter_tensors(files):
+        slot = weight_slot(cfg, name, tp)
+        if slot is None:
             continue
-        ours, piece = _map_llama(name)
-        if ours is not None:
-            put(ours, t)
-        elif piece is not None:
-            fused, idx, n_parts = piece
-            parts = pending.setdefault(fused, {})
-            parts[idx] = t.to(device=device, dtype=dtype)
-            if len(parts) == n_parts:
-                try:
-                    out[fused] = torch.cat([parts[j] for j in sorted(parts)], dim=0)
-                except RuntimeError as e:
-                    raise ModelLoadError(
-                        f"the pieces of {fused} do not fit together ({e}); the checkpoint "
-                        "is damaged or mixes two models"
-                    ) from None
-                del pending[fused]
-    if pending:
-        raise ModelLoadError(f"checkpoint is missing pieces of {sorted(pending)}")
+        for c in slot.copies:
+            if c.zero:
+                out[slot.name] = torch.zeros(shapes[slot.name], device=device, dtype=dtype)
+                continue
+            with _reading(file):
+                t = _take(tensor, c, slot.transposed).to(device=device, dtype=dtype)
+            if c.dst is None:
+                out[slot.name] = t
+                continue
+            if slot.name not in out:
+                out[slot.name] = torch.empty(shapes[slot.name], device=device, dtype=dtype)
+            try:
+                out[slot.name][c.dst].copy_(t)
+            except RuntimeError as e:
+                raise ModelLoadError(
+                    f"the pieces of {slot.name} do not fit together ({e}); the checkpoint "
+                    "is damaged or mixes two models"
+                ) from None
+            filled[slot.name] = filled.get(slot.name, 0) + c.dst.stop - c.dst.start
+    missing = sorted(k for k, n in filled.items() if n != shapes[k][0])
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing pieces of {missing}")
     return out
 
 
@@ -199,8 +143,10 @@ def load_model(
     device: str | torch.device = "cpu",
     allow_pickle: bool = False,
     cfg: ModelConfig | None = None,
+    tp: TPShard = SINGLE,
 ) -> Transformer:
-    """The model in path; cfg: its config.json, already read (ModelSpec), else read here."""
+    """The model in path (rank tp's part of it); cfg: its config.json, already read
+    (ModelSpec), else read here."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(
@@ -218,8 +164,20 @@ def load_model(
         device,
     )
     with torch.device("meta"):
-        model = Transformer(cfg)
-    sd = load_state_dict(cfg, _checkpoint_files(path, allow_pickle), dtype, device)
+        model = Transformer(local_config(cfg, tp))
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    nbytes = (
+        sum(
+            v.numel()
+            for k, v in model.state_dict().items()
+            if k != "lm_head.weight" or not cfg.tie_embeddings
+        )
+        * dtype.itemsize
+    )
+    who = f"rank {tp.rank}'s share of the weights" if tp.size > 1 else "the weights"
+    fix = "--tensor-parallel-size (more ranks), --quantize or --dtype"
+    check_allocation(nbytes, f"{who} ({path})", fix, device)
+    sd = load_state_dict(cfg, _checkpoint_files(path, allow_pickle), dtype, device, tp, shapes)
     if cfg.tie_embeddings or "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["embed.weight"]
     expected = set(model.state_dict())

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from batchgen.errors import ModelLoadError
+from batchgen.model.checkpoint_names import weight_slot
 from batchgen.model.config import Family, ModelConfig
-from batchgen.model.loader import weight_slot
+from batchgen.model.tensor_parallel import SINGLE, TPShard
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -262,21 +263,36 @@ def check_adapter(path: str | Path, cfg: ModelConfig) -> LoraAdapter:
 
 
 @torch.no_grad()
-def merge_lora(model: torch.nn.Module, adapter: str | Path | LoraAdapter) -> LoraAdapter:
+def merge_lora(
+    model: torch.nn.Module,
+    adapter: str | Path | LoraAdapter,
+    cfg: ModelConfig | None = None,
+    tp: TPShard = SINGLE,
+) -> LoraAdapter:
     """Add the adapter (a directory, or one check_adapter returned) into `model`'s weights,
-    in place; returns what was merged."""
+    in place; returns what was merged. A tensor-parallel rank (tp, with cfg the whole
+    model's config) adds its slice of each update: B's rows of its output rows, or A's
+    columns of its input columns, so (B @ A) is never formed whole."""
     from safetensors import safe_open
 
+    cfg = cfg or model.cfg
     if not isinstance(adapter, LoraAdapter):
-        adapter = check_adapter(adapter, model.cfg)
+        adapter = check_adapter(adapter, cfg)
     params = dict(model.named_parameters())
     with safe_open(str(adapter.path / WEIGHTS_FILE), framework="pt", device="cpu") as f:
         for m in adapter.merges:
-            w = params[m.target]  # (out, in)
+            w = params[m.target]  # (out, in), this rank's part
             a = f.get_tensor(f"base_model.model.{m.module}.lora_A.weight")  # (r, in)
             b = f.get_tensor(f"base_model.model.{m.module}.lora_B.weight")  # (out_rows, r)
-            delta = (b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)) * m.scaling
-            rows = w if m.rows is None else w[m.rows]  # a view: the fused matrix's slice
-            # Summed in float32, then rounded once: a bf16 weight loses no more than it must.
-            rows.copy_((rows.float() + delta).to(w.dtype))
+            a, b = a.to(w.device, torch.float32), b.to(w.device, torch.float32)
+            for c in weight_slot(cfg, m.module + ".weight", tp).copies:
+                if c.src is None:
+                    delta = b @ a
+                elif c.dim == 0:  # column-parallel: this rank's output rows
+                    delta = b[c.src] @ a
+                else:  # row-parallel: this rank's input columns
+                    delta = b @ a[:, c.src]
+                rows = w if c.dst is None else w[c.dst]  # a view: the fused matrix's slice
+                # Summed in float32, then rounded once: a bf16 weight loses no more than it must.
+                rows.copy_((rows.float() + delta * m.scaling).to(w.dtype))
     return adapter
