@@ -14,8 +14,8 @@ from torch._dynamo.callback import callback_handler
 from torch._dynamo.utils import counters
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.model_runner import next_pow2
 from batchgen.engine.sequence import FinishReason, Request, SamplingParams
+from batchgen.engine.step_inputs import next_pow2
 from batchgen.llm import LLM
 
 # Rows of up to 32 + 16 tokens in one 64-token block: every table is 1 block wide, so the

@@ -15,9 +15,10 @@ from test_exactness import hf_greedy
 from tiny_models import FAMILIES
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.model_runner import ModelRunner, _width_groups
+from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import FinishReason, Request, SamplingParams, StepReport
+from batchgen.engine.step_inputs import width_groups
 from batchgen.llm import LLM
 
 # Rows of 1-25 tokens, finishing after 1-12 new tokens (or at EOS), so sequences join and
@@ -309,7 +310,7 @@ def test_decode_width_groups_cover_the_batch_in_order(seed):
     group limit merged them into the last group."""
     rng = random.Random(seed)
     widths = sorted((rng.randint(1, 64) for _ in range(rng.randint(0, 40))), reverse=True)
-    groups = _width_groups(widths)
+    groups = width_groups(widths)
     assert [i for lo, hi in groups for i in range(lo, hi)] == list(range(len(widths)))
     assert len(groups) <= 4 and all(hi > lo for lo, hi in groups)
     tight = groups if len(groups) < 4 else groups[:-1]

@@ -9,8 +9,8 @@ from tiny_models import FAMILIES
 from torch._dynamo.utils import counters
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.model_runner import next_pow2
 from batchgen.engine.sequence import SamplingParams
+from batchgen.engine.step_inputs import next_pow2
 from batchgen.llm import LLM
 
 PROMPT_LENS = [3, 11, 6, 17, 1]

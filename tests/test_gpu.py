@@ -21,8 +21,8 @@ import transformers
 from tiny_models import save_tiny_model
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.model_runner import next_pow2
 from batchgen.engine.sequence import Completion, Request, SamplingParams
+from batchgen.engine.step_inputs import next_pow2
 from batchgen.llm import LLM
 
 pytestmark = pytest.mark.gpu

@@ -205,6 +205,7 @@ class Engine:
             cache_lookups=plan.cache_lookups,
             cache_hits=plan.cache_hits,
             new_shape=timing.new_shape,
+            collective_seconds=timing.collective_seconds,
         )
 
     def _completion(self, seq: Sequence) -> Completion | None:

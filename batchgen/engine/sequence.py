@@ -217,6 +217,7 @@ class StepReport:
     cache_lookups: int = 0  # full prompt blocks looked up in the prefix cache by admissions
     cache_hits: int = 0  # of which found
     new_shape: bool = False  # the step ran a compiled shape for the first time
+    collective_seconds: float = 0.0  # of seconds, in tensor-parallel collectives (where timed)
 
 
 @dataclass(slots=True, frozen=True)

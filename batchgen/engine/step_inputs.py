@@ -1,0 +1,153 @@
+"""A step plan packed into the model's inputs, as plain Python lists (no torch).
+
+A step's tokens run flat: the decodes first, then each prefill chunk, packed with no padding
+rows and no padding tokens. Each token carries its position and its cache slot
+(block_table[pos // block_size] * block_size + pos % block_size). Decodes are packed longest
+block table first, in a few groups of similar width (each group is one attention call over its
+gathered blocks, see model/attention.py); each prefill chunk is a span with the blocks of its
+cached context. `logits_index` names the tokens that reach the LM head: those that sample,
+then the positions of scored label tokens (the score task).
+
+A compiled decode-only step (`pack_decode`) is padded to a bounded set of shapes instead: the
+batch to a power of two, the block tables to a power-of-two width; padding rows decode token 0
+at position 0 into the scratch block.
+
+`StepInputs` is everything a model forward needs, so it is also what rank 0 sends the other
+tensor-parallel ranks each step; `PackedStep` adds what only rank 0 needs to sample and score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchgen.engine.block_pool import NULL_BLOCK
+from batchgen.engine.sequence import Scheduled, StepPlan
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One forward's inputs. decodes: (first token, block tables (B, n), context lengths (B,))
+    per group; prefills: (first token, length, tokens already cached, blocks or None)."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    logits_index: list[int] = field(default_factory=list)
+    decodes: list[tuple[int, list[list[int]], list[int]]] = field(default_factory=list)
+    prefills: list[tuple[int, int, int, list[int] | None]] = field(default_factory=list)
+    compiled: bool = False  # a padded decode-only step: one group, batch and width powers of 2
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """A compiled step's (batch, table width)."""
+        _, tables, _ = self.decodes[0]
+        return len(tables), len(tables[0])
+
+
+@dataclass(slots=True)
+class PackedStep:
+    """A plan packed: the model inputs, and for rank 0 the rows that sample (in packed
+    order), where each decode went, and the score task's positions."""
+
+    inputs: StepInputs
+    sampled: list[Scheduled]  # the rows that sample, in the order of inputs.logits_index
+    decode_order: list[int]  # packed decode j is plan.decodes[decode_order[j]]
+    scored: list[list[int]] = field(default_factory=list)  # per scored chunk: logits rows
+    targets: list[int] = field(default_factory=list)  # the token each scored row predicts
+    padded_rows: int = 0
+
+
+def width_groups(
+    widths: list[int], max_groups: int = 4, keep: float = 0.6
+) -> list[tuple[int, int]]:
+    """Cut widths (sorted descending) into at most max_groups ranges [lo, hi): a new group
+    starts where a width falls below keep x its group's first, so padding stays small."""
+    groups, lo = [], 0
+    for i, w in enumerate(widths):
+        if i > lo and w < keep * widths[lo] and len(groups) < max_groups - 1:
+            groups.append((lo, i))
+            lo = i
+    return [*groups, (lo, len(widths))] if widths else []
+
+
+def _add_tokens(s: Scheduled, inputs: StepInputs, block_size: int) -> None:
+    table = s.seq.block_table
+    for p in range(s.start, s.start + s.num_tokens):
+        inputs.tokens.append(s.seq.token_ids[p])
+        inputs.positions.append(p)
+        inputs.slots.append(table[p // block_size] * block_size + p % block_size)
+
+
+def _scored_positions(s: Scheduled) -> range:
+    """Positions of chunk s whose logits score a candidate token (the next one): from the one
+    before the first scored token to the one before the last token."""
+    seq = s.seq
+    lo = max(s.start, seq.request.score_from - 1)
+    return range(lo, min(s.start + s.num_tokens, seq.num_tokens - 1))
+
+
+def pack_step(plan: StepPlan, block_size: int) -> PackedStep:
+    """The plan at its exact size (eager): decodes by width group, then prefill spans."""
+    inputs = StepInputs()
+    sampled: list[Scheduled] = []
+    decodes = plan.decodes
+    order = sorted(range(len(decodes)), key=lambda i: -len(decodes[i].seq.block_table))
+    for lo, hi in width_groups([len(decodes[i].seq.block_table) for i in order]):
+        width = len(decodes[order[lo]].seq.block_table)
+        tables, lens = [], []
+        for i in order[lo:hi]:
+            s = decodes[i]
+            _add_tokens(s, inputs, block_size)
+            sampled.append(s)
+            inputs.logits_index.append(len(inputs.tokens) - 1)
+            tables.append(s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)))
+            lens.append(s.start + 1)
+        inputs.decodes.append((lo, tables, lens))
+    packed = PackedStep(inputs, sampled, order)
+    score_rows: list[int] = []
+    for s in plan.prefills:
+        q_start = len(inputs.tokens)
+        if s.seq.request.scoring:
+            rows = _scored_positions(s)
+            packed.scored.append([q_start + p - s.start for p in rows])
+            packed.targets += [s.seq.token_ids[p + 1] for p in rows]
+        _add_tokens(s, inputs, block_size)
+        blocks = None
+        if s.start:
+            n_blocks = -(-(s.start + s.num_tokens) // block_size)
+            blocks = s.seq.block_table[:n_blocks]
+        inputs.prefills.append((q_start, s.num_tokens, s.start, blocks))
+        if s.samples:
+            sampled.append(s)
+            inputs.logits_index.append(len(inputs.tokens) - 1)
+    for rows in packed.scored:
+        score_rows += rows
+    inputs.logits_index += score_rows
+    if not inputs.logits_index:  # prefill chunks that sample nothing: one row, not read
+        inputs.logits_index = [0]
+    return packed
+
+
+def pack_decode(plan: StepPlan, block_size: int) -> PackedStep:
+    """A decode-only plan padded to a compiled shape: batch and table width to powers of 2."""
+    n = len(plan.decodes)
+    b = next_pow2(n)
+    width = next_pow2(max(len(s.seq.block_table) for s in plan.decodes))
+    inputs = StepInputs(compiled=True)
+    for s in plan.decodes:
+        _add_tokens(s, inputs, block_size)
+    tables = [
+        s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)) for s in plan.decodes
+    ]
+    lens = [s.start + 1 for s in plan.decodes]
+    pad = b - n  # padding rows: token 0 at position 0, written to the scratch block
+    inputs.tokens += [0] * pad
+    inputs.positions += [0] * pad
+    inputs.slots += [NULL_BLOCK * block_size] * pad
+    inputs.decodes.append((0, tables + [[NULL_BLOCK] * width] * pad, lens + [1] * pad))
+    inputs.logits_index = list(range(b))
+    return PackedStep(inputs, list(plan.decodes), list(range(n)), padded_rows=pad)
