@@ -87,6 +87,7 @@ BOUNDS = {
             "limit",
             "threads",
             "n",
+            "tensor_parallel_size",
         ),
         Bound(1),
     ),

@@ -12,9 +12,11 @@ from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Completion, Request, SamplingParams
 from batchgen.job.model_spec import ModelSpec
-from batchgen.model.loader import load_model
-from batchgen.model.lora import merge_lora
-from batchgen.quant import quantize_model
+from batchgen.model.tensor_parallel import TPShard
+from batchgen.model.tp_layers import CollectiveClock
+from batchgen.parallel.rank_model import RankSpec, load_rank_model
+from batchgen.parallel.ranks import RankedRunner, Ranks
+from batchgen.quant import weight_bytes
 
 
 class LLM:
@@ -24,7 +26,8 @@ class LLM:
         """model: a local save_pretrained directory (None: the embedded default model).
         options, resolved as `batchgen run` resolves its flags (ModelSpec.resolve, where
         their defaults are): dtype, device, compile, engine (an EngineConfig), allow_pickle,
-        quantize, quant_backend, quant_group_size, lora."""
+        quantize, quant_backend, quant_group_size, lora, tensor_parallel_size (ranks to split
+        the model over: processes started here, ended by `close()`)."""
         self._load(ModelSpec.resolve(model, **options))
 
     @classmethod
@@ -38,20 +41,51 @@ class LLM:
         self.spec = spec
         self.tokenizer, self.device, self.dtype = spec.tokenizer, spec.device, spec.dtype
         self.compile, self.config = spec.compile, spec.engine
-        # When quantizing, load on the host: the pass moves one block at a time to the
-        # device and quantizes it there, so the device never holds the float model.
-        load_device = torch.device("cpu") if spec.quant.enabled else spec.device
-        self.model = load_model(
-            spec.model_dir, spec.dtype, load_device, spec.allow_pickle, cfg=spec.model_cfg
-        )
-        # Merged before quantizing, into the float weights.
-        self.lora = merge_lora(self.model, spec.lora) if spec.lora is not None else None
-        self.quant = quantize_model(self.model, spec.quant, spec.device)
-        self.runner = ModelRunner(
-            self.model, block_size=spec.engine.block_size, compile=spec.compile
-        )
+        rank_spec = RankSpec.of(spec)
+        n = spec.tensor_parallel_size
+        self.ranks: Ranks | None = None
+        clock = None
+        if n > 1:  # start ranks 1..n-1; this process is rank 0
+            if spec.device.type == "cpu":  # the cores, shared between the ranks
+                torch.set_num_threads(max(1, torch.get_num_threads() // n))
+                clock = CollectiveClock()  # gloo's collectives block: their time is measured
+            self.ranks = Ranks(rank_spec, threads=torch.get_num_threads())
+        try:
+            tp = TPShard(0, n)
+            part = load_rank_model(rank_spec, tp, self.ranks and self.ranks.group.data, clock)
+            if self.ranks is not None:
+                self.ranks.loaded()
+        except BaseException:
+            self.close()
+            raise
+        self.model, self.lora, self.quant = part.model, part.lora, part.quant
+        block_size = spec.engine.block_size
+        if self.ranks is not None:
+            self.runner = RankedRunner(
+                self.model, self.ranks, block_size=block_size, compile=spec.compile, clock=clock
+            )
+        else:
+            self.runner = ModelRunner(self.model, block_size=block_size, compile=spec.compile)
         # Grammars are compiled (xgrammar imported) only when a constrained row comes.
         self.engine = Engine(self.runner, spec.engine, self.detokenize, spec.eos_ids, spec.grammars)
+
+    @property
+    def weights_bytes_per_rank(self) -> int:
+        """Bytes of the parameters this process holds, at their stored precision."""
+        return weight_bytes(self.model)
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks (nothing to do with one). An LLM is also a
+        context manager that closes on exit."""
+        if getattr(self, "ranks", None) is not None:
+            self.ranks.close()
+            self.ranks = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

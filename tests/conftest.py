@@ -28,6 +28,12 @@ def gpt2(tiny_dirs) -> Path:
 
 
 @pytest.fixture(scope="session")
+def one_kv_head(tmp_path_factory) -> Path:
+    """A Llama with one KV head: at 2 tensor-parallel ranks each holds it (replicated)."""
+    return save_tiny_model("llama", tmp_path_factory.mktemp("kv1") / "llama", num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
 def window_dir(tmp_path_factory) -> Path:
     """Mistral with a 4-token sliding window, so short rows exercise the window masks."""
     return save_tiny_model("mistral", tmp_path_factory.mktemp("sw") / "m", sliding_window=4)

@@ -145,7 +145,7 @@ def unloadable_model(tmp_path, model, monkeypatch):
         raise AssertionError("a model was loaded before the input was checked")
 
     monkeypatch.setattr("batchgen.runner.run.LLM", load)
-    monkeypatch.setattr("batchgen.llm.load_model", load)
+    monkeypatch.setattr("batchgen.parallel.rank_model.load_model", load)
     return broken
 
 

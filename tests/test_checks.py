@@ -232,7 +232,7 @@ def _pickle_with_objects(tmp_path, model):
     "make",
     [_broken_config, _incomplete_config, _bad_size_config, _size_mismatch, _pickle_with_objects],
 )
-def test_broken_model_directory_is_aassert_one_line_error(tmp_path, model, make):
+def test_broken_model_directory_is_a_one_line_error(tmp_path, model, make):
     d, words = make(tmp_path, model)
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     r = run_job(src, tmp_path / "out", d, "--allow-pickle", exit_code=2)

@@ -483,7 +483,7 @@ def test_plan_loads_no_weights(tmp_path, model, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("plan loaded the model")
 
-    monkeypatch.setattr("batchgen.llm.load_model", boom)
+    monkeypatch.setattr("batchgen.parallel.rank_model.load_model", boom)
     monkeypatch.setattr("batchgen.runner.run.LLM", boom)
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(5)})
     assert json.loads(run_cli("plan", src, "--model", model, "--json").stdout)["rows"] == 5

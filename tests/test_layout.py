@@ -32,6 +32,7 @@ LAYERS = [
     ("engine",),
     ("stats",),
     ("job",),
+    ("parallel",),
     ("llm",),
     ("runner",),
     ("scaleout",),

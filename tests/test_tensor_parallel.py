@@ -5,7 +5,6 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_models import save_tiny_model
 
 from batchgen.model.hf_config import config_from_hf, read_hf_config
 from batchgen.model.loader import load_model
@@ -17,13 +16,6 @@ from batchgen.model.tensor_parallel import (
     valid_sizes,
     weight_bytes,
 )
-
-
-@pytest.fixture(scope="module")
-def one_kv_head(tmp_path_factory):
-    """A Llama with one KV head: at 2 ranks each holds that head (replicated)."""
-    path = tmp_path_factory.mktemp("kv1") / "llama"
-    return save_tiny_model("llama", path, num_key_value_heads=1)
 
 
 def _whole_from_shards(full, shards):

@@ -44,8 +44,13 @@ def main() -> None:
 @click.argument("source")
 @data_options
 @run_options
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the processes the job would start (workers, tensor-parallel ranks, their devices) and exit.",
+)
 @click.pass_context
-def run_cmd(ctx: click.Context, source: str, **flags) -> None:
+def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
     """Generate for every row of SOURCE (Parquet file/dir/glob, JSONL, datasets dir, or a
     job spec .yaml whose values the flags override).
 
@@ -57,10 +62,13 @@ def run_cmd(ctx: click.Context, source: str, **flags) -> None:
     A killed or preempted job resumes when the same command runs again.
     """
     from batchgen.runner.run import run
-    from batchgen.scaleout.workers import run_workers
+    from batchgen.scaleout.workers import describe_workers, run_workers
 
     try:
         cfg = build_config(ctx, source, **flags)
+        if dry_run:
+            click.echo(describe_workers(cfg))
+            return
         if cfg.workers != 1:  # one process per GPU (or N on the CPU) over shards, then merged
             click.echo(run_workers(cfg).table())
             return
@@ -109,7 +117,11 @@ def plan_cmd(ctx: click.Context, source: str, as_json: bool, **flags) -> None:
     "--shards", type=click.IntRange(min=1), required=True, help="Number of shards = array tasks."
 )
 @click.option("--partition", "-p", help="Slurm partition.")
-@click.option("--gpus-per-task", type=int, help="GPUs per task (one shard per task).")
+@click.option(
+    "--gpus-per-task",
+    type=int,
+    help="GPUs per task (one shard per task). Default with --tensor-parallel-size N: N.",
+)
 @click.option("--cpus-per-task", type=int, help="CPUs per task.")
 @click.option("--mem", help="Memory per task, e.g. 32G.")
 @click.option(
@@ -162,7 +174,7 @@ def slurm_cmd(
             raise ConfigError("batchgen slurm picks each task's shard; leave out --shard/--workers")
         # Parse and check the job exactly as each task's `batchgen run` will.
         run_ctx = run_cmd.make_context("run", [source, *args, "--shard", f"0/{opts['shards']}"])
-        params = {k: v for k, v in run_ctx.params.items() if k != "source"}
+        params = {k: v for k, v in run_ctx.params.items() if k not in ("source", "dry_run")}
         cfg = build_config(run_ctx, source, **params)
         shards = tuple(int(i) for i in only.split(",")) if only else ()
         sb = SbatchOptions(only=shards, **opts)

@@ -221,7 +221,13 @@ def run_options(f):
             _opt(
                 "--workers",
                 type=str,
-                help="auto or N: N processes (auto: one per visible GPU) over shards of the input, then merged into OUTPUT/merged.parquet.",
+                help="auto or N: N processes (auto: one per visible GPU, or per group of --tensor-parallel-size GPUs) over shards of the input, then merged into OUTPUT/merged.parquet.",
+            ),
+            _opt(
+                "--tensor-parallel-size",
+                "-tp",
+                type=int,
+                help="Split the model over N GPUs of this node (N processes, started by batchgen; NCCL), for a model larger than one GPU. On the CPU N processes over gloo: a test and debugging mode.",
             ),
         ]
     ):

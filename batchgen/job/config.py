@@ -83,6 +83,7 @@ class RunConfig:
     allow_pickle: bool = False
     threads: int | None = None  # CPU threads for torch; None: torch's default (all cores)
     workers: int | str = 1  # processes over shards of the input; "auto": one per visible GPU
+    tensor_parallel_size: int = 1  # ranks (GPUs) one model is split over; each worker has its own
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

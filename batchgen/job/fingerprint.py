@@ -70,6 +70,7 @@ RUN_ONLY_OPTIONS = frozenset(
         "workers",
         "threads",
         "output_format",
+        "tensor_parallel_size",
     }
 )
 

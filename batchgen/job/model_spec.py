@@ -26,6 +26,7 @@ from batchgen.errors import ConfigError
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import config_from_hf, read_hf_config
 from batchgen.model.lora import LoraAdapter, check_adapter
+from batchgen.model.tensor_parallel import check_sizes
 from batchgen.quant import QuantScheme, make_scheme
 
 DEFAULT_MODEL = Path(__file__).parents[1] / "assets" / "default-model"
@@ -60,6 +61,28 @@ def resolve_compile(compile: bool | None, device: torch.device) -> bool:
     CPU, inductor's graphs decode no faster than eager for the models we ran, and each
     shape costs 10-70 s to compile; on a GPU, compiled decode runs as CUDA graphs."""
     return device.type == "cuda" if compile is None else compile
+
+
+def check_tensor_parallel(cfg: ModelConfig, n: int, device: torch.device) -> None:
+    """ValueError (before any weight loads) for a split that cannot be: sizes n does not divide,
+    more ranks than visible GPUs, or one GPU named for n ranks."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+    if n == 1:
+        return
+    check_sizes(cfg, n)
+    if device.type == "cuda":
+        if device.index is not None:
+            raise ValueError(
+                f"--device {device} names one GPU, and tensor_parallel_size {n} needs {n}: pass "
+                "--device cuda and choose the GPUs with CUDA_VISIBLE_DEVICES"
+            )
+        visible = torch.cuda.device_count()
+        if n > visible:
+            raise ValueError(
+                f"tensor_parallel_size {n} needs {n} GPUs and {visible} are visible; lower it "
+                "or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+            )
 
 
 def eos_token_ids(model_dir: Path, hf: dict, tokenizer) -> list[int]:
@@ -114,6 +137,7 @@ class ModelSpec:
     engine: EngineConfig
     grammars: Grammars  # compiles lazily, caching: a job's constraint is compiled once
     allow_pickle: bool = False
+    tensor_parallel_size: int = 1  # ranks the model is split over (one process each)
 
     @classmethod
     def resolve(
@@ -129,6 +153,7 @@ class ModelSpec:
         quant_backend: str = "auto",
         lora: str | Path | None = None,
         quant_group_size: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> ModelSpec:
         """engine: an EngineConfig as it is, or values (None: unset) over the device's
         defaults. ConfigError for a device, dtype or engine value that cannot be;
@@ -142,6 +167,7 @@ class ModelSpec:
             dt = resolve_dtype(dtype, dev)
             if not isinstance(engine, EngineConfig):
                 engine = EngineConfig.for_device(dev.type, **(engine or {}))
+            check_tensor_parallel(model_cfg, tensor_parallel_size, dev)
         except ValueError as e:  # e.g. --device cuda on a machine without one
             raise ConfigError(str(e)) from None
         quant = make_scheme(quantize, quant_backend, dev, dt, group_size=quant_group_size)
@@ -160,4 +186,5 @@ class ModelSpec:
             engine=engine,
             grammars=Grammars(tokenizer, model_cfg.vocab_size, eos),
             allow_pickle=allow_pickle,
+            tensor_parallel_size=tensor_parallel_size,
         )

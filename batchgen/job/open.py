@@ -14,6 +14,7 @@ from batchgen.job.config import RunConfig
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.prepare import Preparer
 from batchgen.model.memory import check_allocation
+from batchgen.model.tensor_parallel import TPShard, local_config
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ def open_job(cfg: RunConfig) -> Job:
         quant_backend=cfg.quant_backend,
         lora=cfg.lora,
         quant_group_size=cfg.quant_group_size,
+        tensor_parallel_size=cfg.tensor_parallel_size,
     )
     source = open_input(cfg.input)
     if cfg.output_format is OutputFormat.OPENAI:
@@ -69,7 +71,8 @@ def open_job(cfg: RunConfig) -> Job:
             f"{max_seq} positions"
         )
     if cfg.kv_cache_tokens:  # an explicit size is checked against memory before allocating
-        per_token = spec.model_cfg.kv_bytes_per_token(spec.dtype.itemsize)
+        rank = local_config(spec.model_cfg, TPShard(0, spec.tensor_parallel_size))
+        per_token = rank.kv_bytes_per_token(spec.dtype.itemsize)  # each rank holds its KV heads
         what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
         check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", spec.device)
     prep = Preparer(cfg, source, spec.tokenizer, max_prompt)

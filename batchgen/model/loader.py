@@ -123,13 +123,14 @@ def load_state_dict(
                 continue
             if slot.name not in out:
                 out[slot.name] = torch.empty(shapes[slot.name], device=device, dtype=dtype)
-            try:
-                out[slot.name][c.dst].copy_(t)
-            except RuntimeError as e:
+            want = out[slot.name][c.dst].shape
+            if t.shape != want:
                 raise ModelLoadError(
-                    f"the pieces of {slot.name} do not fit together ({e}); the checkpoint "
-                    "is damaged or mixes two models"
-                ) from None
+                    f"the checkpoint's {name} does not match its config.json (size mismatch: "
+                    f"{tuple(t.shape)} read, {tuple(want)} expected for {slot.name}); the "
+                    "weights and config.json must come from the same model"
+                )
+            out[slot.name][c.dst].copy_(t)
             filled[slot.name] = filled.get(slot.name, 0) + c.dst.stop - c.dst.start
     missing = sorted(k for k, n in filled.items() if n != shapes[k][0])
     if missing:

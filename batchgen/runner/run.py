@@ -86,7 +86,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
         return stats
 
     t0 = time.perf_counter()
-    llm = LLM.from_spec(spec)
+    llm = job_scope.enter_context(LLM.from_spec(spec))  # closed (its ranks ended) at the end
     info = _run_info(llm)
     stats.loaded(info, time.perf_counter() - t0)
     # The model, quantization scheme and adapter travel with every part file, not only _stats.json.
@@ -172,6 +172,8 @@ def _run_info(llm: LLM) -> RunInfo:
         prefix_caching=spec.engine.prefix_caching,
         quantization=llm.quant.to_dict(),
         lora=llm.lora.to_dict() if llm.lora is not None else None,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        weights_bytes_per_rank=llm.weights_bytes_per_rank,
     )
 
 

@@ -89,7 +89,7 @@ def sbatch_script(source: str, cfg: RunConfig, run_args: list[str], opts: Sbatch
     ]
     for flag, value in (
         ("partition", opts.partition),
-        ("gpus-per-task", opts.gpus_per_task),
+        ("gpus-per-task", _gpus_per_task(cfg, opts)),
         ("cpus-per-task", opts.cpus_per_task),
         ("mem", opts.mem),
         ("time", opts.time),
@@ -142,6 +142,21 @@ fi
 exit "$rc"
 """)
     return "\n".join(lines)
+
+
+def _gpus_per_task(cfg: RunConfig, opts: SbatchOptions) -> int | None:
+    """--gpus-per-task as given, or, for a tensor-parallel job on GPUs, one per rank."""
+    tp = cfg.tensor_parallel_size
+    if tp == 1 or cfg.device == "cpu":
+        return opts.gpus_per_task
+    if opts.gpus_per_task is None:
+        return tp
+    if opts.gpus_per_task < tp:
+        raise SlurmError(
+            f"--gpus-per-task {opts.gpus_per_task} is fewer than --tensor-parallel-size {tp}: "
+            f"each task runs {tp} ranks, one GPU each; ask for {tp} GPUs per task"
+        )
+    return opts.gpus_per_task
 
 
 def _directive(flag: str, value: object) -> str:

@@ -43,8 +43,10 @@ def visible_gpus() -> list[str]:
 
 
 def plan_workers(cfg: RunConfig) -> list[dict[str, str]]:
-    """The extra environment of each worker: its length is the number of workers."""
-    device = cfg.device
+    """The extra environment of each worker: its length is the number of workers. A worker
+    gets its own GPUs, disjoint from the others': one, or with --tensor-parallel-size N, N
+    (its ranks run on them in order)."""
+    device, tp = cfg.device, cfg.tensor_parallel_size
     if device.startswith("cuda:"):
         raise ConfigError(
             f"--workers runs one process per GPU; instead of --device {device}, choose the GPUs "
@@ -54,14 +56,47 @@ def plan_workers(cfg: RunConfig) -> list[dict[str, str]]:
     if device == "cuda" and not gpus:
         raise ConfigError("--device cuda with --workers, but no GPU is visible")
     if gpus:
-        n = len(gpus) if cfg.workers == "auto" else cfg.workers
-        if n > len(gpus):
-            raise ConfigError(f"--workers {n}, but only {len(gpus)} GPU(s) are visible")
-        return [{"CUDA_VISIBLE_DEVICES": g} for g in gpus[:n]]
+        n = len(gpus) // tp if cfg.workers == "auto" else cfg.workers
+        if n < 1 or n * tp > len(gpus):
+            each = f" x {tp} GPUs (--tensor-parallel-size)" if tp > 1 else ""
+            raise ConfigError(
+                f"--workers {cfg.workers} needs {max(n, 1)}{each}, but only {len(gpus)} GPU(s) "
+                "are visible"
+            )
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * tp : (i + 1) * tp])} for i in range(n)]
     # CPU: "auto" is one process using every core; N processes split the cores.
     n = 1 if cfg.workers == "auto" else cfg.workers
     threads = str(max(1, (os.cpu_count() or 1) // n))
     return [{"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads}] * n
+
+
+def describe_workers(cfg: RunConfig) -> str:
+    """What `batchgen run` would start (--dry-run): each worker's shard, GPUs and ranks."""
+    if cfg.workers == 1:  # one process over the whole input
+        tp = cfg.tensor_parallel_size
+        devices = (
+            [f"cuda:{r}" for r in range(tp)] if cfg.device.startswith("cuda") else ["cpu"] * tp
+        )
+        if cfg.device == "auto":
+            import torch
+
+            devices = [f"cuda:{r}" if torch.cuda.is_available() else "cpu" for r in range(tp)]
+        ranks = ", ".join(f"rank {r} on {d}" for r, d in enumerate(devices))
+        return f"one process -> {cfg.output_dir}; {ranks}"
+    envs = plan_workers(cfg)
+    n, tp = len(envs), cfg.tensor_parallel_size
+    lines = []
+    for i, env in enumerate(envs):
+        gpus = env["CUDA_VISIBLE_DEVICES"]
+        where = f"GPUs {gpus}" if gpus else f"CPU, {env['OMP_NUM_THREADS']} threads"
+        ranks = ""
+        if tp > 1:
+            devices = [f"GPU {g}" for g in gpus.split(",")] if gpus else ["cpu"] * tp
+            ranks = "; " + ", ".join(f"rank {r} on {d}" for r, d in enumerate(devices))
+        lines.append(
+            f"worker {i}: shard {i}/{n} -> {cfg.output}/{Shard(i, n).dirname}, {where}{ranks}"
+        )
+    return "\n".join(lines)
 
 
 def _job_spec(cfg: RunConfig) -> dict:

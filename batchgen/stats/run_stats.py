@@ -37,6 +37,8 @@ class RunInfo:
     prefix_caching: bool
     quantization: dict[str, Any]
     lora: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    weights_bytes_per_rank: int = 0  # parameters a rank holds, at their stored precision
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -68,6 +70,7 @@ class RunStats:
     prefill_s: float = 0.0  # steps with prompt tokens (decodes riding along included)
     decode_s: float = 0.0
     compile_s: float = 0.0
+    collective_s: float = 0.0  # in tensor-parallel collectives, where timed (eager, CPU)
     kv_pool: KVPool | None = None
     peak_memory_bytes: int = 0
     gpu: dict[str, Any] | None = None  # NVML's samples (nvml.GpuSamples.summary)
@@ -103,6 +106,7 @@ class RunStats:
         self.preemptions += r.preempted
         self.compiled_shapes += r.new_shape
         self.compile_s += r.compile_seconds
+        self.collective_s += r.collective_seconds
         if r.prefill:
             self.prefill_s += r.seconds
         else:
@@ -159,6 +163,12 @@ class RunStats:
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         if self.info is not None:
             d.update(self.info.to_dict())
+            if self.info.tensor_parallel_size > 1:
+                # the share of step time in collectives; None where they run inside graphs
+                # or on the GPU's streams, untimed (docs/architecture.md)
+                step_s = self.prefill_s + self.decode_s
+                timed = self.collective_s > 0 and step_s > 0
+                d["collective_share"] = self.collective_s / step_s if timed else None
         if self.kv_pool is not None:
             d.update(kv_cache_tokens=self.kv_pool.tokens, kv_cache_bytes=self.kv_pool.bytes)
         if self.openai_unsupported_fields:
