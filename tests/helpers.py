@@ -67,11 +67,13 @@ def run_job(source: Any, out: Any, model: Any, *flags: Any, exit_code: int | Non
     return run_cli("run", source, "-o", out, "--model", model, *FAST, *flags, exit_code=exit_code)
 
 
-def assert_one_line_error(r: Result, *words: str) -> None:
-    """The CLI failed with no traceback and a last line "Error: ..." holding every word."""
-    lines = r.stderr.strip().splitlines()
-    assert "Traceback" not in r.stderr, r.stderr
-    assert lines and lines[-1].startswith("Error: "), r.stderr
+def assert_one_line_error(r: Result | str, *words: str) -> None:
+    """The CLI failed (r: its result, or a process's stderr) with no traceback and a last line
+    "Error: ..." holding every word."""
+    stderr = r if isinstance(r, str) else r.stderr
+    lines = stderr.strip().splitlines()
+    assert "Traceback" not in stderr, stderr
+    assert lines and lines[-1].startswith("Error: "), stderr
     for w in words:
         assert w in lines[-1], (w, lines[-1])
 
