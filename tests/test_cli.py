@@ -477,6 +477,33 @@ def test_plan_json(tmp_path, model, tok):
     # the tiny llama: 2 layers x (k, v) x 2 kv heads x 8 dims per token, bf16 on a GPU
     itemsize = 2 if torch.cuda.is_available() else 4
     assert flagged["kv_cache_bytes"] == 125 * 8 * (2 * 2 * 2 * 8 * itemsize)
+    assert flagged["kv_cache_bytes_per_rank"] == flagged["kv_cache_bytes"]
+    # the weights the loaded model holds, within its norms (the plan leaves them out)
+    held = LLM(model, device="cpu").weights_bytes_per_rank * itemsize // 4
+    assert 0.95 * held <= flagged["weights_bytes_per_rank"] <= held
+    # Two ranks: each holds one of the 2 KV heads and about half the weights.
+    split = run_cli(
+        "plan", src, "--model", model, "--kv-cache-tokens", 1000, "--block-size", 8, "-tp", 2
+    )
+    two = json.loads(
+        run_cli(
+            "plan",
+            src,
+            "--model",
+            model,
+            "--kv-cache-tokens",
+            1000,
+            "--block-size",
+            8,
+            "-tp",
+            2,
+            "--json",
+        ).stdout
+    )
+    assert two["tensor_parallel_size"] == 2
+    assert two["kv_cache_bytes_per_rank"] * 2 == two["kv_cache_bytes"] == flagged["kv_cache_bytes"]
+    assert two["weights_bytes_per_rank"] < 0.6 * flagged["weights_bytes_per_rank"]
+    assert "per rank, 2 tensor-parallel ranks" in split.stdout
 
 
 def test_plan_loads_no_weights(tmp_path, model, monkeypatch):

@@ -94,6 +94,13 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
 @main.command("plan")
 @click.argument("source")
 @data_options
+@click.option(
+    "--tensor-parallel-size",
+    "-tp",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Ranks the model would be split over: the plan shows each rank's weight and KV bytes.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.pass_context
 def plan_cmd(ctx: click.Context, source: str, as_json: bool, **flags) -> None:

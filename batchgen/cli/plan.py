@@ -8,6 +8,7 @@ from typing import Any
 
 from batchgen.job.config import RunConfig
 from batchgen.job.open import open_job
+from batchgen.model.tensor_parallel import TPShard, local_config, weight_bytes
 
 
 def _edge(n: int) -> int:
@@ -32,7 +33,11 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
                 continue
             output_tokens += r.params.max_new_tokens
             longest = max(longest, r.prompt_len + r.params.max_new_tokens)
-    kv_per_token = spec.model_cfg.kv_bytes_per_token(spec.dtype.itemsize)
+    tp = spec.tensor_parallel_size
+    # each rank holds its own KV heads: the pool's blocks are the same on every rank
+    kv_per_token = local_config(spec.model_cfg, TPShard(0, tp)).kv_bytes_per_token(
+        spec.dtype.itemsize
+    )
     blocks = (
         None
         if spec.device.type == "cuda" and eng.kv_cache_tokens is None
@@ -53,7 +58,12 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
         "block_size": eng.block_size,
         "prefix_caching": eng.prefix_caching,
         "kv_cache_blocks": blocks,
-        "kv_cache_bytes": None if blocks is None else blocks * eng.block_size * kv_per_token,
+        "tensor_parallel_size": tp,
+        "weights_bytes_per_rank": weight_bytes(spec.model_cfg, spec.dtype.itemsize, tp),
+        "kv_cache_bytes": None if blocks is None else blocks * eng.block_size * kv_per_token * tp,
+        "kv_cache_bytes_per_rank": (
+            None if blocks is None else blocks * eng.block_size * kv_per_token
+        ),
     }
 
 
@@ -74,12 +84,16 @@ def format_plan(p: dict[str, Any]) -> str:
         "sized from free GPU memory at start"
         if p["kv_cache_blocks"] is None
         else f"{p['kv_cache_blocks']} blocks of {p['block_size']} tokens = "
-        f"{p['kv_cache_bytes'] / 2**20:.1f} MiB"
+        f"{p['kv_cache_bytes_per_rank'] / 2**20:.1f} MiB"
     )
+    ranks = p["tensor_parallel_size"]
+    per = f" per rank, {ranks} tensor-parallel ranks" if ranks > 1 else ""
     lines += [
         "",
         f"engine   up to {p['max_num_seqs']} sequences, {p['max_num_batched_tokens']} tokens a step, "
         f"prefix caching {'on' if p['prefix_caching'] else 'off'}",
-        f"KV cache {kv}",
+        f"weights  {p['weights_bytes_per_rank'] / 2**20:.1f} MiB at {p['dtype']}{per} "
+        "(before any quantization)",
+        f"KV cache {kv}{per if p['kv_cache_blocks'] is not None else ''}",
     ]
     return "\n".join(lines)
