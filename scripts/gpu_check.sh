@@ -3,7 +3,8 @@
 #   1. environment report (nvidia-smi, python, torch/CUDA, library versions) and an offline
 #      install: wheels carried in .whl/ (if any), then this repo (`pip install --no-deps -e .`);
 #   2. the GPU-marked tests (`pytest -m gpu`: CUDA graphs and no recompiles, NVML stats,
-#      bf16 agreement with transformers, quantized paths);
+#      bf16 agreement with transformers, quantized paths), and with 2+ GPUs tensor
+#      parallelism at TP=2 (the summary says plainly when the device has one GPU);
 #   3. the GPU benchmark, bf16, random weights: scripts/bench.py on a 0.5B shape, whole
 #      processes, batchgen against transformers (sorted generate, continuous batching).
 # Every step runs under `timeout`, none past the overall budget; a step that fails or
@@ -113,6 +114,19 @@ PYTEST_TIMEOUT=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT=(--timeout=100)
 selected tests && step "pytest -m gpu" 160 "$OUT/tests.log" \
     "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" tests/test_gpu.py tests/test_quant.py
+
+# ---------------------------------------------------------------- 2b. tensor parallel
+# TP=2 over NCCL, compiled (the CUDA graphs capture the all-reduces): only on 2+ GPUs.
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if selected tests; then
+    if ((NGPU >= 2)); then
+        step "pytest tensor parallel (2 GPUs)" 90 "$OUT/tests.log" \
+            "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" \
+            tests/test_gpu_tensor_parallel.py
+    else
+        echo "| tensor parallel | not run: this device has $NGPU GPU, TP=2 needs 2 | 0 s |" >>"$SUMMARY"
+    fi
+fi
 
 # ---------------------------------------------------------------- 3. benchmark
 # The engine against the best transformers baseline on a 0.5B shape (Qwen2.5-0.5B's, random
