@@ -135,3 +135,31 @@ def test_quant_fidelity_on_tiny_model(model, tmp_path):
     assert int8["method"] == "int8" and int8["scheme"]["method"] == "int8"
     assert int8["linear_bytes"] < ref["linear_bytes"] and 0 < int8["top1_agreement"] <= 1
     assert "| torchao | int8 |" in r.stdout
+
+
+@pytest.mark.slow  # two TP=1 and two TP=2 whole runs: ~40 s
+def test_bench_tp_on_tiny_model(tmp_path):
+    out = tmp_path / "tp.json"
+    r = _script(
+        "bench_tp.py",
+        "--model",
+        "tiny-llama",
+        "--rows",
+        "6",
+        "--workdir",
+        tmp_path / "work",
+        "--threads",
+        "1",
+        "--out",
+        out,
+        env={"BATCHGEN_BENCH_CACHE": str(tmp_path / "models")},
+    )
+    report = json.loads(out.read_text())
+    assert [x["tp"] for x in report["runs"]] == [1, 2, 1, 2]
+    one, two = report["runs"][:2]
+    assert one["collective_share"] is None and 0 < two["collective_share"] < 1
+    assert 0 < two["weights_bytes_per_rank"] < 0.6 * one["weights_bytes_per_rank"]
+    assert two["kv_cache_bytes_per_rank"] < one["kv_cache_bytes_per_rank"]
+    assert all(x["rows_differing"] <= 1 for x in report["runs"])  # a near-tie may part
+    assert report["slowdown"] > 0 and len(report["pair_ratios"]) == 2
+    assert "TP/TP=1 wall time, medians" in r.stdout
