@@ -60,7 +60,7 @@ def stats_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if s.get("peak_flops"):
         peaks = (
-            f"{s['peak_flops'] / 1e12:.1f} TFLOP/s, {(s.get('peak_bandwidth') or 0) / 1e9:.0f} GB/s"
+            f"{s['peak_flops'] / 1e12:.3g} TFLOP/s, {(s.get('peak_bandwidth') or 0) / 1e9:.3g} GB/s"
         )
         rows.append(("peaks", f"{peaks} ({s.get('peak_source')})"))
     for key, name in (("prefill_s", "prefill time"), ("decode_s", "decode time")):

@@ -24,8 +24,10 @@ TARGETS = {"ttft_s": 0.5, "tpot_s": 0.05, "latency_s": 5.0}
 NAMES = {"ttft_s": "time to first token", "tpot_s": "time per output token", "latency_s": "latency"}
 
 
-def _seconds(x: float, _pos: object = None) -> str:
-    return f"{x * 1e3:g} ms" if x < 1 else f"{x:g} s"
+def _seconds(x: float, _pos: object = None, precise: bool = False) -> str:
+    """A tick or label in ms below a second, in s above (3 significant digits if precise)."""
+    fmt = ".3g" if precise else "g"
+    return f"{x * 1e3:{fmt}} ms" if x < 1 else f"{x:{fmt}} s"
 
 
 def _figure(width: float = 9.0, height: float = 3.6) -> Figure:
@@ -132,10 +134,14 @@ def distributions(stats: dict[str, Any]) -> Figure:
         edges = [LOW * RATIO ** (10 * b) for b in range(lo, hi + 2)]
         ax.stairs(counts, edges, fill=True, alpha=0.6, color="tab:blue")
         s = h.summary()
-        ax.axvline(s["p50"], color="black", ls="--", lw=1, label=f"p50 {s['p50'] * 1e3:.3g} ms")
-        ax.axvline(s["p99"], color="black", ls=":", lw=1, label=f"p99 {s['p99'] * 1e3:.3g} ms")
+        ax.axvline(
+            s["p50"], color="black", ls="--", lw=1, label=f"p50 {_seconds(s['p50'], precise=True)}"
+        )
+        ax.axvline(
+            s["p99"], color="black", ls=":", lw=1, label=f"p99 {_seconds(s['p99'], precise=True)}"
+        )
         target = TARGETS[key]
-        ax.axvline(target, color="tab:red", lw=1.5, label=f"target {target * 1e3:g} ms")
+        ax.axvline(target, color="tab:red", lw=1.5, label=f"target {_seconds(target)}")
         ax.set_xlim(min(edges[0], target) / 1.5, max(edges[-1], target) * 1.5)
         ax.legend(fontsize="x-small", loc="upper left")
     return fig
