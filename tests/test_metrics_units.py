@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from batchgen.engine.step_cost import attended
+from batchgen.engine.sequence import Request, Scheduled, Sequence, StepPlan
+from batchgen.engine.step_cost import attended, context_tokens
 from batchgen.stats.latency import Latencies, LogHistogram
 from batchgen.stats.nvml import NvmlSampler, gpu_rows
 from batchgen.stats.peaks import NO_PROBE_ENV, gpu_peaks, resolve_peaks
@@ -56,6 +57,15 @@ def test_attended_keys_match_a_count_position_by_position():
         for n in range(1, 20):
             for w in (None, 1, 4, 7, 16):
                 assert attended(start, n, w) == brute(start, n, w), (start, n, w)
+
+
+@pytest.mark.parametrize("window", [None, 3, 30])
+def test_a_steps_context_is_its_chunks_and_decodes(window):
+    seqs = [Sequence(Request(i, list(range(40))), i) for i in range(4)]
+    decodes = [Scheduled(s, 20 + 3 * i, 1, True) for i, s in enumerate(seqs[:3])]
+    plan = StepPlan(decodes=decodes, prefills=[Scheduled(seqs[3], 8, 32, True)])
+    keys = [min(p + 1, window or p + 1) for p in (20, 23, 26, *range(8, 40))]
+    assert context_tokens(plan, window) == sum(keys)
 
 
 @pytest.mark.parametrize(

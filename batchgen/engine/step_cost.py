@@ -24,4 +24,8 @@ def attended(start: int, n: int, window: int | None = None) -> int:
 
 def context_tokens(plan: StepPlan, window: int | None = None) -> int:
     """Keys attended by every token the step computes (decodes and prefill chunks)."""
-    return sum(attended(s.start, s.num_tokens, window) for s in plan.scheduled)
+    if window is None:  # a decode at position p attends to p + 1 keys
+        decodes = sum(s.start for s in plan.decodes) + len(plan.decodes)
+    else:
+        decodes = sum(min(s.start + 1, window) for s in plan.decodes)
+    return decodes + sum(attended(s.start, s.num_tokens, window) for s in plan.prefills)
