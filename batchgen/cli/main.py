@@ -71,6 +71,7 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
             return
         if cfg.workers != 1:  # one process per GPU (or N on the CPU) over shards, then merged
             click.echo(run_workers(cfg).table())
+            click.echo(f"plots and metrics: batchgen report {cfg.output}")
             return
         stats = run(cfg)
     except UsageError as e:
