@@ -102,6 +102,7 @@ def test_step_timeline_agrees_with_the_stats(model, tmp_path):
     assert len(steps["t_s"]) == stats["steps"]
     assert steps["t_s"] == sorted(steps["t_s"]) and all(t > 0 for t in steps["step_s"])
     assert sum(steps["decode_rows"]) == stats["decode_rows"]
+    assert sum(steps["sampled_tokens"]) == stats["output_tokens"]  # no stop strings: all kept
     assert sum(steps["prefill_tokens"]) == stats["computed_prompt_tokens"]
     assert sum(steps["cached_tokens"]) == stats["cached_prompt_tokens"]
     assert sum(steps["preemptions"]) == stats["preemptions"]

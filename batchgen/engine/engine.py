@@ -219,6 +219,7 @@ class Engine:
             collective_seconds=timing.collective_seconds,
             at=now,
             logits_rows=plan.num_sampled + sum(map(len, scored)),
+            sampled=plan.num_sampled,
             context_tokens=context_tokens(plan, self._window),
             waiting=sched.num_waiting,
             kv_blocks_used=sched.pool.num_usable - sched.pool.num_free,

@@ -227,6 +227,7 @@ class StepReport:
     # for the step timeline and the roofline (engine/step_cost.py)
     at: float = 0.0  # time.perf_counter() when the step ended
     logits_rows: int = 0  # positions that went through the LM head (sampled or scored)
+    sampled: int = 0  # tokens sampled (decodes and prompts' first tokens)
     context_tokens: int = 0  # sum over computed tokens of the keys each attended to
     waiting: int = 0  # sequences waiting (not admitted, or preempted) after the step
     kv_blocks_used: int = 0  # blocks held by sequences after the step

@@ -62,10 +62,13 @@ def throughput(steps: dict[str, list]) -> Figure:
     ax = fig.add_subplot()
     t, rates = _binned(
         steps["t_s"],
-        {"decode": steps["decode_rows"], "prefill": steps["prefill_tokens"]},
+        {
+            "decode": steps.get("sampled_tokens", steps["decode_rows"]),
+            "prefill": steps["prefill_tokens"],
+        },
         rate=True,
     )
-    ax.plot(t, rates["decode"], color="tab:blue", label="output tokens/s (one per decode row)")
+    ax.plot(t, rates["decode"], color="tab:blue", label="output tokens/s (tokens sampled)")
     ax.set(xlabel="seconds since the job started", ylabel="output tokens / s")
     ax.set_title("Throughput over time")
     ax.set_ylim(bottom=0)

@@ -1,9 +1,9 @@
 """The step timeline: one row per engine step, kept in columns of machine numbers and written
 as OUTPUT/_steps.parquet (atomically, at each flush and at the end) for `batchgen report`.
 
-Recording a step appends nine numbers to nine `array`s (8 bytes each, no Python object per
+Recording a step appends ten numbers to ten `array`s (8 bytes each, no Python object per
 value): about 1.5 us a step measured (docs/metrics.md), against steps of milliseconds, and
-72 bytes a step of memory (a million steps, 72 MB). The file describes the last run of the
+80 bytes a step of memory (a million steps, 80 MB). The file describes the last run of the
 output directory, as _stats.json does.
 """
 
@@ -22,6 +22,7 @@ COLUMNS = {
     "t_s": ("d", pa.float64(), "seconds since the job started, at the step's end"),
     "step_s": ("d", pa.float64(), "the step's model time (compile time where it compiled)"),
     "decode_rows": ("q", pa.int32(), "sequences that decoded one token"),
+    "sampled_tokens": ("q", pa.int32(), "tokens sampled (decodes and prompts' first tokens)"),
     "prefill_tokens": ("q", pa.int32(), "prompt tokens computed"),
     "cached_tokens": ("q", pa.int32(), "prompt tokens found in the prefix cache"),
     "kv_blocks_used": ("q", pa.int32(), "KV blocks held by sequences after the step"),
@@ -45,6 +46,7 @@ class StepRecorder:
         c["t_s"].append(r.at - self.origin)
         c["step_s"].append(r.seconds + r.compile_seconds)
         c["decode_rows"].append(r.decode_rows)
+        c["sampled_tokens"].append(r.sampled)
         c["prefill_tokens"].append(r.prompt_tokens)
         c["cached_tokens"].append(r.cached_tokens)
         c["kv_blocks_used"].append(r.kv_blocks_used)
