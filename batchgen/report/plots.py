@@ -86,7 +86,7 @@ def throughput(steps: dict[str, list]) -> Figure:
 def _legend(*axes) -> None:
     handles = [h for ax in axes for h in ax.get_legend_handles_labels()[0]]
     labels = [x for ax in axes for x in ax.get_legend_handles_labels()[1]]
-    axes[0].legend(handles, labels, loc="upper right", fontsize="small")
+    axes[0].legend(handles, labels, loc="best", fontsize="small")
 
 
 def occupancy(steps: dict[str, list]) -> Figure:
