@@ -96,4 +96,6 @@ BOUNDS = {
     "top_p": Bound(0, 1, low_open=True),
     "seed": Bound(0, 2**31 - 1),
     "flush_seconds": Bound(0),
+    "peak_tflops": Bound(0, low_open=True),
+    "peak_bandwidth_gbs": Bound(0, low_open=True),
 }

@@ -3,6 +3,7 @@
     python scripts/bench.py --workload mixed                      # CPU, the engine issue's job
     python scripts/bench.py --workload labeling,long-tail --pairs 2
     python scripts/bench.py --model qwen-0.5b --device cuda --dtype bfloat16   # on a GPU
+    python scripts/bench.py --sweep-max-num-seqs 1,4,16,64,256   # latency against throughput
 
 For each workload (a Parquet file of `id`, `prompt`, `max_new_tokens`; EOS ignored, so every
 engine does the same work):
@@ -17,6 +18,11 @@ Every run is a fresh process (`batchgen run` via its CLI; the baseline via its s
 timed from start to exit, peak RSS from wait4. Outputs are compared token for token with
 batchgen's (greedy). batchgen's own `_stats.json` gives the per-phase times and the
 compute shares; the floor is the job's matmul FLOPs at this machine's measured matmul rate.
+
+With --sweep-max-num-seqs, no baseline runs: `batchgen run` runs once per value of
+--max-num-seqs, and the sweep prints output tokens/s against p50/p99 TPOT and TTFT (from each
+run's _stats.json) and saves the curve as a PNG (--sweep-png, default WORKDIR/sweep-NAME.png):
+the latency/throughput trade-off of the batch size.
 """
 
 from __future__ import annotations
@@ -229,6 +235,67 @@ def bench_workload(a, name: str, model: Path, root: Path, matmul_flops: float) -
     }
 
 
+def sweep_workload(a, name: str, model: Path, root: Path) -> dict:
+    """One `batchgen run` per --max-num-seqs value: throughput against TPOT and TTFT."""
+    vocab = bench_models.SHAPES[a.model].config["vocab_size"]
+    data = root / f"{name}.parquet"
+    pq.write_table(pa.table(make_workload(name, a.rows, vocab)), data)
+    (root / "logs").mkdir(exist_ok=True)
+    points = []
+    for v in (int(x) for x in a.sweep_max_num_seqs.split(",")):
+        out = root / f"{name}-seqs-{v}"
+        cmd = [*batchgen_cmd(a, model, data, out), "--max-num-seqs", str(v)]
+        r = timed(cmd, root / "logs" / f"{name}-seqs-{v}.log")
+        s = json.loads((out / "_stats.json").read_text())
+        point = {"max_num_seqs": v, "wall_s": r["wall_s"], "out_tok_s": s["output_tokens_per_s"]}
+        for key in ("ttft_s", "tpot_s"):
+            point.update({f"{key[:4]}_{q}_s": s[key][q] for q in ("p50", "p99")})
+        points.append(point)
+    png = a.sweep_png or root / f"sweep-{name}.png"
+    plot_sweep(points, png, f"{a.model}, {name}, {a.rows} rows, {a.device} {a.dtype}")
+    return {"workload": name, "rows": a.rows, "sweep": points, "png": str(png)}
+
+
+def plot_sweep(points: list[dict], path: Path, title: str) -> None:
+    """TPOT and TTFT (p50 solid, p99 dashed) against output tokens/s, each point labelled
+    with its max_num_seqs."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 3.6), dpi=80, layout="constrained")
+    fig.suptitle(title)
+    x = [p["out_tok_s"] for p in points]
+    for i, key in enumerate(("tpot", "ttft")):
+        ax = fig.add_subplot(1, 2, i + 1)
+        for q, style in (("p50", "-o"), ("p99", "--o")):
+            ax.plot(x, [p[f"{key}_{q}_s"] * 1e3 for p in points], style, label=q)
+        for p in points:
+            ax.annotate(str(p["max_num_seqs"]), (p["out_tok_s"], p[f"{key}_p50_s"] * 1e3))
+        ax.set(xlabel="output tokens/s", ylabel=f"{key.upper()} (ms)", yscale="log")
+        ax.set_title(f"{key.upper()} against throughput (labels: --max-num-seqs)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize="small")
+    fig.savefig(path)
+
+
+def sweep_markdown(report: dict) -> str:
+    lines = [f"## {report['date']} · {report['machine']}", "", f"`{report['command']}`", ""]
+    for w in report["workloads"]:
+        lines += [
+            f"### {w['workload']}: {w['rows']} rows ({w['png']})",
+            "",
+            "| max_num_seqs | wall s | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms |",
+            "|---|---|---|---|---|",
+        ]
+        for p in w["sweep"]:
+            lines.append(
+                f"| {p['max_num_seqs']} | {p['wall_s']:.1f} | {p['out_tok_s']:.1f} "
+                f"| {p['ttft_p50_s'] * 1e3:.0f} / {p['ttft_p99_s'] * 1e3:.0f} "
+                f"| {p['tpot_p50_s'] * 1e3:.1f} / {p['tpot_p99_s'] * 1e3:.1f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def markdown(report: dict) -> str:
     lines = [f"## {report['date']} · {report['machine']}", "", f"`{report['command']}`", ""]
     for w in report["workloads"]:
@@ -282,6 +349,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench")
     p.add_argument("--out", type=Path, default=None, help="JSON report")
     p.add_argument("--markdown", type=Path, default=None, help="append the markdown here")
+    p.add_argument(
+        "--sweep-max-num-seqs",
+        default=None,
+        help="e.g. 1,4,16,64,256: one batchgen run per value (no baselines); throughput "
+        "against p50/p99 TPOT and TTFT, printed and plotted",
+    )
+    p.add_argument("--sweep-png", type=Path, default=None, help="the sweep's plot (one workload)")
     return p.parse_args(argv)
 
 
@@ -292,7 +366,8 @@ def main(argv=None) -> dict:
 
     a.workdir.mkdir(parents=True, exist_ok=True)
     model = bench_models.cached(a.model, a.dtype, a.device)
-    ceilings = roofline.measure(a.device, getattr(torch, a.dtype))
+    sweeping = a.sweep_max_num_seqs is not None
+    ceilings = None if sweeping else roofline.measure(a.device, getattr(torch, a.dtype))
     report = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, load "
@@ -300,14 +375,18 @@ def main(argv=None) -> dict:
         "command": "python scripts/bench.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": a.model,
-        "matmul_flops": ceilings.matmul_flops,
+        "matmul_flops": ceilings.matmul_flops if ceilings else None,
         "workloads": [],
     }
     for name in a.workload.split(","):
-        report["workloads"].append(bench_workload(a, name, model, a.workdir, ceilings.matmul_flops))
+        if sweeping:
+            report["workloads"].append(sweep_workload(a, name, model, a.workdir))
+        else:
+            flops = ceilings.matmul_flops
+            report["workloads"].append(bench_workload(a, name, model, a.workdir, flops))
         if a.out:
             a.out.write_text(json.dumps(report, indent=1))
-    text = markdown(report)
+    text = sweep_markdown(report) if sweeping else markdown(report)
     print(text)
     if a.markdown:
         with a.markdown.open("a") as f:

@@ -21,115 +21,17 @@ which is what the comparison should show.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
+# The ceilings' probe and the per-token costs live in the package (batchgen/stats/probe.py,
+# stats/roofline.py), which uses them for MFU and MBU in every run's _stats.json.
+from batchgen.stats.probe import Ceilings, measure
+from batchgen.stats.roofline import ModelCost
 
-def _timed(fn: Callable[[], None], device: torch.device, reps: int, warmup: int = 2) -> float:
-    """Fastest of reps timed calls of fn, after warmup calls: a ceiling is the best the
-    machine did, and on a shared machine the median mostly measures the neighbours."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def _copy_seconds(n: int, device: torch.device, reps: int) -> float:
-    src = torch.randn(n, device=device)  # random, never zeros (they can run faster)
-    dst = torch.empty_like(src)
-    seconds = _timed(lambda: dst.copy_(src), device, reps)
-    assert torch.equal(dst[-1024:], src[-1024:]), "copy did not write its output"
-    return seconds
-
-
-def _matmul_seconds(n: int, dtype: torch.dtype, device: torch.device, reps: int) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    return _timed(lambda: torch.mm(a, b), device, reps)
-
-
-@dataclass(slots=True)
-class Ceilings:
-    device: str
-    dtype: str
-    bandwidth_Bps: float  # bytes read + written per second, large copy
-    matmul_flops: float  # FLOP/s of an n x n x n matmul in dtype
-    copy_bytes: int
-    matmul_n: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def measure(
-    device: str | torch.device,
-    dtype: torch.dtype,
-    copy_bytes: int | None = None,
-    matmul_n: int | None = None,
-    reps: int = 10,
-) -> Ceilings:
-    """Measure both ceilings; sizes default to well past the caches of each device type."""
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    copy_bytes = copy_bytes or (2 << 30 if cuda else 256 << 20)
-    matmul_n = matmul_n or (8192 if cuda else 1024)
-    n = copy_bytes // 4
-    copy_s = _copy_seconds(n, device, reps)
-    mm_s = _matmul_seconds(matmul_n, dtype, device, reps if cuda else 3)
-    if cuda:
-        torch.cuda.empty_cache()
-    return Ceilings(
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
-        bandwidth_Bps=2 * n * 4 / copy_s,
-        matmul_flops=2 * matmul_n**3 / mm_s,
-        copy_bytes=n * 4,
-        matmul_n=matmul_n,
-    )
-
-
-@dataclass(slots=True, frozen=True)
-class ModelCost:
-    """What one token costs a decoder, from its architecture."""
-
-    layer_params: int  # all decoder-block matrices
-    head_params: int  # the LM head (vocab x dim), read every step even when tied
-    kv_bytes_per_token: int  # all layers, K and V
-    attn_width: int  # layers * heads * head_dim: attention FLOPs scale with it
-    dtype_bytes: int
-
-    @classmethod
-    def from_config(cls, cfg, dtype_bytes: int, weight_bytes: int | None = None) -> ModelCost:
-        """cfg: a batchgen ModelConfig."""
-        attn = cfg.dim * cfg.qkv_dim + cfg.n_heads * cfg.head_dim * cfg.dim
-        mlp = (3 if cfg.gated_mlp else 2) * cfg.dim * cfg.intermediate_size
-        return cls(
-            layer_params=cfg.n_layers * (attn + mlp),
-            head_params=cfg.vocab_size * cfg.dim,
-            kv_bytes_per_token=cfg.kv_bytes_per_token(dtype_bytes),
-            attn_width=cfg.n_layers * cfg.n_heads * cfg.head_dim,
-            dtype_bytes=dtype_bytes,
-        )
-
-    @property
-    def weight_bytes(self) -> int:
-        """Weights a decode step must read."""
-        return (self.layer_params + self.head_params) * self.dtype_bytes
+__all__ = ["Bound", "Ceilings", "ModelCost", "decode_bound", "measure", "prefill_bound"]
 
 
 @dataclass(slots=True)

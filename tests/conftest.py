@@ -8,6 +8,17 @@ from tiny_models import FAMILIES, save_tiny_model
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_peak_probe(tmp_path_factory):
+    """No run measures the CPU's peaks (a second each) or reads the user's cached ones: MFU
+    and MBU are left out unless a test passes peaks or probes on purpose (test_metrics.py)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("BATCHGEN_NO_PEAK_PROBE", "1")
+    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny random checkpoint per supported family, saved with transformers."""

@@ -152,7 +152,7 @@ def test_bench_tp_on_tiny_model(tmp_path):
         "1",
         "--out",
         out,
-        env={"BATCHGEN_BENCH_CACHE": str(tmp_path / "models")},
+        env={"BATCHGEN_BENCH_CACHE": str(tmp_path / "models"), "BATCHGEN_NO_PEAK_PROBE": "1"},
     )
     report = json.loads(out.read_text())
     assert [x["tp"] for x in report["runs"]] == [1, 2, 1, 2]
@@ -163,3 +163,35 @@ def test_bench_tp_on_tiny_model(tmp_path):
     assert all(x["rows_differing"] <= 1 for x in report["runs"])  # a near-tie may part
     assert report["slowdown"] > 0 and len(report["pair_ratios"]) == 2
     assert "TP/TP=1 wall time, medians" in r.stdout
+
+
+@pytest.mark.slow  # two whole `batchgen run` processes: ~20 s
+def test_bench_sweep_over_max_num_seqs_on_tiny_model(tmp_path):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    r = _script(
+        "bench.py",
+        "--model",
+        "tiny-llama",
+        "--rows",
+        "6",
+        "--workload",
+        "mixed",
+        "--sweep-max-num-seqs",
+        "1,4",
+        "--sweep-png",
+        png,
+        "--workdir",
+        tmp_path / "work",
+        "--threads",
+        "1",
+        "--out",
+        out,
+        env={"BATCHGEN_BENCH_CACHE": str(tmp_path / "models"), "BATCHGEN_NO_PEAK_PROBE": "1"},
+    )
+    (w,) = json.loads(out.read_text())["workloads"]
+    assert [p["max_num_seqs"] for p in w["sweep"]] == [1, 4]
+    for p in w["sweep"]:
+        assert p["out_tok_s"] > 0 and p["wall_s"] > 0
+        assert 0 < p["ttft_p50_s"] <= p["ttft_p99_s"] and 0 < p["tpot_p50_s"] <= p["tpot_p99_s"]
+    assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size < 100_000
+    assert "| max_num_seqs | wall s | out tok/s |" in r.stdout and "| 4 |" in r.stdout

@@ -2,7 +2,8 @@
 
 - decode-only steps run as CUDA graphs, one per padded decode batch size, and a second
   pass over the same shapes compiles nothing (zero recompiles in steady state);
-- a run's stats carry NVML samples (GPU name, utilisation, memory);
+- a run's stats carry NVML samples (GPU name, utilisation, memory, memory-controller load),
+  peaks from the GPU table and MFU/MBU in (0, 1];
 - greedy bf16 output agrees with transformers' bf16 generate within bf16's tolerance;
 - every quantized path the support table lists for CUDA produces output and does
   not recompile.
@@ -208,6 +209,16 @@ def test_run_stats_have_nvml_samples(model_dir, tmp_path):
     assert stats["rows"] == 16 and stats["decode_live_share"] == 1.0  # eager: no padded rows
     written = json.loads(next((tmp_path / "out").glob("*stats*.json")).read_text())
     assert written["gpu_name"] == stats["gpu_name"]
+    # issue 21: NVML's memory-controller load (power where the board reports it), the peaks
+    # from the GPU table by name, MFU and MBU against them, latency percentiles
+    assert stats["gpu_mem_util_mean_pct"] is not None and stats["gpu_mem_total_bytes"] > 0
+    from batchgen.stats.peaks import gpu_peaks
+
+    if gpu_peaks(stats["gpu_name"]) is not None:
+        assert stats["peak_source"].startswith("table: ")
+        assert 0 < stats["mfu"] <= 1 and 0 < stats["mbu"] <= 1
+    p = stats["ttft_s"]
+    assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["max"]
 
 
 def test_bf16_greedy_agrees_with_transformers(llm, model_dir):

@@ -13,6 +13,7 @@ Layers, bottom up (a package may import its own modules and any lower layer):
     llm                the Python API: a model loaded and an engine over it
     runner             running one job: request stream -> engine -> writer
     scaleout           shards over worker processes or a Slurm array, and their merge
+    report             `batchgen report`: an output directory's metrics as one HTML page
     cli                the command line
     batchgen/__init__, __main__
 """
@@ -36,6 +37,7 @@ LAYERS = [
     ("llm",),
     ("runner",),
     ("scaleout",),
+    ("report",),
     ("cli",),
     ("__init__", "__main__"),
 ]

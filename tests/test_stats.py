@@ -58,6 +58,18 @@ FIELDS = (
     "prefix_caching",
     "quantization",
     "complete",
+    "ttft_s",
+    "tpot_s",
+    "latency_s",
+    "latency_histograms",
+    "mfu",
+    "mbu",
+    "peak_flops",
+    "peak_bandwidth",
+    "peak_source",
+    "model_flops",
+    "decode_bytes_read",
+    "started_unix",
 )
 GONE = ("padding_efficiency", "batches", "schedule", "prefix_tokens_saved")
 

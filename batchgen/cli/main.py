@@ -71,6 +71,7 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
             return
         if cfg.workers != 1:  # one process per GPU (or N on the CPU) over shards, then merged
             click.echo(run_workers(cfg).table())
+            click.echo(f"plots and metrics: batchgen report {cfg.output}")
             return
         stats = run(cfg)
     except UsageError as e:
@@ -81,6 +82,7 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
         _fail(str(e), 128 + e.signum)
     if not cfg.quiet:
         click.echo(f"\nwrote {cfg.output_dir}\n{stats.table()}")
+        click.echo(f"plots and metrics: batchgen report {cfg.output_dir}")
     else:
         d = stats.to_dict()
         rate = (
@@ -222,6 +224,23 @@ def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
     except RuntimeFailure as e:
         _fail(str(e), 1)
     click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else summary.table())
+
+
+@main.command("report")
+@click.argument("output")
+def report_cmd(output: str) -> None:
+    """Write OUTPUT/report.html: the run's metrics (throughput and batch over time, TTFT, TPOT
+    and latency distributions, the roofline of its steps, the stats table) as one
+    self-contained page. For a sharded output, run `batchgen merge OUTPUT` first."""
+    from batchgen.report.page import write_report
+
+    try:
+        path = write_report(output)
+    except UsageError as e:
+        _fail(str(e), EXIT_USAGE)
+    except RuntimeFailure as e:
+        _fail(str(e), 1)
+    click.echo(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -199,6 +199,21 @@ def run_options(f):
                 help="Add a logprobs column (log-probability of each generated token).",
             ),
             _opt(
+                "--with-timings",
+                is_flag=True,
+                help="Add queued_s, ttft_s, latency_s and tpot_s columns: each row's (each sample's) seconds from entering the engine's queue to its first and last token, and per output token after the first.",
+            ),
+            _opt(
+                "--peak-tflops",
+                type=float,
+                help="The device's peak TFLOP/s for MFU in _stats.json. Default: a table of known GPUs (x --tensor-parallel-size), measured once on the CPU.",
+            ),
+            _opt(
+                "--peak-bandwidth-gbs",
+                type=float,
+                help="The device's peak memory bandwidth in GB/s for MBU. Default: as --peak-tflops.",
+            ),
+            _opt(
                 "--output-format",
                 help="openai: also write OUTPUT/results.jsonl, OpenAI batch output lines in input order (OpenAI batch input only).",
             ),

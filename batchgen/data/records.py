@@ -18,7 +18,11 @@ from batchgen.errors import InputError
 _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 # Names an input column cannot keep in the output: the result row already has them. The id
 # column keeps its input name (`id` for row numbers), so it is reserved only for the passthrough.
-RESERVED_COLUMNS = frozenset({"sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs"})
+# --with-timings: each row's seconds (stats/latency.py says what they are)
+TIMING_COLUMNS = ("queued_s", "ttft_s", "latency_s", "tpot_s")
+RESERVED_COLUMNS = frozenset(
+    {"sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs", *TIMING_COLUMNS}
+)
 SCORE_COLUMNS = frozenset({"label", "scores"})  # a score job's results, in place of text
 
 
@@ -62,6 +66,7 @@ class RecordShape:
     as_list: bool = False  # a record per row, its samples' fields as lists
     with_token_ids: bool = False
     with_logprobs: bool = False
+    with_timings: bool = False
 
     def schema(self, id_type: pa.DataType, passthrough: pa.Schema) -> pa.Schema:
         return output_schema(
@@ -73,10 +78,14 @@ class RecordShape:
             id_column=self.id_column,
             score=self.score,
             as_list=self.as_list,
+            with_timings=self.with_timings,
         )
 
-    def record(self, row: Row, result: Result | None) -> dict[str, Any]:
-        """The record of a row: its result, or its error (result None or result.error set)."""
+    def record(
+        self, row: Row, result: Result | None, timings: dict[str, float | None] | None = None
+    ) -> dict[str, Any]:
+        """The record of a row: its result, or its error (result None or result.error set);
+        timings: its TIMING_COLUMNS, kept with with_timings (None: nulls)."""
         ok = result is not None and result.error is None
         rec = {self.id_column: row.id, **row.passthrough}
         if row.sample_index is not None:
@@ -97,6 +106,8 @@ class RecordShape:
             rec["token_ids"] = result.token_ids if ok else None
         if self.with_logprobs:
             rec["logprobs"] = result.logprobs if ok else None
+        if self.with_timings:
+            rec.update(timings or dict.fromkeys(TIMING_COLUMNS))
         return rec
 
 
@@ -122,6 +133,7 @@ def output_schema(
     id_column: str = DEFAULT_ID_COLUMN,
     score: bool = False,
     as_list: bool = False,
+    with_timings: bool = False,
 ) -> pa.Schema:
     """The one definition of a result row: the id under its input column's name (and
     sample_index, for n samples a row), passthrough input columns, generation fields (a
@@ -158,6 +170,8 @@ def output_schema(
         fields.append(pa.field("token_ids", pa.list_(pa.int32())))
     if with_logprobs:
         fields.append(pa.field("logprobs", pa.list_(pa.float32())))
+    if with_timings:
+        fields += [pa.field(c, pa.float64()) for c in TIMING_COLUMNS]
     if as_list:
         fields = [
             pa.field(f.name, pa.list_(f.type)) if f.name in LIST_FIELDS else f for f in fields
@@ -166,7 +180,14 @@ def output_schema(
 
 
 # A sample's own fields: gathered into lists (in sample order) by SampleLists.
-LIST_FIELDS = ("text", "finish_reason", "completion_tokens", "token_ids", "logprobs")
+LIST_FIELDS = (
+    "text",
+    "finish_reason",
+    "completion_tokens",
+    "token_ids",
+    "logprobs",
+    *TIMING_COLUMNS,
+)
 
 
 class SampleLists:

@@ -8,6 +8,8 @@ Layout of an output directory:
     part-00001.parquet   ...
     _stats.json          run statistics (throughput, timings, memory); the leading
                          underscore makes Parquet readers skip it, like _SUCCESS
+    _steps.parquet       one row per engine step of the last run (stats/steps.py)
+    report.html          `batchgen report`'s page, when asked for
     _SUCCESS             written last, once every row has a result
 
 Exactly-once: a part either exists complete under its final name or not at all, so the ids in
@@ -44,11 +46,14 @@ STATS_FILE = "_stats.json"
 SUCCESS_FILE = "_SUCCESS"
 LOCK_FILE = "_lock"
 RESULTS_FILE = "results.jsonl"  # OpenAI batch output lines (--output-format openai)
+STEPS_FILE = "_steps.parquet"  # one row per engine step (stats/steps.py)
+REPORT_FILE = "report.html"  # `batchgen report`'s page
 _PART_RE = re.compile(r"part-(\d+)\.parquet")
 # What write_atomic's mkstemp names look like: TMP_PREFIX, the final name, "." and a random tail.
 # Any other ".tmp-..." entry is not ours, so it is neither deleted nor taken as a sign of ownership.
 _TMP_RE = re.compile(
-    r"\.tmp-(part-\d+\.parquet|_job\.json|_stats\.json|_SUCCESS|results\.jsonl)\.\w+"
+    r"\.tmp-(part-\d+\.parquet|_job\.json|_stats\.json|_steps\.parquet|_SUCCESS|results\.jsonl"
+    r"|report\.html)\.\w+"
 )
 
 
@@ -221,7 +226,8 @@ def _part_name(n: int) -> str:
 
 def _is_ours(name: str) -> bool:
     return (
-        name in (JOB_FILE, STATS_FILE, SUCCESS_FILE, LOCK_FILE, RESULTS_FILE)
+        name
+        in (JOB_FILE, STATS_FILE, STEPS_FILE, SUCCESS_FILE, LOCK_FILE, RESULTS_FILE, REPORT_FILE)
         or _TMP_RE.fullmatch(name) is not None
         or _PART_RE.fullmatch(name) is not None
     )

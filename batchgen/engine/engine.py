@@ -16,6 +16,7 @@ blocks. The request completes, with each candidate's log-probability, when all h
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ from batchgen.engine.sequence import (
     StepPlan,
     StepReport,
 )
+from batchgen.engine.step_cost import context_tokens
 from batchgen.engine.stopping import Detokenize, tokens_to_keep, trim_at_stop
 
 
@@ -68,6 +70,7 @@ class Engine:
         self.scheduler: Scheduler | None = None  # made with the pool, at the first request
         self.kv_pool: KVPool | None = None  # the KV cache as allocated, at the first request
         self._candidates: dict[Sequence, tuple[_ScoredRow, int]] = {}  # seq -> (row, which)
+        self._window = runner.model.cfg.sliding_window  # attention's reach, for step_cost
 
     def _start(self, first: list[Request]) -> Scheduler:
         """Size and allocate the KV pool (from the first requests on the CPU), once."""
@@ -132,12 +135,15 @@ class Engine:
         ) or self._check_constraint(r)
         if error is not None:
             return Completion(r.index, [], FinishReason.ERROR, r.prompt_len, error=error)
+        now = time.perf_counter()  # queue entry: a row's timings count from here
         if not r.candidates:
-            self.scheduler.add(r)
+            self.scheduler.add(r).queued_at = now
             return None
         row = _ScoredRow(r, [None] * len(parts))
         for j, part in enumerate(parts):
-            self._candidates[self.scheduler.add(part)] = (row, j)
+            seq = self.scheduler.add(part)
+            seq.queued_at = now
+            self._candidates[seq] = (row, j)
         return None
 
     def _size_error(self, r: Request, longest: Request) -> str | None:
@@ -168,6 +174,11 @@ class Engine:
         sched, constrainer = self.scheduler, self.constrainer
         bitmask = constrainer.bitmask(plan, self.runner.device) if constrainer else None
         sampled, scored, timing = self.runner.execute(plan, bitmask)
+        # The runner has read the sampled tokens back (its one host sync): the step has ended.
+        now = time.perf_counter()
+        for s in plan.scheduled:
+            if s.samples and not s.seq.first_token_at:
+                s.seq.first_token_at = now
         finished = sched.update(plan, sampled, scored)
         if bitmask is not None:  # grammars take the new tokens; one that accepted EOS ends
             live = [s.seq for s in plan.scheduled if s.samples and s.seq not in finished]
@@ -193,7 +204,7 @@ class Engine:
             for seq in finished:
                 constrainer.release(seq)
         return StepReport(
-            finished=[c for seq in finished if (c := self._completion(seq)) is not None],
+            finished=[c for seq in finished if (c := self._completion(seq, now)) is not None],
             prompt_tokens=sum(s.num_tokens for s in plan.prefills),
             cached_tokens=sum(seq.num_cached_prompt for seq in plan.admitted),
             decode_rows=len(plan.decodes),
@@ -206,12 +217,20 @@ class Engine:
             cache_hits=plan.cache_hits,
             new_shape=timing.new_shape,
             collective_seconds=timing.collective_seconds,
+            at=now,
+            logits_rows=plan.num_sampled + sum(map(len, scored)),
+            sampled=plan.num_sampled,
+            context_tokens=context_tokens(plan, self._window),
+            waiting=sched.num_waiting,
+            kv_blocks_used=sched.pool.num_usable - sched.pool.num_free,
+            kv_blocks_free=sched.pool.num_free,
         )
 
-    def _completion(self, seq: Sequence) -> Completion | None:
-        """seq's completion; for a scored candidate, its row's once every candidate is in."""
+    def _completion(self, seq: Sequence, now: float) -> Completion | None:
+        """seq's completion (finished in the step that ended at `now`); for a scored
+        candidate, its row's once every candidate is in."""
         if seq.request.scoring:
-            return self._scored_completion(seq)
+            return self._scored_completion(seq, now)
         if seq.finish_reason is FinishReason.ERROR:
             return Completion(
                 seq.request.index, [], FinishReason.ERROR, seq.prompt_len, error=seq.error
@@ -230,9 +249,12 @@ class Engine:
             text=text,
             logprobs=logprobs,
             cached_tokens=seq.num_cached_prompt,
+            queued_at=seq.queued_at,
+            first_token_at=seq.first_token_at or now,
+            finished_at=now,
         )
 
-    def _scored_completion(self, seq: Sequence) -> Completion | None:
+    def _scored_completion(self, seq: Sequence, now: float) -> Completion | None:
         row, j = self._candidates.pop(seq)
         row.scores[j] = sum(seq.logprobs)
         row.cached_tokens += seq.num_cached_prompt
@@ -246,4 +268,7 @@ class Engine:
             prompt_tokens=r.prompt_len,
             cached_tokens=row.cached_tokens,
             scores=row.scores,
+            queued_at=seq.queued_at,  # a score row's "first token" is its scores
+            first_token_at=now,
+            finished_at=now,
         )

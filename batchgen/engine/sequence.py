@@ -104,6 +104,10 @@ class Completion:
     logprobs: list[float] | None = None  # of each generated token
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     scores: list[float] | None = None  # score task: log P(candidate | prompt), per candidate
+    # time.perf_counter() stamps at step boundaries (0.0: never, e.g. a row refused at once)
+    queued_at: float = 0.0  # the request entered the engine's queue
+    first_token_at: float = 0.0  # the step that sampled its first token ended
+    finished_at: float = 0.0  # the step that finished it ended
 
     @property
     def completion_tokens(self) -> int:
@@ -135,6 +139,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     keep: int | None = None  # generated tokens kept when a stop string cut the output
     error: str | None = None  # why it ended with FinishReason.ERROR
+    queued_at: float = 0.0  # perf_counter when it entered the queue
+    first_token_at: float = 0.0  # perf_counter at the end of the step sampling its first token
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -218,6 +224,14 @@ class StepReport:
     cache_hits: int = 0  # of which found
     new_shape: bool = False  # the step ran a compiled shape for the first time
     collective_seconds: float = 0.0  # of seconds, in tensor-parallel collectives (where timed)
+    # for the step timeline and the roofline (engine/step_cost.py)
+    at: float = 0.0  # time.perf_counter() when the step ended
+    logits_rows: int = 0  # positions that went through the LM head (sampled or scored)
+    sampled: int = 0  # tokens sampled (decodes and prompts' first tokens)
+    context_tokens: int = 0  # sum over computed tokens of the keys each attended to
+    waiting: int = 0  # sequences waiting (not admitted, or preempted) after the step
+    kv_blocks_used: int = 0  # blocks held by sequences after the step
+    kv_blocks_free: int = 0  # blocks free (cached prefixes that may be evicted included)
 
 
 @dataclass(slots=True, frozen=True)

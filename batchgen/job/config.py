@@ -77,6 +77,7 @@ class RunConfig:
     flush_seconds: float = 60.0  # write a part at least this often, bounding work lost to a kill
     with_token_ids: bool = False
     with_logprobs: bool = False
+    with_timings: bool = False  # queued_s, ttft_s, latency_s, tpot_s columns
     output_format: OutputFormat = OutputFormat.PARQUET
     overwrite: bool = False
     quiet: bool = False
@@ -84,6 +85,9 @@ class RunConfig:
     threads: int | None = None  # CPU threads for torch; None: torch's default (all cores)
     workers: int | str = 1  # processes over shards of the input; "auto": one per visible GPU
     tensor_parallel_size: int = 1  # ranks (GPUs) one model is split over; each worker has its own
+    # the hardware's peaks for MFU/MBU; None: the GPU table's, or measured on the CPU
+    peak_tflops: float | None = None
+    peak_bandwidth_gbs: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -71,6 +71,8 @@ RUN_ONLY_OPTIONS = frozenset(
         "threads",
         "output_format",
         "tensor_parallel_size",
+        "peak_tflops",
+        "peak_bandwidth_gbs",
     }
 )
 
@@ -110,6 +112,8 @@ def options_fingerprint(cfg: RunConfig) -> dict[str, Any]:
         del out["task"]
     if not cfg.n_as_list:  # and jobs of a record per sample
         del out["n_as_list"]
+    if not cfg.with_timings:  # and jobs without timing columns
+        del out["with_timings"]
     if cfg.shard:  # and unsharded runs
         out["shard"] = str(cfg.shard)
     else:

@@ -144,6 +144,7 @@ class Preparer:
             as_list=self.as_list,
             with_token_ids=self.cfg.with_token_ids,
             with_logprobs=self.cfg.with_logprobs,
+            with_timings=self.cfg.with_timings,
         )
 
     def output_schema(self) -> pa.Schema:

@@ -16,17 +16,21 @@ import torch
 
 from batchgen.choices import OutputFormat
 from batchgen.data import InputSource, OutputDir, PartBuffer
+from batchgen.data.atomic import write_atomic
 from batchgen.data.openai_output import write_results
 from batchgen.data.reader import OpenAIBatchSource
 from batchgen.data.records import Row, SampleLists
-from batchgen.data.writer import RESULTS_FILE
+from batchgen.data.writer import RESULTS_FILE, STEPS_FILE
 from batchgen.engine.sequence import Request
 from batchgen.errors import JobInterrupted
 from batchgen.job.config import RunConfig
 from batchgen.job.fingerprint import job_fingerprint
 from batchgen.job.open import Job, open_job
 from batchgen.llm import LLM
+from batchgen.stats.latency import row_timings
 from batchgen.stats.nvml import NvmlSampler
+from batchgen.stats.peaks import resolve_peaks
+from batchgen.stats.roofline import ModelCost
 from batchgen.stats.run_stats import RunInfo, RunStats, peak_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -88,7 +92,10 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
     t0 = time.perf_counter()
     llm = job_scope.enter_context(LLM.from_spec(spec))  # closed (its ranks ended) at the end
     info = _run_info(llm)
-    stats.loaded(info, time.perf_counter() - t0)
+    load_s = time.perf_counter() - t0
+    tp = spec.tensor_parallel_size
+    peaks = resolve_peaks(spec.device, spec.dtype, cfg.peak_tflops, cfg.peak_bandwidth_gbs, tp)
+    stats.loaded(info, load_s, _model_cost(llm, info), peaks)
     # The model, quantization scheme and adapter travel with every part file, not only _stats.json.
     meta = {"model": info.model, "dtype": info.dtype, "quantization": info.quantization}
     meta["id_column"] = shape.id_column
@@ -124,6 +131,15 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
                 yield dataclasses.replace(r, index=n)
                 n += 1
 
+    def flush() -> None:
+        """The finished rows into a part file, and the step timeline so far."""
+        buffer.flush()
+        if len(stats.timeline):
+            write_atomic(out.path, STEPS_FILE, stats.timeline.write)
+
+    def timings(c) -> dict | None:
+        return row_timings(c, stats.started) if shape.with_timings else None
+
     last_flush = time.monotonic()
     complete = False
     # Signals stay deferred until the results are flushed and marked: a SIGTERM during the
@@ -135,11 +151,12 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
                 if report.finished:
                     finished = [rows.pop(c.index) for c in report.finished]
                     pairs = zip(finished, report.finished, strict=True)
-                    buffer.add(gather(finished, [shape.record(r, c) for r, c in pairs]))
+                    records = [shape.record(r, c, timings(c)) for r, c in pairs]
+                    buffer.add(gather(finished, records))
                     progress.update(len(finished))
-                    progress.set_postfix_str(f"{stats.rate(stats.output_tokens):.0f} out tok/s")
+                    progress.set_postfix_str(_postfix(stats, report), refresh=False)
                 if time.monotonic() - last_flush > cfg.flush_seconds:
-                    buffer.flush()
+                    flush()
                     last_flush = time.monotonic()
                 if signals:
                     raise JobInterrupted(signals[0])
@@ -147,7 +164,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
                 raise RuntimeError(f"{lists.pending} rows still wait for samples at the end")
             complete = True
         finally:
-            buffer.flush()  # on a signal too: every finished row is kept
+            flush()  # on a signal too: every finished row is kept
             progress.close()
             gpu = nvml.stop() if nvml is not None else None
             stats.finish(complete, peak_memory_bytes(device), llm.engine.kv_pool, gpu)
@@ -175,6 +192,23 @@ def _run_info(llm: LLM) -> RunInfo:
         tensor_parallel_size=spec.tensor_parallel_size,
         weights_bytes_per_rank=llm.weights_bytes_per_rank,
     )
+
+
+def _model_cost(llm: LLM, info: RunInfo) -> ModelCost:
+    """What the job's tokens cost (stats/roofline.py). A decode step reads every weight but
+    the input embedding, a gather of a few rows (unless it is also the LM head)."""
+    cfg, dtype_bytes = llm.spec.model_cfg, llm.spec.dtype.itemsize
+    weights = info.weights_bytes_per_rank * info.tensor_parallel_size
+    if not cfg.tie_embeddings:
+        weights -= cfg.vocab_size * cfg.dim * dtype_bytes
+    return ModelCost.from_config(cfg, dtype_bytes, weights)
+
+
+def _postfix(stats: RunStats, report) -> str:
+    """The progress bar's: output tokens/s and the KV cache in use."""
+    used, free = report.kv_blocks_used, report.kv_blocks_free
+    kv = f", KV {used / (used + free):.0%}" if used + free else ""
+    return f"{stats.rate(stats.output_tokens):.0f} out tok/s{kv}"
 
 
 def _write_openai_results(out: OutputDir, job: Job) -> None:

@@ -11,7 +11,9 @@ and `merge(OUT)` adds
     OUT/merged.parquet   every shard's rows in one file (shard 0's parts first, then shard 1's,
                          ...: grouped by shard, not in input order), same columns as the parts
                          (the id column under its input name, as in _job.json's id_column)
-    OUT/_stats.json      totals, throughput and a per-shard table
+    OUT/_stats.json      totals, throughput and a per-shard table; latency percentiles,
+                         MFU and MBU over all shards (merge_metrics.py)
+    OUT/_steps.parquet   every shard's step timeline on one clock, for `batchgen report`
     OUT/_SUCCESS         written last
 
 Nothing is merged unless every shard 0..N-1 has its _SUCCESS, all shards agree on N, and their
@@ -35,6 +37,7 @@ from batchgen.data.atomic import write_atomic
 from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE
 from batchgen.errors import MergeError
+from batchgen.scaleout.merge_metrics import merge_steps, merged_metrics
 from batchgen.scaleout.shard_report import (
     IncompleteOutput,
     MergeSummary,
@@ -105,7 +108,9 @@ def merge(out: str | os.PathLike[str], write_data: bool = True) -> MergeSummary:
     else:
         _merge_parts(reports, None)
     summary = MergeSummary(root, reports, root / MERGED_FILE if write_data else None)
-    write_atomic(root, STATS_FILE, lambda f: f.write(_json(summary.to_dict())))
+    stats = {**summary.to_dict(), **merged_metrics(reports)}
+    merge_steps(reports, root)
+    write_atomic(root, STATS_FILE, lambda f: f.write(_json(stats)))
     write_atomic(root, SUCCESS_FILE, lambda f: None)
     return summary
 

@@ -1,9 +1,23 @@
-"""GPU utilisation and memory sampled from NVML in a background thread."""
+"""GPU utilisation, memory, memory-controller load and power sampled from NVML in a background
+thread, so the engine's thread never waits on the driver.
+
+What NVML's numbers are: `util.gpu` ("SM %" in the table) is the share of the sample period
+in which at least one kernel ran, not how many SMs were busy; `util.memory` is the share in
+which device memory was being read or written (the memory controller's load), not bandwidth
+used; power is the board's draw in milliwatts. Each query is tried on its own: a GPU that does
+not report power (some do not) still reports the rest.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
+from typing import Any
+
+
+def _mean(xs: list) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 @dataclass(slots=True)
@@ -12,17 +26,41 @@ class GpuSamples:
     util_pct: list[int] = field(default_factory=list)
     mem_used_bytes: list[int] = field(default_factory=list)
     mem_total_bytes: int = 0
+    mem_util_pct: list[int] = field(default_factory=list)  # memory controller busy
+    power_mw: list[int] = field(default_factory=list)
 
     def summary(self) -> dict:
-        n = len(self.util_pct)
         return {
             "gpu_name": self.name,
-            "gpu_samples": n,
-            "gpu_util_mean_pct": sum(self.util_pct) / n if n else None,
+            "gpu_samples": len(self.util_pct),
+            "gpu_util_mean_pct": _mean(self.util_pct),
             "gpu_util_max_pct": max(self.util_pct, default=None),
+            "gpu_mem_used_mean_bytes": _mean(self.mem_used_bytes),
             "gpu_mem_used_max_bytes": max(self.mem_used_bytes, default=None),
             "gpu_mem_total_bytes": self.mem_total_bytes,
+            "gpu_mem_util_mean_pct": _mean(self.mem_util_pct),
+            "gpu_mem_util_max_pct": max(self.mem_util_pct, default=None),
+            "gpu_power_mean_w": m / 1e3 if (m := _mean(self.power_mw)) is not None else None,
+            "gpu_power_max_w": max(self.power_mw) / 1e3 if self.power_mw else None,
         }
+
+
+def gpu_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
+    """The printed table's GPU lines from a summary (nothing without samples)."""
+    if d.get("gpu_util_mean_pct") is None:
+        return []
+    rows = [("GPU SM % mean/max", f"{d['gpu_util_mean_pct']:.0f}% / {d['gpu_util_max_pct']}%")]
+    used, total = d["gpu_mem_used_max_bytes"], d["gpu_mem_total_bytes"]
+    share = f" ({used / total:.0%} of {total / 2**30:.1f} GiB)" if total else ""
+    rows.append(("GPU memory max", f"{used / 2**30:.2f} GiB{share}"))
+    if d.get("gpu_mem_util_mean_pct") is not None:
+        mem = f"{d['gpu_mem_util_mean_pct']:.0f}% / {d['gpu_mem_util_max_pct']}%"
+        rows.append(("GPU memory busy mean/max", mem))
+    if d.get("gpu_power_mean_w") is not None:
+        rows.append(
+            ("GPU power mean/max", f"{d['gpu_power_mean_w']:.0f} W / {d['gpu_power_max_w']:.0f} W")
+        )
+    return rows
 
 
 class NvmlSampler:
@@ -65,10 +103,17 @@ class NvmlSampler:
                 return
 
     def _sample(self, handle) -> None:
-        util = self._nvml.nvmlDeviceGetUtilizationRates(handle)
-        mem = self._nvml.nvmlDeviceGetMemoryInfo(handle)
-        self.samples.util_pct.append(int(util.gpu))
-        self.samples.mem_used_bytes.append(int(mem.used))
+        nvml, s = self._nvml, self.samples
+        try:
+            util = nvml.nvmlDeviceGetUtilizationRates(handle)
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+        except Exception:  # a transient driver error: skip this sample
+            return
+        s.util_pct.append(int(util.gpu))
+        s.mem_util_pct.append(int(util.memory))
+        s.mem_used_bytes.append(int(mem.used))
+        with contextlib.suppress(Exception):  # power: not supported on some boards
+            s.power_mw.append(int(nvml.nvmlDeviceGetPowerUsage(handle)))
 
     def stop(self) -> dict | None:
         if self._thread is None:

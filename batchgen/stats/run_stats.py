@@ -1,19 +1,25 @@
 """Run statistics, built from values: what ran (`RunInfo`, once the model is loaded), the sum
-of the engine's step reports (`add_step`), the rows that became error records before the
-engine (`add_error_rows`), and what the run ended with (`finish`: the KV pool, peak memory,
-the GPU's samples). Derived rates are properties; `to_dict` is _stats.json, `table` the
-printed summary."""
+of the engine's step reports (`add_step`: counts, the rows' latencies (latency.py), model
+FLOPs and bytes (roofline.py), the step timeline (steps.py)), the rows that became error
+records before the engine (`add_error_rows`), and what the run ended with (`finish`: the KV
+pool, peak memory, the GPU's samples). Derived rates are properties; `to_dict` is
+_stats.json, `table` the printed summary."""
 
 from __future__ import annotations
 
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
 
 from batchgen.engine.sequence import KVPool, StepReport
+from batchgen.stats.latency import Latencies
+from batchgen.stats.nvml import gpu_rows
+from batchgen.stats.peaks import Peaks
+from batchgen.stats.roofline import ModelCost, Roofline
+from batchgen.stats.steps import StepRecorder
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -76,11 +82,28 @@ class RunStats:
     gpu: dict[str, Any] | None = None  # NVML's samples (nvml.GpuSamples.summary)
     complete: bool = False
     started: float = field(default_factory=time.perf_counter)
+    started_unix: float = field(default_factory=time.time)  # to line shards up in a merge
     wall_s: float = 0.0
+    latencies: Latencies = field(default_factory=Latencies)
+    roofline: Roofline | None = None  # once the model is loaded
+    peaks: Peaks | None = None
+    timeline: StepRecorder | None = None
 
-    def loaded(self, info: RunInfo, seconds: float) -> None:
-        """The model is loaded (in `seconds`): what runs from here on."""
+    def __post_init__(self) -> None:
+        self.timeline = StepRecorder(self.started)
+
+    def loaded(
+        self,
+        info: RunInfo,
+        seconds: float,
+        cost: ModelCost | None = None,
+        peaks: Peaks | None = None,
+    ) -> None:
+        """The model is loaded (in `seconds`): what runs from here on, what its tokens cost
+        and the hardware's peaks."""
         self.info, self.load_s = info, seconds
+        self.roofline = Roofline(cost) if cost is not None else None
+        self.peaks = peaks
 
     def add_error_rows(self, n: int) -> None:
         """Rows that became error records before reaching the engine."""
@@ -93,8 +116,13 @@ class RunStats:
         self.rows_error += sum(c.error is not None for c in r.finished)
         self.prompt_tokens += sum(c.prompt_tokens for c in r.finished)
         self.output_tokens += sum(c.completion_tokens for c in r.finished)
+        for c in r.finished:
+            self.latencies.add(c)
         if not (r.prompt_tokens or r.decode_rows):  # only rows rejected before running
             return
+        self.timeline.add(r)
+        if self.roofline is not None:
+            self.roofline.add(r)
         self.steps += 1
         self.decode_steps += not r.prefill
         self.computed_prompt_tokens += r.prompt_tokens
@@ -151,7 +179,16 @@ class RunStats:
     def to_dict(self) -> dict[str, Any]:
         """_stats.json: the counts, the derived rates, what ran and what it ended with."""
         skip = ("started", "info", "kv_pool", "gpu", "openai_unsupported_fields")
-        d = {k: v for k, v in asdict(self).items() if k not in skip}
+        skip += ("latencies", "roofline", "peaks", "timeline")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        d.update(self.latencies.summary())  # ttft_s, tpot_s, latency_s: {p50, ..., max}
+        d["latency_histograms"] = self.latencies.to_dict()
+        peaks = self.peaks or Peaks(None, None, "unknown")
+        d.update(peaks.to_dict())
+        if self.roofline is not None:
+            d.update(self.roofline.summary(peaks.flops, peaks.bandwidth))
+        d.setdefault("mfu", None)
+        d.setdefault("mbu", None)
         d.update(
             rows_per_s=self.rate(self.rows),
             prompt_tokens_per_s=self.rate(self.prompt_tokens),
@@ -193,9 +230,14 @@ class RunStats:
             ("decode rows live", f"{self.decode_live_share:.1%} ({self.preemptions} preemptions)"),
             ("peak memory", f"{self.peak_memory_bytes / 2**20:.0f} MiB"),
         ]
-        if d.get("gpu_util_mean_pct") is not None:
-            util = f"{d['gpu_util_mean_pct']:.0f}% / {d['gpu_util_max_pct']}%"
-            rows.append(("GPU util mean/max", util))
-            rows.append(("GPU memory max", f"{d['gpu_mem_used_max_bytes'] / 2**30:.2f} GiB"))
+        for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("latency_s", "latency")):
+            if d[key]["p50"] is not None:
+                p = d[key]
+                ms = " / ".join(f"{p[q] * 1e3:.1f}" for q in ("p50", "p90", "p99"))
+                rows.append((f"{name} p50/p90/p99", f"{ms} ms"))
+        if d["mfu"] is not None or d["mbu"] is not None:
+            pct = [f"{d[k]:.2%}" if d[k] is not None else "-" for k in ("mfu", "mbu")]
+            rows.append(("MFU / MBU", f"{pct[0]} / {pct[1]} (peaks: {d['peak_source']})"))
+        rows += gpu_rows(d)
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

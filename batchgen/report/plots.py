@@ -1,0 +1,206 @@
+"""The report's plots, drawn with matplotlib's object API (a `Figure` per plot, no pyplot
+state, the Agg renderer): throughput over time, rows and KV blocks over time, the latency
+distributions against the usual targets, and each step's time against its tokens under the
+compute and bandwidth ceilings (the roofline view of MFU and MBU).
+
+Long runs have millions of steps: time series are averaged into at most `BINS` bins and the
+roofline scatter keeps every k-th step, so a plot costs the same for any run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from batchgen.stats.latency import LOW, RATIO, LogHistogram
+
+BINS = 120  # time bins of the series plots
+MAX_POINTS = 20_000  # steps drawn in the roofline scatter
+# Production targets often quoted: TTFT under 500 ms, more than 20 tok/s per user (TPOT
+# under 50 ms), P99 latency under 5 s for 200-token responses.
+TARGETS = {"ttft_s": 0.5, "tpot_s": 0.05, "latency_s": 5.0}
+NAMES = {"ttft_s": "time to first token", "tpot_s": "time per output token", "latency_s": "latency"}
+
+
+def _seconds(x: float, _pos: object = None, precise: bool = False) -> str:
+    """A tick or label in ms below a second, in s above (3 significant digits if precise)."""
+    fmt = ".3g" if precise else "g"
+    return f"{x * 1e3:{fmt}} ms" if x < 1 else f"{x:{fmt}} s"
+
+
+def _figure(width: float = 9.0, height: float = 3.6) -> Figure:
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def _binned(
+    t: list[float], values: dict[str, list[float]], rate: bool
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Bin centres over the steps' span and each series per bin: its sum per second (rate),
+    or its mean over the bin's steps (bins without a step left out). About 8 steps a bin at
+    least, so a short run's rates are not one step's noise."""
+    start, end = min(t), max(t)
+    n = max(1, min(BINS, len(t) // 8))
+    width = (end - start) / n or 1.0
+    sums = {k: [0.0] * n for k in values}
+    counts = [0] * n
+    for i, x in enumerate(t):
+        b = min(n - 1, int((x - start) / width))
+        counts[b] += 1
+        for k, v in values.items():
+            sums[k][b] += v[i]
+    keep = [b for b in range(n) if rate or counts[b]]
+    centres = [start + (b + 0.5) * width for b in keep]
+    if rate:
+        return centres, {k: [v[b] / width for b in keep] for k, v in sums.items()}
+    return centres, {k: [v[b] / counts[b] for b in keep] for k, v in sums.items()}
+
+
+def throughput(steps: dict[str, list]) -> Figure:
+    fig = _figure()
+    ax = fig.add_subplot()
+    t, rates = _binned(
+        steps["t_s"],
+        {
+            "decode": steps.get("sampled_tokens", steps["decode_rows"]),
+            "prefill": steps["prefill_tokens"],
+        },
+        rate=True,
+    )
+    ax.plot(t, rates["decode"], color="tab:blue", label="output tokens/s (tokens sampled)")
+    ax.set(xlabel="seconds since the job started", ylabel="output tokens / s")
+    ax.set_title("Throughput over time")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    prompt = ax.twinx()
+    prompt.plot(
+        t, rates["prefill"], color="tab:orange", alpha=0.6, label="prompt tokens/s computed"
+    )
+    prompt.set(ylabel="prompt tokens / s")
+    prompt.set_ylim(bottom=0)
+    _legend(ax, prompt)
+    return fig
+
+
+def _legend(*axes) -> None:
+    handles = [h for ax in axes for h in ax.get_legend_handles_labels()[0]]
+    labels = [x for ax in axes for x in ax.get_legend_handles_labels()[1]]
+    axes[0].legend(handles, labels, loc="best", fontsize="small")
+
+
+def occupancy(steps: dict[str, list]) -> Figure:
+    fig = _figure()
+    ax = fig.add_subplot()
+    used, free = steps["kv_blocks_used"], steps["kv_blocks_free"]
+    pct = [100 * u / (u + f) if u + f else 0.0 for u, f in zip(used, free, strict=True)]
+    t, means = _binned(
+        steps["t_s"],
+        {"rows": steps["decode_rows"], "waiting": steps["waiting"], "kv": pct},
+        rate=False,
+    )
+    ax.plot(t, means["rows"], color="tab:blue", label="decoding rows")
+    ax.plot(t, means["waiting"], color="tab:gray", alpha=0.7, label="waiting rows")
+    ax.set(
+        xlabel="seconds since the job started", ylabel="rows", title="Batch and KV cache over time"
+    )
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    kv = ax.twinx()
+    kv.plot(t, means["kv"], color="tab:red", label="KV blocks used (%)")
+    kv.set(ylabel="KV blocks used (%)", ylim=(0, 105))
+    _legend(ax, kv)
+    return fig
+
+
+def distributions(stats: dict[str, Any]) -> Figure:
+    fig = _figure(12.0, 3.4)
+    hists = stats.get("latency_histograms") or {}
+    for i, key in enumerate(("ttft_s", "tpot_s", "latency_s")):
+        ax = fig.add_subplot(1, 3, i + 1)
+        ax.set(title=NAMES[key], xlabel="seconds (log scale)", ylabel="rows")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(_seconds))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.grid(alpha=0.3)
+        if key not in hists or not hists[key]["counts"]:
+            ax.text(0.5, 0.5, "no rows", ha="center", transform=ax.transAxes)
+            continue
+        h = LogHistogram.from_dict(hists[key])
+        # 1% buckets, 10 to a bar: ~10% wide on the log axis
+        bars: dict[int, int] = {}
+        for j, c in h.counts.items():
+            bars[j // 10] = bars.get(j // 10, 0) + c
+        lo, hi = min(bars), max(bars)
+        counts = [bars.get(b, 0) for b in range(lo, hi + 1)]
+        edges = [LOW * RATIO ** (10 * b) for b in range(lo, hi + 2)]
+        ax.stairs(counts, edges, fill=True, alpha=0.6, color="tab:blue")
+        s = h.summary()
+        ax.axvline(
+            s["p50"], color="black", ls="--", lw=1, label=f"p50 {_seconds(s['p50'], precise=True)}"
+        )
+        ax.axvline(
+            s["p99"], color="black", ls=":", lw=1, label=f"p99 {_seconds(s['p99'], precise=True)}"
+        )
+        target = TARGETS[key]
+        ax.axvline(target, color="tab:red", lw=1.5, label=f"target {_seconds(target)}")
+        ax.set_xlim(min(edges[0], target) / 1.5, max(edges[-1], target) * 1.5)
+        ax.legend(fontsize="x-small", loc="upper left")
+    return fig
+
+
+def roofline(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
+    fig = _figure(9.0, 4.2)
+    ax = fig.add_subplot()
+    n = len(steps["t_s"])
+    k = max(1, n // MAX_POINTS)
+    tokens = [d + p for d, p in zip(steps["decode_rows"], steps["prefill_tokens"], strict=True)]
+    for prefill, colour, label in (
+        (False, "tab:blue", "decode-only steps"),
+        (True, "tab:orange", "steps with prefill"),
+    ):
+        idx = [i for i in range(0, n, k) if (steps["prefill_tokens"][i] > 0) == prefill]
+        ax.scatter(
+            [tokens[i] for i in idx],
+            [steps["step_s"][i] for i in idx],
+            s=6,
+            alpha=0.5,
+            color=colour,
+            label=label,
+        )
+    ax.set(xscale="log", yscale="log", xlabel="tokens computed in the step", ylabel="step time")
+    ax.yaxis.set_major_formatter(FuncFormatter(_seconds))
+    ax.set_title("Step time against tokens per step, under the hardware's ceilings")
+    flops, bw = stats.get("peak_flops"), stats.get("peak_bandwidth")
+    per_token, weights = stats.get("model_flops_per_token"), stats.get("weights_read_bytes")
+    if flops and bw and per_token and weights and tokens:
+        xs = [1.0, max(tokens) * 2.0]
+        xs = [xs[0] * (xs[1] / xs[0]) ** (i / 50) for i in range(51)]
+        compute = [per_token * x / flops for x in xs]
+        memory = weights / bw
+        ax.plot(
+            xs, compute, color="tab:green", lw=1, ls="--", label="compute ceiling (FLOPs / peak)"
+        )
+        ax.axhline(
+            memory, color="tab:purple", lw=1, ls="--", label="bandwidth ceiling (weights / peak)"
+        )
+        ax.plot(
+            xs,
+            [max(c, memory) for c in compute],
+            color="black",
+            lw=1.5,
+            label="fastest possible step",
+        )
+    else:
+        ax.text(
+            0.02,
+            0.95,
+            "no peaks known: pass --peak-tflops / --peak-bandwidth-gbs",
+            transform=ax.transAxes,
+            va="top",
+            fontsize="small",
+        )
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small", loc="lower right")
+    return fig

@@ -1,0 +1,82 @@
+"""The shards' metrics as one job's: latency percentiles from the sum of their histograms,
+MFU and MBU over all their step time, and one step timeline.
+
+Each shard ran on its own device, so a merged MFU is the FLOPs of all shards over what their
+devices could have done in their step time, sum(FLOPs) / sum(step seconds x peak), which is
+the step-time-weighted mean of the shards' MFUs (MBU likewise over decode time and bandwidth).
+The timeline puts every shard's steps on one clock: a step's `t_s` plus its shard's start
+(`started_unix` in its _stats.json) less the earliest shard's, with a `shard` column.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchgen.data.atomic import write_atomic
+from batchgen.data.writer import STEPS_FILE
+from batchgen.scaleout.shard_report import ShardReport
+from batchgen.stats.latency import Latencies
+
+# Per-token costs: the same model in every shard, taken from the first.
+_SAME = ("model_flops_per_token", "weights_read_bytes", "kv_bytes_per_token")
+
+
+def merged_metrics(reports: list[ShardReport]) -> dict[str, Any]:
+    """_stats.json's latency, roofline and peak keys for the shards together."""
+    stats = [r.stats for r in reports if r.stats]
+    lat = Latencies()
+    for s in stats:
+        if "latency_histograms" in s:
+            lat.merge(Latencies.from_dict(s["latency_histograms"]))
+    out: dict[str, Any] = {**lat.summary(), "latency_histograms": lat.to_dict()}
+    out["rows_skipped_done"] = sum(s.get("rows_skipped_done", 0) for s in stats)
+    out.update({k: stats[0].get(k) for k in _SAME} if stats else {})
+    out.update(_utilisation(stats))
+    return out
+
+
+def _utilisation(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    def ratio(work: str, seconds: str, peak: str) -> float | None:
+        done = sum(s.get(work) or 0 for s in stats)
+        possible = sum((s.get(seconds) or 0) * (s.get(peak) or 0) for s in stats)
+        if any(s.get(peak) is None for s in stats) or not possible:
+            return None  # a shard without a known peak: no whole-job figure
+        return done / possible
+
+    peaks = {(s.get("peak_flops"), s.get("peak_bandwidth"), s.get("peak_source")) for s in stats}
+    flops, bw, source = peaks.pop() if len(peaks) == 1 else (None, None, "differs by shard")
+    return {
+        "model_flops": sum(s.get("model_flops") or 0 for s in stats),
+        "decode_bytes_read": sum(s.get("decode_bytes_read") or 0 for s in stats),
+        "mfu": ratio("model_flops", "model_flops_s", "peak_flops"),
+        "mbu": ratio("decode_bytes_read", "decode_bytes_s", "peak_bandwidth"),
+        "peak_flops": flops,
+        "peak_bandwidth": bw,
+        "peak_source": source,
+    }
+
+
+def merge_steps(reports: list[ShardReport], root: str | os.PathLike[str]) -> int:
+    """Write root/_steps.parquet from the shards' (on one clock, with a shard column); the
+    number of steps. Nothing is written when no shard has a timeline."""
+    tables = []
+    starts = [r.stats.get("started_unix") for r in reports]
+    first = min((s for s in starts if s is not None), default=0.0)
+    for r, start in zip(reports, starts, strict=True):
+        path = r.path / STEPS_FILE
+        if not path.exists():
+            continue
+        t = pq.read_table(path)
+        shifted = pc.add(t.column("t_s"), (start or first) - first)
+        t = t.set_column(0, "t_s", shifted)
+        tables.append(t.append_column("shard", pa.array([r.shard.index] * t.num_rows, pa.int32())))
+    if not tables:
+        return 0
+    merged = pa.concat_tables(tables).sort_by("t_s")
+    write_atomic(root, STEPS_FILE, lambda f: pq.write_table(merged, f))
+    return merged.num_rows

@@ -1,0 +1,129 @@
+"""The hardware's peak FLOP/s and memory bandwidth, the denominators of MFU and MBU.
+
+On a CUDA GPU they come from a table of datasheet figures looked up by the device's name (as
+NVML and torch report it): dense BF16/FP16 tensor-core FLOP/s (no 2:4 sparsity) and memory
+bandwidth; sources in docs/metrics.md. With tensor parallelism a job has tensor_parallel_size
+GPUs, so its peaks are the table's times that. On the CPU there is no datasheet to trust: a
+short probe (stats/probe.py: a matmul and a large copy, about a second) measures them once per
+machine, thread count and dtype, cached in ~/.cache/batchgen/peaks.json ($XDG_CACHE_HOME).
+`--peak-tflops` / `--peak-bandwidth-gbs` override either; BATCHGEN_NO_PEAK_PROBE=1 skips the
+probe (MFU and MBU are then left out where no peak is known).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# (words of the device name, all of which must appear; TFLOP/s dense bf16; GB/s; label).
+# The first match wins, so the more specific names come first.
+GPU_PEAKS: tuple[tuple[tuple[str, ...], float, float, str], ...] = (
+    (("H200",), 989.0, 4800.0, "NVIDIA H200 SXM"),
+    (("H100", "PCIE"), 756.0, 2000.0, "NVIDIA H100 PCIe"),
+    (("H100", "NVL"), 835.0, 3900.0, "NVIDIA H100 NVL"),
+    (("H100",), 989.0, 3350.0, "NVIDIA H100 SXM"),
+    (("A100", "80GB", "PCIE"), 312.0, 1935.0, "NVIDIA A100 80GB PCIe"),
+    (("A100", "80GB"), 312.0, 2039.0, "NVIDIA A100 80GB SXM"),
+    (("A100",), 312.0, 1555.0, "NVIDIA A100 40GB"),
+    (("L40S",), 362.0, 864.0, "NVIDIA L40S"),
+    (("A10G",), 70.0, 600.0, "NVIDIA A10G"),
+    (("L4",), 121.0, 300.0, "NVIDIA L4"),
+    (("RTX 4090",), 165.2, 1008.0, "NVIDIA GeForce RTX 4090"),
+)
+NO_PROBE_ENV = "BATCHGEN_NO_PEAK_PROBE"
+
+
+@dataclass(frozen=True, slots=True)
+class Peaks:
+    flops: float | None  # FLOP/s the job's devices can do together
+    bandwidth: float | None  # bytes/s of their memory together
+    source: str  # where each came from, for _stats.json
+
+    def to_dict(self) -> dict:
+        return {
+            "peak_flops": self.flops,
+            "peak_bandwidth": self.bandwidth,
+            "peak_source": self.source,
+        }
+
+
+def gpu_peaks(name: str) -> tuple[float, float, str] | None:
+    """(FLOP/s, bytes/s, label) of a GPU by its device name, or None if not in the table."""
+    upper = name.upper()
+    for keys, tflops, gbs, label in GPU_PEAKS:  # whole words: an L40 is not an L4
+        if all(re.search(rf"\b{re.escape(k)}\b", upper) for k in keys):
+            return tflops * 1e12, gbs * 1e9, label
+    return None
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "batchgen" / "peaks.json"
+
+
+def cpu_peaks(dtype: torch.dtype) -> tuple[float, float, str] | None:
+    """The CPU's measured (FLOP/s, bytes/s, source), from the cache or a probe; None when
+    the probe is switched off and nothing is cached."""
+    from batchgen.stats.probe import measure
+
+    key = f"{platform.node()}|{platform.machine()}|threads={torch.get_num_threads()}|{dtype}"
+    path = _cache_file()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        hit = cache[key]
+        return hit["matmul_flops"], hit["bandwidth_Bps"], f"probe (cached in {path})"
+    if os.environ.get(NO_PROBE_ENV):
+        return None
+    c = measure("cpu", dtype, copy_bytes=128 << 20, matmul_n=1024, reps=3)
+    cache[key] = c.to_dict()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cache, indent=2))
+    except OSError as e:  # a read-only home: measure again next time
+        log.warning("cannot cache the peak probe in %s: %s", path, e)
+    return c.matmul_flops, c.bandwidth_Bps, "probe (measured now)"
+
+
+def resolve_peaks(
+    device: torch.device,
+    dtype: torch.dtype,
+    tflops: float | None = None,
+    bandwidth_gbs: float | None = None,
+    tensor_parallel_size: int = 1,
+) -> Peaks:
+    """The job's peaks: the given ones, else the GPU table's (x tensor_parallel_size), else
+    the CPU probe's."""
+    flops = tflops * 1e12 if tflops else None
+    bw = bandwidth_gbs * 1e9 if bandwidth_gbs else None
+    given = "--peak-tflops/--peak-bandwidth-gbs"
+    if flops and bw:
+        return Peaks(flops, bw, given)
+    found, where = None, "unknown"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        found = gpu_peaks(name)
+        if found is not None:
+            size = tensor_parallel_size
+            found = (found[0] * size, found[1] * size, f"table: {found[2]} x {size}")
+        else:
+            where = f"unknown GPU {name!r}: pass --peak-tflops and --peak-bandwidth-gbs"
+    else:
+        found = cpu_peaks(dtype)
+    if found is not None:
+        where = found[2]
+    source = where if not (flops or bw) else f"{given} and {where}"
+    return Peaks(
+        flops or (found[0] if found else None), bw or (found[1] if found else None), source
+    )

@@ -1,0 +1,109 @@
+"""Model FLOPs and bytes counted from the architecture, step by step: MFU and MBU.
+
+FLOPs of a step (the whole model, over all tensor-parallel ranks), from its StepReport:
+
+    2 * layer_params * tokens          every computed token through every decoder matrix
+  + 4 * layers * heads * head_dim * C  attention: Q.K^T and P.V over C, the sum over computed
+                                       tokens of the keys each attends to (engine/step_cost.py)
+  + 2 * vocab * dim * logits_rows      the LM head, only for positions whose logits are used
+
+Prefix-cache hits are not computed, so they do not count; nor do padding rows of a compiled
+shape, nor steps that compiled a new shape (their time is compile time). MFU = the FLOPs over
+the engine's step time (prefill_s + decode_s) / peak FLOP/s.
+
+Bytes a decode-only step must read: every weight once at its stored precision (the input
+embedding excepted where it is not the LM head: a gather of a few rows) plus the KV cache the
+decoding rows attend to, kv_bytes_per_token * C. MBU is the time-weighted mean over decode
+steps of bytes / step time / peak bandwidth, which is sum(bytes) / decode_s / peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.engine.sequence import StepReport
+from batchgen.model.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCost:
+    """What one token costs a decoder, from its architecture."""
+
+    layer_params: int  # all decoder-block matrices
+    head_params: int  # the LM head (vocab x dim)
+    kv_bytes_per_token: int  # all layers, K and V
+    attn_width: int  # layers * heads * head_dim: attention FLOPs per key attended, / 4
+    weight_bytes: int  # weights a decode step reads, at their stored precision
+
+    @classmethod
+    def from_config(
+        cls, cfg: ModelConfig, dtype_bytes: int, weight_bytes: int | None = None
+    ) -> ModelCost:
+        """dtype_bytes: the KV cache's (the activations'); weight_bytes: the weights a decode
+        step reads (default: the decoder blocks and the LM head at dtype_bytes)."""
+        attn = cfg.dim * cfg.qkv_dim + cfg.n_heads * cfg.head_dim * cfg.dim
+        mlp = (3 if cfg.gated_mlp else 2) * cfg.dim * cfg.intermediate_size
+        layer_params = cfg.n_layers * (attn + mlp)
+        head_params = cfg.vocab_size * cfg.dim
+        if weight_bytes is None:
+            weight_bytes = (layer_params + head_params) * dtype_bytes
+        return cls(
+            layer_params=layer_params,
+            head_params=head_params,
+            kv_bytes_per_token=cfg.kv_bytes_per_token(dtype_bytes),
+            attn_width=cfg.n_layers * cfg.n_heads * cfg.head_dim,
+            weight_bytes=weight_bytes,
+        )
+
+    def flops(self, tokens: int, context_tokens: int, logits_rows: int) -> int:
+        return (
+            2 * self.layer_params * tokens
+            + 4 * self.attn_width * context_tokens
+            + 2 * self.head_params * logits_rows
+        )
+
+    def decode_bytes(self, context_tokens: int) -> int:
+        return self.weight_bytes + self.kv_bytes_per_token * context_tokens
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "model_flops_per_token": 2 * (self.layer_params + self.head_params),
+            "weights_read_bytes": self.weight_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+        }
+
+
+@dataclass(slots=True)
+class Roofline:
+    """The sum of the counted steps' FLOPs and time, and of the decode steps' bytes."""
+
+    cost: ModelCost
+    flops: int = 0
+    seconds: float = 0.0  # of the counted steps
+    decode_bytes: int = 0
+    decode_seconds: float = 0.0
+
+    def add(self, r: StepReport) -> None:
+        if r.new_shape or r.seconds <= 0:  # a compile: not the model's speed
+            return
+        tokens = r.decode_rows + r.prompt_tokens
+        self.flops += self.cost.flops(tokens, r.context_tokens, r.logits_rows)
+        self.seconds += r.seconds
+        if not r.prefill:
+            self.decode_bytes += self.cost.decode_bytes(r.context_tokens)
+            self.decode_seconds += r.seconds
+
+    def summary(self, peak_flops: float | None, peak_bandwidth: float | None) -> dict[str, Any]:
+        """_stats.json's model_flops, decode_bytes_read, mfu and mbu (None where unknown)."""
+        achieved = self.flops / self.seconds if self.seconds else None
+        bw = self.decode_bytes / self.decode_seconds if self.decode_seconds else None
+        return {
+            **self.cost.to_dict(),
+            "model_flops": self.flops,
+            "model_flops_s": self.seconds,
+            "decode_bytes_read": self.decode_bytes,
+            "decode_bytes_s": self.decode_seconds,
+            "mfu": achieved / peak_flops if achieved and peak_flops else None,
+            "mbu": bw / peak_bandwidth if bw and peak_bandwidth else None,
+        }

@@ -1,0 +1,79 @@
+"""`batchgen report OUT`: a self-contained page from a run's or a merged job's metrics; merge
+combines the shards' latency histograms, MFU/MBU and step timelines."""
+
+import re
+
+import pyarrow.parquet as pq
+from helpers import (
+    EAGER,
+    assert_one_line_error,
+    prompts,
+    read_stats,
+    run_cli,
+    run_job,
+    write_parquet,
+)
+
+PEAKS = ("--peak-tflops", 1, "--peak-bandwidth-gbs", 10)
+
+
+def _check_page(path) -> str:
+    page = path.read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    # self-contained: every image inline, nothing fetched
+    assert not re.search(r"""(src|href)=["']?(https?:|//)""", page)
+    assert len(re.findall(r'<img alt="" src="data:image/png;base64,', page)) == 4
+    for words in ("TTFT p50 / p90 / p99 / max", "MFU", "Roofline", "Batch and KV cache"):
+        assert words in page, words
+    return page
+
+
+def test_run_prints_the_hint_and_report_writes_the_page(model, tmp_path):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(12)})
+    out = tmp_path / "out"
+    flags = ("--model", model, *EAGER, "--with-timings", "--max-num-seqs", 4, *PEAKS)
+    r = run_cli("run", src, "-o", out, *flags)
+    assert f"plots and metrics: batchgen report {out}" in r.stdout
+    r = run_cli("report", out)
+    assert r.stdout.strip() == f"wrote {out / 'report.html'}"
+    page = _check_page(out / "report.html")
+    stats = read_stats(out)
+    assert f"{stats['mfu']:.2%}" in page
+    # report.html is the output's own file: a rerun finds the job complete, --overwrite clears it
+    run_cli("run", src, "-o", out, *flags)
+    run_cli("run", src, "-o", out, *flags, "--overwrite", "--limit", 2)
+    assert not (out / "report.html").exists()
+
+
+def test_report_names_the_fix_when_there_is_nothing_to_report(tmp_path):
+    r = run_cli("report", tmp_path, exit_code=2)
+    assert_one_line_error(r, "_stats.json not found", "batchgen run")
+    (tmp_path / "shard-00000-of-00002").mkdir()
+    r = run_cli("report", tmp_path, exit_code=2)
+    assert_one_line_error(r, f"batchgen merge {tmp_path}")
+
+
+def test_merged_shards_report_as_one_job(model, tmp_path):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(10)})
+    out = tmp_path / "out"
+    for i in range(2):
+        run_job(src, out, model, "--shard", f"{i}/2", "--max-new-tokens", 5, *PEAKS)
+    shards = [read_stats(out / f"shard-0000{i}-of-00002") for i in range(2)]
+    run_cli("merge", out)
+    stats = read_stats(out)
+    hist = stats["latency_histograms"]["latency_s"]
+    assert sum(hist["counts"].values()) == stats["rows"] == 10
+    assert stats["ttft_s"]["p50"] <= stats["ttft_s"]["p99"] <= stats["ttft_s"]["max"]
+    assert stats["latency_s"]["max"] == max(s["latency_s"]["max"] for s in shards)
+    assert stats["model_flops"] == sum(s["model_flops"] for s in shards)
+    flops_s = sum(s["model_flops_s"] for s in shards)
+    assert abs(stats["mfu"] - stats["model_flops"] / flops_s / 1e12) < 1e-12
+    assert 0 < stats["mbu"] <= 1 and stats["peak_flops"] == 1e12
+    steps = pq.read_table(out / "_steps.parquet").to_pydict()
+    assert len(steps["t_s"]) == sum(s["steps"] for s in shards)
+    assert sorted(set(steps["shard"])) == [0, 1] and steps["t_s"] == sorted(steps["t_s"])
+    # the later shard's steps come after the earlier one's start on the one clock
+    assert min(t for t, s in zip(steps["t_s"], steps["shard"], strict=True) if s == 1) > 0
+    run_cli("report", out)
+    page = _check_page(out / "report.html")
+    assert "2 shards merged" in page
