@@ -24,7 +24,7 @@ import torch
 
 from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.constraints import Constrainer, ConstraintError, Grammars
+from batchgen.engine.constraints import Constrainer, ConstraintError, Grammars, Verdict
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import (
@@ -37,6 +37,9 @@ from batchgen.engine.sequence import (
     StepReport,
 )
 from batchgen.engine.stopping import Detokenize, tokens_to_keep, trim_at_stop
+
+# The note of a constrained row cut at max_new_tokens: its text is kept, but it is no answer.
+INCOMPLETE = "output cut at max_new_tokens; it does not complete the constraint"
 
 
 @dataclass(slots=True)
@@ -170,18 +173,7 @@ class Engine:
         sampled, scored, timing = self.runner.execute(plan, bitmask)
         finished = sched.update(plan, sampled, scored)
         if bitmask is not None:  # grammars take the new tokens; one that accepted EOS ends
-            live = [s.seq for s in plan.scheduled if s.samples and s.seq not in finished]
-            ended, refused = constrainer.accept(live)
-            for seq in ended:
-                sched.finish(seq, FinishReason.STOP)
-                finished.append(seq)
-            for seq in refused:  # that row fails; the job goes on
-                seq.error = (
-                    f"the grammar library refused token {seq.token_ids[-1]}, which its own mask "
-                    "allowed (a grammar library bug); rerun the row with another seed"
-                )
-                sched.finish(seq, FinishReason.ERROR)
-                finished.append(seq)
+            self._judge_constrained(plan, finished)
         for s in plan.scheduled:  # stop strings: on the host, for the rows that have them
             seq = s.seq
             if s.samples and seq.params.stop and seq not in finished:
@@ -208,6 +200,33 @@ class Engine:
             collective_seconds=timing.collective_seconds,
         )
 
+    def _judge_constrained(self, plan: StepPlan, finished: list[Sequence]) -> None:
+        """Feed the constrained rows their new tokens: a row whose grammar ended finishes
+        `stop`; one that cannot go on (its mask was empty) or whose token the matcher refused
+        fails; one cut at max_new_tokens short of a complete match is marked incomplete."""
+        sched = self.scheduler
+        rows = [s.seq for s in plan.scheduled if s.samples]
+        for seq, verdict in self.constrainer.accept(rows).items():
+            done = seq in finished
+            if verdict is Verdict.ENDED and not done:
+                sched.finish(seq, FinishReason.STOP)
+                finished.append(seq)
+            elif verdict in (Verdict.STUCK, Verdict.REFUSED):  # that row fails; the job goes on
+                seq.error = (
+                    f"{seq.params.constraint.describe()} cannot be met: after "
+                    f"{seq.num_generated - 1} tokens no token of the vocabulary continues it"
+                    if verdict is Verdict.STUCK
+                    else f"the grammar library refused token {seq.token_ids[-1]}, which its own "
+                    "mask allowed (a grammar library bug); rerun the row with another seed"
+                )
+                if done:  # ended by the scheduler (EOS or length) on that token
+                    seq.finish_reason = FinishReason.ERROR
+                else:
+                    sched.finish(seq, FinishReason.ERROR)
+                    finished.append(seq)
+            elif seq.finish_reason is FinishReason.LENGTH and verdict is Verdict.GOING:
+                seq.error = INCOMPLETE
+
     def _completion(self, seq: Sequence) -> Completion | None:
         """seq's completion; for a scored candidate, its row's once every candidate is in."""
         if seq.request.scoring:
@@ -230,6 +249,7 @@ class Engine:
             text=text,
             logprobs=logprobs,
             cached_tokens=seq.num_cached_prompt,
+            error=seq.error if seq.finish_reason is FinishReason.LENGTH else None,
         )
 
     def _scored_completion(self, seq: Sequence) -> Completion | None:

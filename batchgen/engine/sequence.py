@@ -21,6 +21,7 @@ class ConstraintKind(str, enum.Enum):
 class Constraint:
     kind: ConstraintKind
     spec: str | tuple[str, ...]  # the choices (CHOICE) or the pattern / schema text
+    any_whitespace: bool = False  # JSON: free whitespace between tokens, not one space after , :
 
     def describe(self) -> str:
         if self.kind is ConstraintKind.CHOICE:

@@ -110,6 +110,8 @@ def options_fingerprint(cfg: RunConfig) -> dict[str, Any]:
         del out["task"]
     if not cfg.n_as_list:  # and jobs of a record per sample
         del out["n_as_list"]
+    if not cfg.json_any_whitespace:  # and jobs of compact JSON
+        del out["json_any_whitespace"]
     if cfg.shard:  # and unsharded runs
         out["shard"] = str(cfg.shard)
     else:
