@@ -5,7 +5,8 @@ Requests arrive as one stream. The engine keeps up to `read_ahead` of them waiti
 scheduler admits the longest first), pulling more from the stream as sequences are
 admitted, so nothing drains at a window boundary and a 10-million-row input is never held.
 The KV pool is sized and allocated at the first request (engine/config.py) and kept, with
-its prefix cache, across calls.
+its prefix cache, across calls. On the CPU it is sized from the longest row: of the whole job
+when the caller knows it (`reserve`), else of the first read-ahead.
 Every step's accounting comes back as a value (`StepReport`) for the caller to sum.
 
 A scored request (`Request.candidates`, the score task) runs as one sequence per candidate,
@@ -71,10 +72,18 @@ class Engine:
         self.scheduler: Scheduler | None = None  # made with the pool, at the first request
         self.kv_pool: KVPool | None = None  # the KV cache as allocated, at the first request
         self._candidates: dict[Sequence, tuple[_ScoredRow, int]] = {}  # seq -> (row, which)
+        self.job_longest = 0  # the caller's whole job's longest row (CPU pool sizing), if known
+
+    def reserve(self, longest: int) -> None:
+        """Size the pool (when it is sized from the job: on the CPU without kv_cache_tokens)
+        for rows of `longest` tokens, not only the first read-ahead's; before the first run."""
+        self.job_longest = max(self.job_longest, longest)
 
     def _start(self, first: list[Request]) -> Scheduler:
-        """Size and allocate the KV pool (from the first requests on the CPU), once."""
-        longest = max((p.max_tokens for r in first for p in self._expand(r)), default=1)
+        """Size and allocate the KV pool (on the CPU from the job's longest row, given to
+        `reserve`, or the first requests), once."""
+        longest = max((r.longest_tokens for r in first), default=self.job_longest or 1)
+        longest = max(longest, self.job_longest)
         longest = min(longest, self.runner.max_positions)
         free = self.runner.free_device_bytes()
         blocks = self.config.pool_blocks(longest, free, self.runner.kv_bytes_per_block())
@@ -93,7 +102,7 @@ class Engine:
         that cannot run (longer than the model's positions or the whole pool) comes back
         at once as an error completion."""
         stream = iter(requests)
-        if self.scheduler is None:  # the pool is sized from the first read-ahead
+        if self.scheduler is None:  # the pool is sized at the first read-ahead
             ahead = list(itertools.islice(stream, self.config.read_ahead))
             self.scheduler = self._start(ahead)
             stream = itertools.chain(ahead, stream)

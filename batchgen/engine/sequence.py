@@ -93,6 +93,14 @@ class Request:
         """Cache slots the request may need: prompt and generated tokens."""
         return self.prompt_len + (0 if self.scoring else self.params.max_new_tokens)
 
+    @property
+    def longest_tokens(self) -> int:
+        """Cache slots its longest sequence needs: max_tokens, or with candidates the prompt
+        and its longest candidate."""
+        if self.candidates:
+            return self.prompt_len + max(map(len, self.candidates))
+        return self.max_tokens
+
 
 @dataclass(slots=True)
 class Completion:

@@ -85,8 +85,11 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
         stats.finish(complete=True)
         return stats
 
+    longest = _job_longest_row(job, done)
     t0 = time.perf_counter()
-    llm = job_scope.enter_context(LLM.from_spec(spec))  # closed (its ranks ended) at the end
+    llm = job_scope.enter_context(LLM.from_spec(spec))
+    if longest is not None:  # a pool sized for every row, not only the first window's
+        llm.engine.reserve(longest)  # closed (its ranks ended) at the end
     info = _run_info(llm)
     stats.loaded(info, time.perf_counter() - t0)
     # The model, quantization scheme and adapter travel with every part file, not only _stats.json.
@@ -197,3 +200,16 @@ def _progress(cfg: RunConfig, num_rows: int | None):
     total = num_rows if cfg.limit is None else min(cfg.limit, num_rows or cfg.limit)
     total = total * cfg.n if total is not None else None  # records (an n column: approximate)
     return tqdm(total=total, unit="row", disable=cfg.quiet, dynamic_ncols=True, desc="batchgen")
+
+
+def _job_longest_row(job: Job, done: set) -> int | None:
+    """The job's longest row where the KV pool is sized from it (no --kv-cache-tokens, not
+    on a GPU) and the first read-ahead window may not hold every row: a pass over the input
+    that tokenizes it once more, so a row's result never depends on where it sits."""
+    cfg, spec, source = job.cfg, job.spec, job.source
+    if spec.device.type == "cuda" or spec.engine.kv_cache_tokens is not None:
+        return None
+    rows = source.num_rows if cfg.limit is None else min(cfg.limit, source.num_rows or cfg.limit)
+    if rows is not None and rows <= spec.engine.read_ahead and not job.prep.samples:
+        return None  # the first window is the whole job
+    return job.prep.longest_row(done)
