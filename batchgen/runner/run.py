@@ -26,6 +26,7 @@ from batchgen.job.config import RunConfig
 from batchgen.job.fingerprint import job_fingerprint
 from batchgen.job.open import Job, open_job
 from batchgen.llm import LLM
+from batchgen.runner.deadline import Watchdog, deadlines
 from batchgen.stats.nvml import NvmlSampler
 from batchgen.stats.run_stats import RunInfo, RunStats, peak_memory_bytes
 
@@ -56,11 +57,16 @@ def _stop_on_signals():
 def run(cfg: RunConfig) -> RunStats:
     """Run one job to completion (or to a signal); returns its statistics."""
     # The output directory stays locked from its opening to the job's end, however it ends.
-    with ExitStack() as job_scope:
-        return _run(cfg, job_scope)
+    # After a stop signal or a fatal error the process ends within seconds (deadline.py).
+    with deadlines() as watchdog, ExitStack() as job_scope:
+        try:
+            return _run(cfg, job_scope, watchdog)
+        except BaseException:
+            watchdog.arm_fatal()  # the cleanup below gets seconds, not forever
+            raise
 
 
-def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
+def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     job = open_job(cfg)
@@ -149,6 +155,9 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
             if lists is not None and lists.pending:  # cannot happen: every sample finishes
                 raise RuntimeError(f"{lists.pending} rows still wait for samples at the end")
             complete = True
+        except BaseException:
+            watchdog.arm_fatal()  # the flush below gets seconds, not forever
+            raise
         finally:
             buffer.flush()  # on a signal too: every finished row is kept
             progress.close()
