@@ -7,7 +7,9 @@ from collections import Counter
 from typing import Any
 
 from batchgen.job.config import RunConfig
+from batchgen.job.model_spec import ModelSpec
 from batchgen.job.open import open_job
+from batchgen.model.memory import available_bytes, format_bytes, weight_bytes
 
 
 def _edge(n: int) -> int:
@@ -38,7 +40,9 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
         if spec.device.type == "cuda" and eng.kv_cache_tokens is None
         else (eng.pool_blocks(longest, None, kv_per_token * eng.block_size))
     )
+    kv_bytes = None if blocks is None else blocks * eng.block_size * kv_per_token
     return {
+        "warnings": memory_warnings(spec, kv_bytes),
         "input": cfg.input,
         "model": str(spec.model_dir),
         "dtype": str(spec.dtype).removeprefix("torch."),
@@ -53,8 +57,30 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
         "block_size": eng.block_size,
         "prefix_caching": eng.prefix_caching,
         "kv_cache_blocks": blocks,
-        "kv_cache_bytes": None if blocks is None else blocks * eng.block_size * kv_per_token,
+        "kv_cache_bytes": kv_bytes,
     }
+
+
+def memory_warnings(spec: ModelSpec, kv_bytes: int | None) -> list[str]:
+    """What would not fit in this machine's free memory: the KV cache, or it and the weights."""
+    if kv_bytes is None:  # sized on a GPU at start, from its free memory
+        return []
+    free = available_bytes(spec.device)
+    if free is None:
+        return []
+    weights = weight_bytes(spec.model_cfg, spec.dtype.itemsize, spec.tensor_parallel_size)
+    fix = "lower --max-new-tokens or --max-num-seqs, or set --kv-cache-tokens"
+    if kv_bytes > free:
+        return [
+            f"the KV cache ({format_bytes(kv_bytes)}) exceeds the {format_bytes(free)} free on "
+            f"{spec.device}: the run would be refused; {fix}"
+        ]
+    if kv_bytes + weights > free:
+        return [
+            f"the KV cache ({format_bytes(kv_bytes)}) and the weights ({format_bytes(weights)}) "
+            f"exceed the {format_bytes(free)} free on {spec.device}; {fix}"
+        ]
+    return []
 
 
 def format_plan(p: dict[str, Any]) -> str:
@@ -82,4 +108,5 @@ def format_plan(p: dict[str, Any]) -> str:
         f"prefix caching {'on' if p['prefix_caching'] else 'off'}",
         f"KV cache {kv}",
     ]
+    lines += [f"warning: {w}" for w in p["warnings"]]
     return "\n".join(lines)

@@ -38,6 +38,7 @@ from batchgen.engine.sequence import (
     StepReport,
 )
 from batchgen.engine.stopping import Detokenize, tokens_to_keep, trim_at_stop
+from batchgen.model.memory import check_allocation
 
 # The note of a constrained row cut at max_new_tokens: its text is kept, but it is no answer.
 INCOMPLETE = "output cut at max_new_tokens; it does not complete the constraint"
@@ -87,6 +88,14 @@ class Engine:
         longest = min(longest, self.runner.max_positions)
         free = self.runner.free_device_bytes()
         blocks = self.config.pool_blocks(longest, free, self.runner.kv_bytes_per_block())
+        if free is None and self.config.kv_cache_tokens is None:  # sized from the job: checked
+            check_allocation(
+                blocks * self.runner.kv_bytes_per_block(),
+                f"the KV cache sized from the job ({longest} tokens, its longest row, x "
+                f"--max-num-seqs {self.config.max_num_seqs})",
+                "--max-new-tokens or --max-num-seqs, or set --kv-cache-tokens",
+                self.runner.device,
+            )
         self.runner.allocate(blocks)
         bs = self.config.block_size
         self.kv_pool = KVPool(blocks, bs, blocks * self.runner.kv_bytes_per_block())
