@@ -3,6 +3,7 @@ control characters, an unsatisfiable constraint refused before the run, compact 
 whitespace by default, and a row cut at max_new_tokens marked as incomplete."""
 
 import json
+import re
 
 from helpers import (
     FAST,
@@ -116,3 +117,19 @@ def test_exclude_controls_patches_classes_but_not_quoted_text():
     ebnf = r'root ::= ("\"[^x" [^\"\\\r\n]{0, 6} [^\0-\x1f\"] "\"")'
     out = exclude_controls(ebnf)
     assert out == r'root ::= ("\"[^x" [^\0-\x1f\"\\\r\n]{0, 6} [^\0-\x1f\"] "\"")'
+
+
+def test_a_stop_string_that_cuts_a_constrained_row_marks_it(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(16)})
+    out = tmp_path / "out"
+    flags = ("--regex", "[a-c]{4}", "--stop", "b", "--max-new-tokens", 8)
+    run_job(src, out, model, *SAMPLED, *flags)
+    rows = rows_by_id(out).values()
+    cut = [r for r in rows if r["error"] is not None]
+    assert cut, "no row was cut: pick another seed"
+    for r in rows:
+        assert r["finish_reason"] == "stop"
+        if re.fullmatch("[a-c]{4}", r["text"]):
+            assert r["error"] is None
+        else:  # cut before the b: kept, but not passed off as a match
+            assert "b" not in r["text"] and "stop string cut" in r["error"]

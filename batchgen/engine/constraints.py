@@ -39,6 +39,22 @@ class Verdict(enum.Enum):
     STUCK = "stuck"  # the row's mask allowed no token at all: nothing can continue it
     REFUSED = "refused"  # the matcher refused a token its own mask allowed (a library bug)
 
+    def error(self, seq: Sequence) -> str:
+        """The error of a row whose grammar got stuck or refused its token."""
+        if self is Verdict.STUCK:
+            return (
+                f"{seq.params.constraint.describe()} cannot be met: after "
+                f"{seq.num_generated - 1} tokens no token of the vocabulary continues it"
+            )
+        return (
+            f"the grammar library refused token {seq.token_ids[-1]}, which its own mask allowed "
+            "(a grammar library bug); rerun the row with another seed"
+        )
+
+
+# The note of a constrained row cut at max_new_tokens: its text is kept, but it is no answer.
+INCOMPLETE = "output cut at max_new_tokens; it does not complete the constraint"
+
 
 _CONTROLS = r"\0-\x1f"  # U+0000-U+001F, as xgrammar's EBNF writes a range
 
@@ -47,9 +63,10 @@ def exclude_controls(ebnf: str) -> str:
     """ebnf with U+0000-U+001F added to every negated character class outside quoted text.
 
     xgrammar 0.2.9 writes the characters of a JSON string with minLength/maxLength as a class
-    that leaves out only the quote, the backslash, CR and LF, which lets a byte-level vocabulary's control-byte tokens into a string:
-    JSON forbids them unescaped (measured: 5-14 of 32 sampled rows broke `json.loads`). In a
-    JSON-schema grammar every negated class is a string's characters, so each gets the range."""
+    that leaves out only the quote, the backslash, CR and LF, which lets a byte-level
+    vocabulary's control-byte tokens into a string: JSON forbids them unescaped (measured: 5-14
+    of 32 sampled rows broke `json.loads`). In a JSON-schema grammar every negated class is a
+    string's characters, so each gets the range."""
     out, i, quoted = [], 0, False
     while i < len(ebnf):
         ch = ebnf[i]
@@ -211,6 +228,21 @@ class Constrainer:
             else:
                 out[seq] = Verdict.COMPLETE if m.is_completed() else Verdict.GOING
         return out
+
+    def final_error(self, c: Constraint, text: str, cut: bool) -> str | None:
+        """Why a row's final text (ended `stop`) fails c, or None: a JSON row's text must parse
+        strictly (a last net under the grammar), and one a stop string cut must still be a
+        complete match (a fresh matcher replays it)."""
+        if cut:
+            m = self.grammars.matcher(c)
+            if not (m.accept_string(text) and m.is_completed()):
+                return "a stop string cut the output before it completes the constraint"
+        if c.kind is ConstraintKind.JSON_SCHEMA:
+            try:
+                json.loads(text)  # strict: no raw control characters in strings
+            except ValueError as e:
+                return f"the output is not valid JSON ({e}); a grammar library bug"
+        return None
 
     def release(self, seq: Sequence) -> None:
         self._matchers.pop(seq.request.index, None)

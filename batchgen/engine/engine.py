@@ -25,7 +25,13 @@ import torch
 
 from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.constraints import Constrainer, ConstraintError, Grammars, Verdict
+from batchgen.engine.constraints import (
+    INCOMPLETE,
+    Constrainer,
+    ConstraintError,
+    Grammars,
+    Verdict,
+)
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import (
@@ -39,9 +45,6 @@ from batchgen.engine.sequence import (
 )
 from batchgen.engine.stopping import Detokenize, tokens_to_keep, trim_at_stop
 from batchgen.model.memory import check_allocation
-
-# The note of a constrained row cut at max_new_tokens: its text is kept, but it is no answer.
-INCOMPLETE = "output cut at max_new_tokens; it does not complete the constraint"
 
 
 @dataclass(slots=True)
@@ -230,13 +233,7 @@ class Engine:
                 sched.finish(seq, FinishReason.STOP)
                 finished.append(seq)
             elif verdict in (Verdict.STUCK, Verdict.REFUSED):  # that row fails; the job goes on
-                seq.error = (
-                    f"{seq.params.constraint.describe()} cannot be met: after "
-                    f"{seq.num_generated - 1} tokens no token of the vocabulary continues it"
-                    if verdict is Verdict.STUCK
-                    else f"the grammar library refused token {seq.token_ids[-1]}, which its own "
-                    "mask allowed (a grammar library bug); rerun the row with another seed"
-                )
+                seq.error = verdict.error(seq)
                 if done:  # ended by the scheduler (EOS or length) on that token
                     seq.finish_reason = FinishReason.ERROR
                 else:
@@ -250,25 +247,34 @@ class Engine:
         if seq.request.scoring:
             return self._scored_completion(seq)
         if seq.finish_reason is FinishReason.ERROR:
-            return Completion(
-                seq.request.index, [], FinishReason.ERROR, seq.prompt_len, error=seq.error
-            )
+            return self._error(seq, seq.error)
         ids, logprobs = seq.output_ids, seq.logprobs
         if seq.keep is not None:
             ids, logprobs = ids[: seq.keep], logprobs[: seq.keep]
         text = self.detokenize(ids)
         if seq.params.stop and seq.finish_reason is FinishReason.STOP:
             text = trim_at_stop(text, seq.params.stop)
+        reason = seq.finish_reason
+        error = seq.error if reason is FinishReason.LENGTH else None  # a constrained row's note
+        if reason is FinishReason.STOP and seq.params.constraint is not None:  # never a bad stop
+            cut = seq.keep is not None
+            error = self.constrainer.final_error(seq.params.constraint, text, cut)
+            if error is not None and not cut:  # the grammar let it through: not an answer
+                return self._error(seq, error)
         return Completion(
             index=seq.request.index,
             token_ids=ids,
-            finish_reason=seq.finish_reason,
+            finish_reason=reason,
             prompt_tokens=seq.prompt_len,
             text=text,
             logprobs=logprobs,
             cached_tokens=seq.num_cached_prompt,
-            error=seq.error if seq.finish_reason is FinishReason.LENGTH else None,
+            error=error,
         )
+
+    @staticmethod
+    def _error(seq: Sequence, error: str | None) -> Completion:
+        return Completion(seq.request.index, [], FinishReason.ERROR, seq.prompt_len, error=error)
 
     def _scored_completion(self, seq: Sequence) -> Completion | None:
         row, j = self._candidates.pop(seq)
