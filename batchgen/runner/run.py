@@ -93,9 +93,9 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
 
     longest = _job_longest_row(job, done)
     t0 = time.perf_counter()
-    llm = job_scope.enter_context(LLM.from_spec(spec))
+    llm = job_scope.enter_context(LLM.from_spec(spec))  # closed (its ranks ended) at the end
     if longest is not None:  # a pool sized for every row, not only the first window's
-        llm.engine.reserve(longest)  # closed (its ranks ended) at the end
+        llm.engine.reserve(longest)
     info = _run_info(llm)
     stats.loaded(info, time.perf_counter() - t0)
     # The model, quantization scheme and adapter travel with every part file, not only _stats.json.
