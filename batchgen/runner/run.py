@@ -221,4 +221,9 @@ def _job_longest_row(job: Job, done: set) -> int | None:
     rows = source.num_rows if cfg.limit is None else min(cfg.limit, source.num_rows or cfg.limit)
     if rows is not None and rows <= spec.engine.read_ahead and not job.prep.samples:
         return None  # the first window is the whole job
-    return job.prep.longest_row(done)
+    t0 = time.perf_counter()
+    longest = job.prep.longest_row(done)
+    log.info(
+        "length pass: the longest row is %d tokens (%.1f s)", longest, time.perf_counter() - t0
+    )
+    return longest
