@@ -127,6 +127,7 @@ class LLM:
 
     def _run(self, requests: list[Request]) -> list[Completion]:
         results: list[Completion | None] = [None] * len(requests)
+        self.engine.reserve(max((r.longest_tokens for r in requests), default=1))
         for report in self.engine.generate(requests):
             for c in report.finished:
                 results[c.index] = c

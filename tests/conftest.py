@@ -57,3 +57,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def long_model(tmp_path_factory) -> Path:
+    """A tiny Llama with 2048 positions, for rows longer than the default 256."""
+    root = tmp_path_factory.mktemp("long") / "llama"
+    return save_tiny_model("llama", root, max_position_embeddings=2048)

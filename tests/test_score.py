@@ -83,7 +83,7 @@ def test_scores_equal_transformers_loglikelihoods(model, engine, dirs, reference
         assert c.scores == pytest.approx(ref, abs=1e-4), f"row {i}"
     sched = llm.engine.scheduler
     assert sched.pool.num_free == sched.pool.num_usable and not sched.pending
-    assert not llm.engine._candidates
+    assert llm.engine.completions.scoring_in_flight == 0
 
 
 def test_the_prompt_is_computed_once_per_row(dirs, prompt_tokens):  # noqa: F811

@@ -90,7 +90,8 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
             if cfg.task is Task.SCORE
             else f"{d['output_tokens_per_s']:.1f} output tokens/s"
         )
-        click.echo(f"wrote {cfg.output_dir}: {stats.rows} rows, {rate}")
+        errors = f"{stats.rows_error} error{'s' * (stats.rows_error != 1)}"
+        click.echo(f"wrote {cfg.output_dir}: {stats.rows} rows ({errors}), {rate}")
 
 
 @main.command("plan")

@@ -173,6 +173,11 @@ def run_options(f):
                 "--json-schema",
                 help="Structured output: a JSON schema file the output must match (a json_schema column of schema text overrides per row).",
             ),
+            _opt(
+                "--json-any-whitespace",
+                is_flag=True,
+                help="JSON outputs may put any whitespace between tokens. Default: compact (one space after each , and :), so a model cannot loop on newlines.",
+            ),
             _opt("--device", help="auto, cpu, cuda, cuda:N."),
             _opt("--dtype", help="auto = bfloat16 on GPU, float32 on CPU."),
             _opt(

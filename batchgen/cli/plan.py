@@ -7,7 +7,9 @@ from collections import Counter
 from typing import Any
 
 from batchgen.job.config import RunConfig
+from batchgen.job.model_spec import ModelSpec
 from batchgen.job.open import open_job
+from batchgen.model.memory import available_bytes, format_bytes
 from batchgen.model.tensor_parallel import TPShard, local_config, weight_bytes
 
 
@@ -43,7 +45,10 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
         if spec.device.type == "cuda" and eng.kv_cache_tokens is None
         else (eng.pool_blocks(longest, None, kv_per_token * eng.block_size))
     )
+    kv_bytes = None if blocks is None else blocks * eng.block_size * kv_per_token  # a rank's
+    weights = weight_bytes(spec.model_cfg, spec.dtype.itemsize, tp)  # a rank's
     return {
+        "warnings": memory_warnings(spec, kv_bytes, weights),
         "input": cfg.input,
         "model": str(spec.model_dir),
         "dtype": str(spec.dtype).removeprefix("torch."),
@@ -59,12 +64,37 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
         "prefix_caching": eng.prefix_caching,
         "kv_cache_blocks": blocks,
         "tensor_parallel_size": tp,
-        "weights_bytes_per_rank": weight_bytes(spec.model_cfg, spec.dtype.itemsize, tp),
-        "kv_cache_bytes": None if blocks is None else blocks * eng.block_size * kv_per_token * tp,
-        "kv_cache_bytes_per_rank": (
-            None if blocks is None else blocks * eng.block_size * kv_per_token
-        ),
+        "weights_bytes_per_rank": weights,
+        "kv_cache_bytes": None if kv_bytes is None else kv_bytes * tp,
+        "kv_cache_bytes_per_rank": kv_bytes,
     }
+
+
+def memory_warnings(spec: ModelSpec, kv_bytes: int | None, weights: int) -> list[str]:
+    """What would not fit in free memory: the KV cache, or it and the weights. kv_bytes and
+    weights are one rank's: each GPU holds its rank's, while on the CPU all ranks share it."""
+    if kv_bytes is None:  # sized on a GPU at start, from its free memory
+        return []
+    free = available_bytes(spec.device)
+    if free is None:
+        return []
+    if spec.device.type == "cpu":
+        kv_bytes, weights = (
+            kv_bytes * spec.tensor_parallel_size,
+            weights * spec.tensor_parallel_size,
+        )
+    fix = "lower --max-new-tokens or --max-num-seqs, or set --kv-cache-tokens"
+    if kv_bytes > free:
+        return [
+            f"the KV cache ({format_bytes(kv_bytes)}) exceeds the {format_bytes(free)} free on "
+            f"{spec.device}: the run would be refused; {fix}"
+        ]
+    if kv_bytes + weights > free:
+        return [
+            f"the KV cache ({format_bytes(kv_bytes)}) and the weights ({format_bytes(weights)}) "
+            f"exceed the {format_bytes(free)} free on {spec.device}; {fix}"
+        ]
+    return []
 
 
 def format_plan(p: dict[str, Any]) -> str:
@@ -96,4 +126,5 @@ def format_plan(p: dict[str, Any]) -> str:
         "(before any quantization)",
         f"KV cache {kv}{per if p['kv_cache_blocks'] is not None else ''}",
     ]
+    lines += [f"warning: {w}" for w in p["warnings"]]
     return "\n".join(lines)

@@ -84,9 +84,10 @@ class RecordShape:
     def record(
         self, row: Row, result: Result | None, timings: dict[str, float | None] | None = None
     ) -> dict[str, Any]:
-        """The record of a row: its result, or its error (result None or result.error set);
-        timings: its TIMING_COLUMNS, kept with with_timings (None: nulls)."""
-        ok = result is not None and result.error is None
+        """The record of a row: its result, or its error (result None, or finish_reason
+        error). A result may carry a note in `error` and keep its text: a constrained row cut
+        at max_new_tokens. timings: its TIMING_COLUMNS, kept with with_timings (None: nulls)."""
+        ok = result is not None and result.finish_reason.value != "error"
         rec = {self.id_column: row.id, **row.passthrough}
         if row.sample_index is not None:
             rec["sample_index"] = row.sample_index
@@ -100,7 +101,7 @@ class RecordShape:
             finish_reason=result.finish_reason.value if ok else "error",
             prompt_tokens=row.prompt_tokens,
             completion_tokens=result.completion_tokens if ok else 0,
-            error=None if ok else (result.error if result is not None else row.error),
+            error=result.error if result is not None else row.error,
         )
         if self.with_token_ids:
             rec["token_ids"] = result.token_ids if ok else None

@@ -6,11 +6,17 @@ constrained row's matcher writes the tokens it allows into a packed bitmask (32 
 word), which the runner applies to the logits on the device (`apply_bitmask`), so the step
 stays one graph and unconstrained steps pass no mask at all. EOS is allowed only where the
 grammar accepts. A row that reaches max_new_tokens before its grammar completes ends with
-finish_reason "length", as in vLLM.
+finish_reason "length", as in vLLM, and a note that it is incomplete.
+
+What a row must never get is a `stop` that breaks its constraint. So a constraint whose first
+mask is empty (it matches no text the vocabulary can write) is refused when it compiles; a row
+whose mask empties later, or whose matcher refuses the token its mask allowed, is an error; and
+JSON grammars are patched where xgrammar lets raw control characters into strings.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -21,7 +27,62 @@ from batchgen.engine.sequence import Constraint, ConstraintKind, Sequence, StepP
 
 
 class ConstraintError(ValueError):
-    """A choice list, regex or JSON schema that cannot be compiled."""
+    """A choice list, regex or JSON schema that cannot be compiled, or never be met."""
+
+
+class Verdict(enum.Enum):
+    """What a constrained row's grammar made of its newest token."""
+
+    GOING = "going"  # accepted; the output is not a complete match yet
+    COMPLETE = "complete"  # accepted; the output so far is a complete match (EOS may end it)
+    ENDED = "ended"  # accepted EOS: the row is done
+    STUCK = "stuck"  # the row's mask allowed no token at all: nothing can continue it
+    REFUSED = "refused"  # the matcher refused a token its own mask allowed (a library bug)
+
+    def error(self, seq: Sequence) -> str:
+        """The error of a row whose grammar got stuck or refused its token."""
+        if self is Verdict.STUCK:
+            return (
+                f"{seq.params.constraint.describe()} cannot be met: after "
+                f"{seq.num_generated - 1} tokens no token of the vocabulary continues it"
+            )
+        return (
+            f"the grammar library refused token {seq.token_ids[-1]}, which its own mask allowed "
+            "(a grammar library bug); rerun the row with another seed"
+        )
+
+
+# The note of a constrained row cut at max_new_tokens: its text is kept, but it is no answer.
+INCOMPLETE = "output cut at max_new_tokens; it does not complete the constraint"
+
+
+_CONTROLS = r"\0-\x1f"  # U+0000-U+001F, as xgrammar's EBNF writes a range
+
+
+def exclude_controls(ebnf: str) -> str:
+    """ebnf with U+0000-U+001F added to every negated character class outside quoted text.
+
+    xgrammar 0.2.9 writes the characters of a JSON string with minLength/maxLength as a class
+    that leaves out only the quote, the backslash, CR and LF, which lets a byte-level
+    vocabulary's control-byte tokens into a string: JSON forbids them unescaped (measured: 5-14
+    of 32 sampled rows broke `json.loads`). In a JSON-schema grammar every negated class is a
+    string's characters, so each gets the range."""
+    out, i, quoted = [], 0, False
+    while i < len(ebnf):
+        ch = ebnf[i]
+        if ch == "\\":  # an escape, inside quotes or a class: copied as is
+            out.append(ebnf[i : i + 2])
+            i += 2
+            continue
+        if ch == '"':
+            quoted = not quoted
+        elif not quoted and ebnf.startswith("[^", i) and not ebnf.startswith(_CONTROLS, i + 2):
+            out.append("[^" + _CONTROLS)
+            i += 2
+            continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
 
 
 def parse_choices(value: str | Seq[str]) -> tuple[str, ...]:
@@ -96,12 +157,28 @@ class Grammars:
                 compiled = self._compiler.compile_regex(c.spec)
             else:
                 json.loads(c.spec)  # a clear message for text that is not JSON at all
-                compiled = self._compiler.compile_json_schema(c.spec)
+                # Compact by default: free whitespace lets a model loop on "{\n\n\n..." until
+                # max_new_tokens (the embedded model did, on every row).
+                g = xgr.Grammar.from_json_schema(c.spec, any_whitespace=c.any_whitespace)
+                g = xgr.Grammar.from_ebnf(exclude_controls(str(g)))
+                compiled = self._compiler.compile_grammar(g)
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with a long text
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConstraintError(f"{c.describe()} does not compile: {first}") from None
+        if not self._first_mask_allows_any(compiled):
+            raise ConstraintError(
+                f"{c.describe()} cannot be met: it matches no text this model's vocabulary can "
+                "write (no first token is allowed); fix the constraint"
+            )
         self._compiled[c] = compiled
         return compiled
+
+    def _first_mask_allows_any(self, compiled: Any) -> bool:
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        return bool(mask.any())
 
     def matcher(self, c: Constraint) -> Any:
         import xgrammar as xgr
@@ -115,10 +192,12 @@ class Constrainer:
     def __init__(self, grammars: Grammars) -> None:
         self.grammars = grammars
         self._matchers: dict[int, Any] = {}  # by request index
+        self._stuck: set[int] = set()  # request indices whose last mask allowed no token
 
     def bitmask(self, plan: StepPlan, device: torch.device) -> torch.Tensor | None:
         """(sampling rows of the plan, words) masks in plan order; None if no row is
-        constrained (the step then runs unmasked)."""
+        constrained (the step then runs unmasked). Rows whose mask is empty are remembered
+        as stuck: whatever they sample, `accept` fails them."""
         rows = [s.seq for s in plan.scheduled if s.samples]
         if not any(seq.params.constraint is not None for seq in rows):
             return None
@@ -126,23 +205,44 @@ class Constrainer:
         for i, seq in enumerate(rows):
             if seq.params.constraint is not None:
                 self._matcher(seq).fill_next_token_bitmask(mask, i)
+        empty = (mask == 0).all(dim=1).tolist()
+        self._stuck = {seq.request.index for seq, e in zip(rows, empty, strict=True) if e}
         return mask.to(device)
 
-    def accept(self, seqs: Seq[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
-        """Feed each constrained sequence its newest token; returns those whose grammar
-        has ended (they accepted EOS), and those whose matcher refused the token its own
-        mask allowed (xgrammar 0.2.9 does, rarely: e.g. `-` + a UTF-8 lead byte where a
-        JSON integer starts, measured by scripts/bench_grammars.py)."""
-        ended, refused = [], []
+    def accept(self, seqs: Seq[Sequence]) -> dict[Sequence, Verdict]:
+        """Feed each constrained sequence its newest token (also one the scheduler ended the
+        row with: EOS, or the last before max_new_tokens) and say what its grammar made of it.
+        A matcher refuses a token its own mask allowed rarely (xgrammar 0.2.9: e.g. `-` and a
+        UTF-8 lead byte where a JSON integer starts, measured by scripts/bench_grammars.py)."""
+        out = {}
         for seq in seqs:
             if seq.params.constraint is None:
                 continue
             m = self._matcher(seq)
-            if not m.accept_token(seq.token_ids[-1]):
-                refused.append(seq)
+            if seq.request.index in self._stuck:
+                out[seq] = Verdict.STUCK
+            elif not m.accept_token(seq.token_ids[-1]):
+                out[seq] = Verdict.REFUSED
             elif m.is_terminated():
-                ended.append(seq)
-        return ended, refused
+                out[seq] = Verdict.ENDED
+            else:
+                out[seq] = Verdict.COMPLETE if m.is_completed() else Verdict.GOING
+        return out
+
+    def final_error(self, c: Constraint, text: str, cut: bool) -> str | None:
+        """Why a row's final text (ended `stop`) fails c, or None: a JSON row's text must parse
+        strictly (a last net under the grammar), and one a stop string cut must still be a
+        complete match (a fresh matcher replays it)."""
+        if cut:
+            m = self.grammars.matcher(c)
+            if not (m.accept_string(text) and m.is_completed()):
+                return "a stop string cut the output before it completes the constraint"
+        if c.kind is ConstraintKind.JSON_SCHEMA:
+            try:
+                json.loads(text)  # strict: no raw control characters in strings
+            except ValueError as e:
+                return f"the output is not valid JSON ({e}); a grammar library bug"
+        return None
 
     def release(self, seq: Sequence) -> None:
         self._matchers.pop(seq.request.index, None)

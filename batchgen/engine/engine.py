@@ -5,12 +5,11 @@ Requests arrive as one stream. The engine keeps up to `read_ahead` of them waiti
 scheduler admits the longest first), pulling more from the stream as sequences are
 admitted, so nothing drains at a window boundary and a 10-million-row input is never held.
 The KV pool is sized and allocated at the first request (engine/config.py) and kept, with
-its prefix cache, across calls.
+its prefix cache, across calls. On the CPU it is sized from the longest row: of the whole job
+when the caller knows it (`reserve`), else of the first read-ahead.
 Every step's accounting comes back as a value (`StepReport`) for the caller to sum.
-
-A scored request (`Request.candidates`, the score task) runs as one sequence per candidate,
-prompt + candidate; the scheduler has the first compute the prompt and the others hit its
-blocks. The request completes, with each candidate's log-probability, when all have.
+Finished sequences become completions in engine/completions.py (text, constraint verdicts,
+the score task's one completion per request).
 """
 
 from __future__ import annotations
@@ -19,13 +18,19 @@ import itertools
 import time
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
 
 import torch
 
 from batchgen.engine.block_pool import BlockPool
+from batchgen.engine.completions import Completions, error_completion, expand
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.constraints import Constrainer, ConstraintError, Grammars
+from batchgen.engine.constraints import (
+    INCOMPLETE,
+    Constrainer,
+    ConstraintError,
+    Grammars,
+    Verdict,
+)
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import (
@@ -38,20 +43,8 @@ from batchgen.engine.sequence import (
     StepReport,
 )
 from batchgen.engine.step_cost import context_tokens
-from batchgen.engine.stopping import Detokenize, tokens_to_keep, trim_at_stop
-
-
-@dataclass(slots=True)
-class _ScoredRow:
-    """A scored request in flight: its candidates' log-probabilities as they finish."""
-
-    request: Request
-    scores: list[float | None]
-    cached_tokens: int = 0
-
-    @property
-    def done(self) -> bool:
-        return all(x is not None for x in self.scores)
+from batchgen.engine.stopping import Detokenize, tokens_to_keep
+from batchgen.model.memory import check_allocation
 
 
 class Engine:
@@ -69,15 +62,34 @@ class Engine:
         self.constrainer = Constrainer(grammars) if grammars is not None else None
         self.scheduler: Scheduler | None = None  # made with the pool, at the first request
         self.kv_pool: KVPool | None = None  # the KV cache as allocated, at the first request
-        self._candidates: dict[Sequence, tuple[_ScoredRow, int]] = {}  # seq -> (row, which)
+        self.completions = Completions(detokenize, self.constrainer)
         self._window = runner.model.cfg.sliding_window  # attention's reach, for step_cost
+        self.job_longest = 0  # the caller's whole job's longest row (CPU pool sizing), if known
+
+    def reserve(self, longest: int) -> None:
+        """Size the pool (when it is sized from the job: on the CPU without kv_cache_tokens)
+        for rows of `longest` tokens, not only the first read-ahead's; before the first run."""
+        self.job_longest = max(self.job_longest, longest)
 
     def _start(self, first: list[Request]) -> Scheduler:
-        """Size and allocate the KV pool (from the first requests on the CPU), once."""
-        longest = max((p.max_tokens for r in first for p in self._expand(r)), default=1)
+        """Size and allocate the KV pool (on the CPU from the job's longest row, given to
+        `reserve`, or the first requests), once."""
+        longest = max((r.longest_tokens for r in first), default=self.job_longest or 1)
+        longest = max(longest, self.job_longest)
         longest = min(longest, self.runner.max_positions)
         free = self.runner.free_device_bytes()
         blocks = self.config.pool_blocks(longest, free, self.runner.kv_bytes_per_block())
+        if free is None and self.config.kv_cache_tokens is None:  # sized from the job: checked
+            ranks = self.runner.host_ranks  # tensor-parallel ranks sharing this memory
+            check_allocation(
+                blocks * self.runner.kv_bytes_per_block() * ranks,
+                f"the KV cache sized from the job ({longest} tokens, its longest row, x "
+                f"--max-num-seqs {self.config.max_num_seqs}"
+                + (f", x {ranks} ranks' shares" if ranks > 1 else "")
+                + ")",
+                "--max-new-tokens or --max-num-seqs, or set --kv-cache-tokens",
+                self.runner.device,
+            )
         self.runner.allocate(blocks)
         bs = self.config.block_size
         self.kv_pool = KVPool(blocks, bs, blocks * self.runner.kv_bytes_per_block())
@@ -93,7 +105,7 @@ class Engine:
         that cannot run (longer than the model's positions or the whole pool) comes back
         at once as an error completion."""
         stream = iter(requests)
-        if self.scheduler is None:  # the pool is sized from the first read-ahead
+        if self.scheduler is None:  # the pool is sized at the first read-ahead
             ahead = list(itertools.islice(stream, self.config.read_ahead))
             self.scheduler = self._start(ahead)
             stream = itertools.chain(ahead, stream)
@@ -116,34 +128,22 @@ class Engine:
                 raise RuntimeError("the scheduler planned an empty step with work waiting")
             yield self._step(plan)
 
-    @staticmethod
-    def _expand(r: Request) -> list[Request]:
-        """The sequences r runs as: itself, or one per candidate of a scored request."""
-        if not r.candidates:
-            return [r]
-        n = r.prompt_len
-        return [
-            replace(r, prompt_ids=r.prompt_ids + list(c), candidates=(), score_from=n)
-            for c in r.candidates
-        ]
-
     def _add(self, r: Request) -> Completion | None:
         """Queue r, or return its error completion if it cannot run."""
-        parts = self._expand(r)
+        parts = expand(r)
         error = self._size_error(
             r, max(parts, key=lambda c: c.max_tokens)
         ) or self._check_constraint(r)
         if error is not None:
-            return Completion(r.index, [], FinishReason.ERROR, r.prompt_len, error=error)
+            return error_completion(r, error)
         now = time.perf_counter()  # queue entry: a row's timings count from here
         if not r.candidates:
             self.scheduler.add(r).queued_at = now
             return None
-        row = _ScoredRow(r, [None] * len(parts))
-        for j, part in enumerate(parts):
-            seq = self.scheduler.add(part)
+        seqs = [self.scheduler.add(part) for part in parts]
+        for seq in seqs:
             seq.queued_at = now
-            self._candidates[seq] = (row, j)
+        self.completions.scoring(r, seqs)
         return None
 
     def _size_error(self, r: Request, longest: Request) -> str | None:
@@ -181,18 +181,7 @@ class Engine:
                 s.seq.first_token_at = now
         finished = sched.update(plan, sampled, scored)
         if bitmask is not None:  # grammars take the new tokens; one that accepted EOS ends
-            live = [s.seq for s in plan.scheduled if s.samples and s.seq not in finished]
-            ended, refused = constrainer.accept(live)
-            for seq in ended:
-                sched.finish(seq, FinishReason.STOP)
-                finished.append(seq)
-            for seq in refused:  # that row fails; the job goes on
-                seq.error = (
-                    f"the grammar library refused token {seq.token_ids[-1]}, which its own mask "
-                    "allowed (a grammar library bug); rerun the row with another seed"
-                )
-                sched.finish(seq, FinishReason.ERROR)
-                finished.append(seq)
+            self._judge_constrained(plan, finished)
         for s in plan.scheduled:  # stop strings: on the host, for the rows that have them
             seq = s.seq
             if s.samples and seq.params.stop and seq not in finished:
@@ -204,7 +193,7 @@ class Engine:
             for seq in finished:
                 constrainer.release(seq)
         return StepReport(
-            finished=[c for seq in finished if (c := self._completion(seq, now)) is not None],
+            finished=self.completions.of(finished, now),
             prompt_tokens=sum(s.num_tokens for s in plan.prefills),
             cached_tokens=sum(seq.num_cached_prompt for seq in plan.admitted),
             decode_rows=len(plan.decodes),
@@ -226,49 +215,23 @@ class Engine:
             kv_blocks_free=sched.pool.num_free,
         )
 
-    def _completion(self, seq: Sequence, now: float) -> Completion | None:
-        """seq's completion (finished in the step that ended at `now`); for a scored
-        candidate, its row's once every candidate is in."""
-        if seq.request.scoring:
-            return self._scored_completion(seq, now)
-        if seq.finish_reason is FinishReason.ERROR:
-            return Completion(
-                seq.request.index, [], FinishReason.ERROR, seq.prompt_len, error=seq.error
-            )
-        ids, logprobs = seq.output_ids, seq.logprobs
-        if seq.keep is not None:
-            ids, logprobs = ids[: seq.keep], logprobs[: seq.keep]
-        text = self.detokenize(ids)
-        if seq.params.stop and seq.finish_reason is FinishReason.STOP:
-            text = trim_at_stop(text, seq.params.stop)
-        return Completion(
-            index=seq.request.index,
-            token_ids=ids,
-            finish_reason=seq.finish_reason,
-            prompt_tokens=seq.prompt_len,
-            text=text,
-            logprobs=logprobs,
-            cached_tokens=seq.num_cached_prompt,
-            queued_at=seq.queued_at,
-            first_token_at=seq.first_token_at or now,
-            finished_at=now,
-        )
-
-    def _scored_completion(self, seq: Sequence, now: float) -> Completion | None:
-        row, j = self._candidates.pop(seq)
-        row.scores[j] = sum(seq.logprobs)
-        row.cached_tokens += seq.num_cached_prompt
-        if not row.done:
-            return None
-        r = row.request
-        return Completion(
-            index=r.index,
-            token_ids=[],
-            finish_reason=FinishReason.STOP,
-            prompt_tokens=r.prompt_len,
-            cached_tokens=row.cached_tokens,
-            scores=row.scores,
-            queued_at=seq.queued_at,  # a score row's "first token" is its scores
-            first_token_at=now,
-            finished_at=now,
-        )
+    def _judge_constrained(self, plan: StepPlan, finished: list[Sequence]) -> None:
+        """Feed the constrained rows their new tokens: a row whose grammar ended finishes
+        `stop`; one that cannot go on (its mask was empty) or whose token the matcher refused
+        fails; one cut at max_new_tokens short of a complete match is marked incomplete."""
+        sched = self.scheduler
+        rows = [s.seq for s in plan.scheduled if s.samples]
+        for seq, verdict in self.constrainer.accept(rows).items():
+            done = seq in finished
+            if verdict is Verdict.ENDED and not done:
+                sched.finish(seq, FinishReason.STOP)
+                finished.append(seq)
+            elif verdict in (Verdict.STUCK, Verdict.REFUSED):  # that row fails; the job goes on
+                seq.error = verdict.error(seq)
+                if done:  # ended by the scheduler (EOS or length) on that token
+                    seq.finish_reason = FinishReason.ERROR
+                else:
+                    sched.finish(seq, FinishReason.ERROR)
+                    finished.append(seq)
+            elif seq.finish_reason is FinishReason.LENGTH and verdict is Verdict.GOING:
+                seq.error = INCOMPLETE

@@ -103,6 +103,10 @@ class ModelRunner:
         free, _ = torch.cuda.mem_get_info(self.device)
         return free
 
+    # Processes on this host that hold a pool like this one: the tensor-parallel ranks on the
+    # CPU share its memory (RankedRunner sets it), so a pool sized from the job is checked x it.
+    host_ranks: int = 1
+
     def kv_bytes_per_block(self) -> int:
         """KV bytes of one block on this rank (its KV heads)."""
         cfg = self.model.cfg

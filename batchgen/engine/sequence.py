@@ -21,6 +21,7 @@ class ConstraintKind(str, enum.Enum):
 class Constraint:
     kind: ConstraintKind
     spec: str | tuple[str, ...]  # the choices (CHOICE) or the pattern / schema text
+    any_whitespace: bool = False  # JSON: free whitespace between tokens, not one space after , :
 
     def describe(self) -> str:
         if self.kind is ConstraintKind.CHOICE:
@@ -91,6 +92,14 @@ class Request:
     def max_tokens(self) -> int:
         """Cache slots the request may need: prompt and generated tokens."""
         return self.prompt_len + (0 if self.scoring else self.params.max_new_tokens)
+
+    @property
+    def longest_tokens(self) -> int:
+        """Cache slots its longest sequence needs: max_tokens, or with candidates the prompt
+        and its longest candidate."""
+        if self.candidates:
+            return self.prompt_len + max(map(len, self.candidates))
+        return self.max_tokens
 
 
 @dataclass(slots=True)

@@ -57,6 +57,7 @@ class RunConfig:
     choice: list[str] | None = None  # the output is one of these labels (task score: scored)
     regex: str | None = None  # the output matches this regular expression
     json_schema: str | None = None  # a JSON schema file the output must match
+    json_any_whitespace: bool = False  # JSON outputs: free whitespace, not one space after , :
     # engine
     device: str = "auto"
     dtype: Dtype = Dtype.AUTO

@@ -114,6 +114,8 @@ def options_fingerprint(cfg: RunConfig) -> dict[str, Any]:
         del out["n_as_list"]
     if not cfg.with_timings:  # and jobs without timing columns
         del out["with_timings"]
+    if not cfg.json_any_whitespace:  # and jobs of compact JSON
+        del out["json_any_whitespace"]
     if cfg.shard:  # and unsharded runs
         out["shard"] = str(cfg.shard)
     else:

@@ -13,7 +13,7 @@ from batchgen.errors import ConfigError
 from batchgen.job.config import RunConfig
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.prepare import Preparer
-from batchgen.model.memory import check_allocation
+from batchgen.model.memory import check_allocation, weight_bytes
 from batchgen.model.tensor_parallel import TPShard, local_config
 
 
@@ -70,6 +70,7 @@ def open_job(cfg: RunConfig) -> Job:
             f"max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in the model's "
             f"{max_seq} positions"
         )
+    check_weights(spec)  # a config.json's sizes, before a grammar is built over its vocabulary
     if cfg.kv_cache_tokens:  # an explicit size is checked against memory before allocating
         rank = local_config(spec.model_cfg, TPShard(0, spec.tensor_parallel_size))
         per_token = rank.kv_bytes_per_token(spec.dtype.itemsize)  # each rank holds its KV heads
@@ -84,3 +85,21 @@ def open_job(cfg: RunConfig) -> Job:
         except ConstraintError as e:
             raise ConfigError(str(e)) from None
     return Job(cfg, spec, source, prep)
+
+
+def check_weights(spec: ModelSpec) -> None:
+    """The weights config.json implies (a rank's share, at the load dtype: what the loader
+    checks again with exact shapes) against free memory, before anything is built from the
+    config: a vocab_size of 10**9 would first cost a long grammar compile, then a MemoryError.
+    On the CPU only: resolving a job touches no GPU (the loader checks a GPU before loading)."""
+    if spec.device.type != "cpu":
+        return
+    mc = spec.model_cfg
+    check_allocation(
+        weight_bytes(mc, spec.dtype.itemsize, spec.tensor_parallel_size),
+        f"the weights config.json describes ({mc.num_params:,} parameters; vocab_size "
+        f"{mc.vocab_size}, hidden size {mc.dim}, {mc.n_layers} layers)",
+        f"the sizes in {spec.model_dir / 'config.json'} (or use --tensor-parallel-size, "
+        "--quantize or --dtype)",
+        spec.device,
+    )

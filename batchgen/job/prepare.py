@@ -275,6 +275,15 @@ class Preparer:
                 out[i] = ids
         return out
 
+    def longest_row(self, done: set[Any]) -> int:
+        """Cache slots the job's longest request needs, from a pass over the whole input
+        (what `batchgen plan` reports). Ids it saw are forgotten: the run checks them again."""
+        try:
+            windows = (w for _, w in self.windows(done))
+            return max((r.longest_tokens for w in windows for r in w.requests), default=1)
+        finally:
+            self._seen_ids.clear()
+
     def _check_id(self, rid: Any) -> None:
         if rid is None:
             raise InputError(f"id column {self.id_column!r} has a null value; ids must be set")

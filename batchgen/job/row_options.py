@@ -42,11 +42,14 @@ def job_constraint(cfg: RunConfig) -> Constraint | None:
     if cfg.regex is not None:
         return Constraint(ConstraintKind.REGEX, cfg.regex)
     if cfg.json_schema is not None:
-        return Constraint(ConstraintKind.JSON_SCHEMA, read_json_schema(cfg.json_schema))
+        schema = read_json_schema(cfg.json_schema)
+        return Constraint(ConstraintKind.JSON_SCHEMA, schema, cfg.json_any_whitespace)
     return None
 
 
-def row_constraint(rec: dict[str, Any], columns: list[str]) -> Constraint | None:
+def row_constraint(
+    rec: dict[str, Any], columns: list[str], any_whitespace: bool = False
+) -> Constraint | None:
     """A row's own constraint from its choice / regex / json_schema column, or None."""
     given = [c for c in columns if rec.get(c) is not None]
     if len(given) > 1:
@@ -64,7 +67,7 @@ def row_constraint(rec: dict[str, Any], columns: list[str]) -> Constraint | None
             value = json.dumps(value)
         if not isinstance(value, str):
             raise ConstraintError(f"{col} is {type(value).__name__}, not text")
-        return Constraint(kind, value)
+        return Constraint(kind, value, any_whitespace and kind is ConstraintKind.JSON_SCHEMA)
     except ConstraintError as e:
         raise RowError(str(e)) from e
 
@@ -114,7 +117,7 @@ class RowOptions:
             if sample and "seed" in values:  # a row's explicit seed is its sample 0's
                 values["seed"] = row_seed(values["seed"], row_id, sample)
             values.setdefault("seed", row_seed(self.cfg.seed, row_id, sample))
-            constraint = row_constraint(rec, self.constraint_columns)
+            constraint = row_constraint(rec, self.constraint_columns, self.cfg.json_any_whitespace)
             if constraint is not None:
                 values["constraint"] = constraint
             if self.stop_column and rec[self.stop_column] is not None:

@@ -204,6 +204,8 @@ class RankedRunner(ModelRunner):
             model, block_size=block_size, compile=compile, broadcast=self._send_step, clock=clock
         )
         self.ranks = ranks
+        if self.device.type == "cpu":
+            self.host_ranks = len(ranks.procs) + 1
 
     def _send_step(self, inputs: StepInputs) -> None:
         self.ranks.send(("step", inputs))

@@ -8,6 +8,7 @@ between CPU and CUDA kernels, are built for the device that runs them).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 from torch import nn
@@ -24,6 +25,8 @@ from batchgen.quant.scheme import (
     QuantScheme,
     QuantUnavailableError,
 )
+
+log = logging.getLogger(__name__)
 
 _BACKENDS = {QuantBackend.TORCHAO: torchao_backend, QuantBackend.QUANTO: quanto_backend}
 
@@ -68,10 +71,15 @@ def make_scheme(
     return scheme
 
 
-def layer_group_sizes(model: Transformer, scheme: QuantScheme) -> dict[str, int]:
+def layer_group_sizes(
+    model: Transformer, scheme: QuantScheme
+) -> tuple[dict[str, int], dict[str, int]]:
     """Per target layer, the largest supported group size up to scheme.group_size that
-    divides its input width in every block; QuantUnavailableError where none does."""
-    sizes = {}
+    divides its input width in every block; and the targets none divides, with their width,
+    which stay int8 (a real checkpoint can have one odd layer). The model is this rank's
+    part, so a width tensor parallelism split is judged as split. QuantUnavailableError if
+    no target can take int4 at all."""
+    sizes, int8 = {}, {}
     for name in TARGETS:
         widths = {block.get_submodule(name).in_features for block in model.layers}
         fits = [
@@ -79,14 +87,18 @@ def layer_group_sizes(model: Transformer, scheme: QuantScheme) -> dict[str, int]
             for g in INT4_GROUP_SIZES
             if g <= scheme.group_size and all(k % g == 0 for k in widths)
         ]
-        if not fits:
-            raise QuantUnavailableError(
-                f"int4 groups input channels in {', '.join(map(str, INT4_GROUP_SIZES))}s, and "
-                f"none of those up to {scheme.group_size} divides the {sorted(widths)} input "
-                f"features of layers.*.{name}; use --quantize int8 or fp8 for this model"
-            )
-        sizes[name] = max(fits)
-    return sizes
+        if fits:
+            sizes[name] = max(fits)
+        else:
+            int8[name] = min(widths)
+    if not sizes:
+        raise QuantUnavailableError(
+            f"int4 groups input channels in {', '.join(map(str, INT4_GROUP_SIZES))}s, and none "
+            f"of those up to {scheme.group_size} divides the input features of any quantized "
+            f"layer ({', '.join(f'{t}: {k}' for t, k in int8.items())}); use --quantize int8 or "
+            "fp8 for this model"
+        )
+    return sizes, int8
 
 
 def quantize_model(
@@ -100,13 +112,28 @@ def quantize_model(
         model.to(device)
         return scheme
     scheme.check_available(device.type, model.embed.weight.dtype)
+    int8: dict[str, int] = {}
     if scheme.group_size is not None:
-        sizes = tuple(layer_group_sizes(model, scheme).items())
-        scheme = dataclasses.replace(scheme, layer_group_sizes=sizes)
+        sizes, int8 = layer_group_sizes(model, scheme)
+        scheme = dataclasses.replace(
+            scheme, layer_group_sizes=tuple(sizes.items()), int8_layers=tuple(int8.items())
+        )
+        for name, width in int8.items():
+            log.warning(
+                "int4: no group size in %s up to %d divides the %d input features of "
+                "layers.*.%s; that layer is kept at int8",
+                "/".join(map(str, INT4_GROUP_SIZES)),
+                scheme.group_size,
+                width,
+                name,
+            )
     backend = _BACKENDS[scheme.backend]
+    as_int8 = QuantScheme(QuantMethod.INT8, scheme.backend)
     for block in model.layers:
         block.to(device)
-        backend.quantize_linears(block, TARGETS, scheme, device)
+        backend.quantize_linears(block, tuple(t for t in TARGETS if t not in int8), scheme, device)
+        if int8:
+            backend.quantize_linears(block, tuple(int8), as_int8, device)
     for name in ("embed", "pos_embed", "norm", "lm_head"):
         module = getattr(model, name)
         if module is not None:

@@ -72,13 +72,16 @@ class QuantScheme:
     is the group each target layer got: the largest supported size up to group_size that
     divides its input width (a 32-wide layer gets 32 under the default 128). weight_format
     is the weight tensor type the backend produced ("A/B" if layers differ), also filled in
-    by `quantize_model`."""
+    by `quantize_model`. int8_layers, also filled in there, are the int4 targets whose input
+    width no supported group size divides (on this rank: tensor parallelism splits some
+    widths): they are kept at int8, per output channel, and have no group size."""
 
     method: QuantMethod = QuantMethod.NONE
     backend: QuantBackend | None = None
     group_size: int | None = None
     weight_format: str | None = None
-    layer_group_sizes: tuple[tuple[str, int], ...] = ()  # (target, group size) per target
+    layer_group_sizes: tuple[tuple[str, int], ...] = ()  # (target, group size) per int4 target
+    int8_layers: tuple[tuple[str, int], ...] = ()  # (target, input width) kept at int8
 
     def __post_init__(self) -> None:
         # Accept the plain strings the CLI and config files carry.
@@ -123,7 +126,9 @@ class QuantScheme:
     def to_dict(self) -> dict:
         if not self.enabled:
             return {"method": "none"}
-        sizes = {f"layers.*.{t}": self.group_size_of(t) for t in TARGETS}
+        int8 = dict(self.int8_layers)
+        sizes = {f"layers.*.{t}": self.group_size_of(t) for t in TARGETS if t not in int8}
+        modules = [f"layers.*.{t}" for t in TARGETS]
         if not self.group_size:
             granularity = "per channel"
         elif len(set(sizes.values())) == 1:
@@ -135,9 +140,11 @@ class QuantScheme:
             "backend": self.backend.value,
             "granularity": granularity,
             "group_size": self.group_size,
-            "modules": list(sizes),
+            "modules": modules,
             "weight_format": self.weight_format,
         }
         if self.group_size:
             out["group_sizes"] = sizes
+        if int8:  # int4 layers that no group size fits, kept at int8 per output channel
+            out["int8_layers"] = {f"layers.*.{t}": f"{k} input features" for t, k in int8.items()}
         return out

@@ -27,6 +27,7 @@ from batchgen.job.config import RunConfig
 from batchgen.job.fingerprint import job_fingerprint
 from batchgen.job.open import Job, open_job
 from batchgen.llm import LLM
+from batchgen.runner.deadline import Watchdog, deadlines
 from batchgen.stats.latency import row_timings
 from batchgen.stats.nvml import NvmlSampler
 from batchgen.stats.peaks import resolve_peaks
@@ -60,11 +61,16 @@ def _stop_on_signals():
 def run(cfg: RunConfig) -> RunStats:
     """Run one job to completion (or to a signal); returns its statistics."""
     # The output directory stays locked from its opening to the job's end, however it ends.
-    with ExitStack() as job_scope:
-        return _run(cfg, job_scope)
+    # After a stop signal or a fatal error the process ends within seconds (deadline.py).
+    with deadlines() as watchdog, ExitStack() as job_scope:
+        try:
+            return _run(cfg, job_scope, watchdog)
+        except BaseException:
+            watchdog.arm_fatal()  # the cleanup below gets seconds, not forever
+            raise
 
 
-def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
+def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     job = open_job(cfg)
@@ -89,8 +95,11 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
         stats.finish(complete=True)
         return stats
 
+    longest = _job_longest_row(job, done)
     t0 = time.perf_counter()
     llm = job_scope.enter_context(LLM.from_spec(spec))  # closed (its ranks ended) at the end
+    if longest is not None:  # a pool sized for every row, not only the first window's
+        llm.engine.reserve(longest)
     info = _run_info(llm)
     load_s = time.perf_counter() - t0
     tp = spec.tensor_parallel_size
@@ -163,6 +172,9 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
             if lists is not None and lists.pending:  # cannot happen: every sample finishes
                 raise RuntimeError(f"{lists.pending} rows still wait for samples at the end")
             complete = True
+        except BaseException:
+            watchdog.arm_fatal()  # the flush below gets seconds, not forever
+            raise
         finally:
             flush()  # on a signal too: every finished row is kept
             progress.close()
@@ -231,3 +243,21 @@ def _progress(cfg: RunConfig, num_rows: int | None):
     total = num_rows if cfg.limit is None else min(cfg.limit, num_rows or cfg.limit)
     total = total * cfg.n if total is not None else None  # records (an n column: approximate)
     return tqdm(total=total, unit="row", disable=cfg.quiet, dynamic_ncols=True, desc="batchgen")
+
+
+def _job_longest_row(job: Job, done: set) -> int | None:
+    """The job's longest row where the KV pool is sized from it (no --kv-cache-tokens, not
+    on a GPU) and the first read-ahead window may not hold every row: a pass over the input
+    that tokenizes it once more, so a row's result never depends on where it sits."""
+    cfg, spec, source = job.cfg, job.spec, job.source
+    if spec.device.type == "cuda" or spec.engine.kv_cache_tokens is not None:
+        return None
+    rows = source.num_rows if cfg.limit is None else min(cfg.limit, source.num_rows or cfg.limit)
+    if rows is not None and rows <= spec.engine.read_ahead and not job.prep.samples:
+        return None  # the first window is the whole job
+    t0 = time.perf_counter()
+    longest = job.prep.longest_row(done)
+    log.info(
+        "length pass: the longest row is %d tokens (%.1f s)", longest, time.perf_counter() - t0
+    )
+    return longest

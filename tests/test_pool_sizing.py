@@ -1,0 +1,40 @@
+"""The CPU KV pool is sized from the whole job, not its first read-ahead window (issue 22): a
+row's output never depends on where it sits in the input."""
+
+from helpers import prompts, read_stats, rows_by_id, run_cli, write_parquet
+
+# Auto-sized pool (no --kv-cache-tokens), a small window and few sequences in flight, so the
+# first window's rows alone would size the pool far below the long row.
+FLAGS = ("--device", "cpu", "--no-compile", "--quiet", "--window-rows", 4, "--max-num-seqs", 4)
+FLAGS += ("--max-prompt-len", 4096, "--max-new-tokens", 8)
+
+
+def _long_prompt() -> str:
+    return " ".join(["the quick brown fox jumps over the lazy dog."] * 160)
+
+
+def _run(tmp_path, long_model, texts, name):
+    src = write_parquet(tmp_path / f"{name}.parquet", {"prompt": texts})
+    out = tmp_path / name
+    r = run_cli("run", src, "-o", out, "--model", long_model, *FLAGS)
+    return r, rows_by_id(out), read_stats(out)
+
+
+def test_a_long_row_after_a_window_of_short_rows_runs(tmp_path, long_model):
+    texts = [*prompts(8), _long_prompt()]
+    r, rows, stats = _run(tmp_path, long_model, texts, "last")
+    assert rows[8]["prompt_tokens"] > 1000
+    assert rows[8]["error"] is None and rows[8]["finish_reason"] == "length"
+    assert stats["rows_error"] == 0
+    assert stats["kv_cache_tokens"] >= 4 * (rows[8]["prompt_tokens"] + 8)
+    # the same rows with the long one first: the same outputs
+    _, first, _ = _run(tmp_path, long_model, [texts[-1], *texts[:-1]], "first")
+    assert first[0]["text"] == rows[8]["text"]
+    assert [first[i + 1]["text"] for i in range(8)] == [rows[i]["text"] for i in range(8)]
+
+
+def test_quiet_summary_counts_errors(tmp_path, long_model):
+    texts = [*prompts(3), "x " * 5000]  # the last one is longer than --max-prompt-len
+    r, rows, _ = _run(tmp_path, long_model, texts, "errors")
+    assert rows[3]["finish_reason"] == "error"
+    assert "4 rows (1 error)" in r.stdout, r.stdout
