@@ -1,4 +1,5 @@
-"""Job spec files (YAML): the same keys as `batchgen run` flags, validated by RunConfig.
+"""Job spec files (YAML): the same keys as `batchgen run` flags, validated by RunConfig;
+`build_config` lays the flags given on the line over a spec's values.
 
 Paths starting with `builtin:` point inside the installed package's assets, so the
 example jobs run wherever batchgen is installed.
@@ -9,9 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import click
 import yaml
 
 from batchgen.errors import ConfigError
+from batchgen.job.config import RunConfig
 
 ASSETS = Path(__file__).parents[1] / "assets"
 BUILTIN = "builtin:"
@@ -41,3 +44,50 @@ def load_job_spec(path: str) -> dict[str, Any]:
         if isinstance(values.get(key), str):
             values[key] = resolve_path(values[key])
     return values
+
+
+def build_config(ctx: click.Context, source: str, **flags) -> RunConfig:
+    """Job spec values (if SOURCE is a .yaml), overridden by flags given on the line."""
+    values: dict = {}
+    if is_job_spec(source):
+        values = load_job_spec(source)
+    else:
+        values["input"] = resolve_path(source)
+        if flags.get("input") is not None:
+            raise ConfigError(f"input {source} and --input {flags['input']}: pass one of them")
+    if flags.get("input") is not None:
+        flags["input"] = resolve_path(flags["input"])
+    for name, value in flags.items():
+        # None: not one of this command's options (passed by the command itself)
+        given = ctx.get_parameter_source(name) in (
+            None,
+            click.core.ParameterSource.COMMANDLINE,
+            click.core.ParameterSource.ENVIRONMENT,
+        )
+        if given or name not in values:
+            values[name] = value
+    if "shard" in flags and values.get("shard") is None:
+        values["shard"] = _shard_from_env(values.get("workers", 1))
+    if isinstance(values.get("passthrough"), str):
+        values["passthrough"] = [c.strip() for c in values["passthrough"].split(",") if c.strip()]
+    if isinstance(values.get("choice"), str):  # "a, b,c" on the command line
+        values["choice"] = [c.strip() for c in values["choice"].split(",")]
+    if isinstance(values.get("stop"), tuple | list):
+        values["stop"] = list(values["stop"])
+    return RunConfig.from_mapping(values, source)
+
+
+def _shard_from_env(workers) -> str | None:
+    """The shard of a Slurm array task (SLURM_ARRAY_TASK_ID/COUNT), for runs without --shard."""
+    from batchgen.job.shard import ShardError, shard_from_env
+
+    try:
+        shard = shard_from_env()
+    except ShardError as e:
+        raise ConfigError(str(e)) from None
+    if shard is not None and str(workers) != "1":
+        raise ConfigError(
+            f"this is Slurm array task {shard} (SLURM_ARRAY_TASK_ID is set), which runs one shard; "
+            "--workers splits a whole job, so use one or the other"
+        )
+    return str(shard) if shard else None

@@ -8,7 +8,8 @@ import sys
 import click
 
 from batchgen.choices import Task
-from batchgen.cli.options import build_config, data_options, run_options
+from batchgen.cli.jobspec import build_config
+from batchgen.cli.options import data_options, run_options
 from batchgen.errors import ConfigError, JobInterrupted, RuntimeFailure, UsageError
 
 EXIT_USAGE = 2

@@ -1,6 +1,6 @@
 """The `run` and `plan` commands' options, declared once each: an option's default, range and
-choices come from RunConfig (config.py); `build_config` merges them over a job spec's values.
-Adding an option is a RunConfig field and one `_opt` line here."""
+choices come from RunConfig (config.py); `jobspec.build_config` merges them over a job spec's
+values. Adding an option is a RunConfig field and one `_opt` line here."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import dataclasses
 import click
 
 from batchgen.choices import BOUNDS, Choice
-from batchgen.cli.jobspec import is_job_spec, load_job_spec, resolve_path
 from batchgen.engine.config import EngineConfig
-from batchgen.errors import ConfigError
 from batchgen.job.config import ENGINE_DEFAULTS, RunConfig, choice_fields
 
 
@@ -253,50 +251,3 @@ def run_options(f):
     ):
         f = o(f)
     return f
-
-
-def build_config(ctx: click.Context, source: str, **flags) -> RunConfig:
-    """Job spec values (if SOURCE is a .yaml), overridden by flags given on the line."""
-    values: dict = {}
-    if is_job_spec(source):
-        values = load_job_spec(source)
-    else:
-        values["input"] = resolve_path(source)
-        if flags.get("input") is not None:
-            raise ConfigError(f"input {source} and --input {flags['input']}: pass one of them")
-    if flags.get("input") is not None:
-        flags["input"] = resolve_path(flags["input"])
-    for name, value in flags.items():
-        # None: not one of this command's options (passed by the command itself)
-        given = ctx.get_parameter_source(name) in (
-            None,
-            click.core.ParameterSource.COMMANDLINE,
-            click.core.ParameterSource.ENVIRONMENT,
-        )
-        if given or name not in values:
-            values[name] = value
-    if "shard" in flags and values.get("shard") is None:
-        values["shard"] = _shard_from_env(values.get("workers", 1))
-    if isinstance(values.get("passthrough"), str):
-        values["passthrough"] = [c.strip() for c in values["passthrough"].split(",") if c.strip()]
-    if isinstance(values.get("choice"), str):  # "a, b,c" on the command line
-        values["choice"] = [c.strip() for c in values["choice"].split(",")]
-    if isinstance(values.get("stop"), tuple | list):
-        values["stop"] = list(values["stop"])
-    return RunConfig.from_mapping(values, source)
-
-
-def _shard_from_env(workers) -> str | None:
-    """The shard of a Slurm array task (SLURM_ARRAY_TASK_ID/COUNT), for runs without --shard."""
-    from batchgen.job.shard import ShardError, shard_from_env
-
-    try:
-        shard = shard_from_env()
-    except ShardError as e:
-        raise ConfigError(str(e)) from None
-    if shard is not None and str(workers) != "1":
-        raise ConfigError(
-            f"this is Slurm array task {shard} (SLURM_ARRAY_TASK_ID is set), which runs one shard; "
-            "--workers splits a whole job, so use one or the other"
-        )
-    return str(shard) if shard else None
