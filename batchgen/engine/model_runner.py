@@ -2,6 +2,10 @@
 plan (step_inputs.py), runs the model on the paged cache, samples, and hands back one
 (token, logprob) per sampling sequence.
 
+Decode attention has one path per device (`decode_backend`): on CUDA, FlexAttention reads
+each row's blocks in place from the paged pool; on the CPU, the rows' blocks are gathered and
+SDPA runs over the copy (measured faster there; docs/architecture.md).
+
 Eagerly, a step runs at its exact size: no padding rows, no padding tokens. Compiled
 (`compile=True`), decode-only steps, the steady state, run through one torch.compile'd graph
 per shape, CUDA graphs on a GPU: the batch padded to a power of two and the block tables to a
@@ -24,12 +28,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from batchgen.engine.constraints import apply_bitmask
 from batchgen.engine.sampler import SamplingColumns, SamplingTensors, sample
 from batchgen.engine.sequence import StepPlan
 from batchgen.engine.step_inputs import StepInputs, pack_decode, pack_step
-from batchgen.model.attention import DecodeGroup, PrefillSpan, StepAttention
+from batchgen.model.attention import (
+    DecodeBackend,
+    DecodeGroup,
+    PrefillSpan,
+    StepAttention,
+    decode_backend,
+)
 from batchgen.model.tp_layers import CollectiveClock
 from batchgen.model.transformer import Transformer
 
@@ -68,6 +79,7 @@ class ModelRunner:
         self.num_blocks = 0  # no cache until allocate()
         self.max_positions = model.cfg.max_position_embeddings
         self.compiled = compile
+        self.attention = decode_backend(self.device, block_size, model.cfg.head_dim)
         self.broadcast, self.clock = broadcast, clock
         self.shapes: set[tuple] = set()  # compiled shapes seen
         if compile:
@@ -129,10 +141,13 @@ class ModelRunner:
         positions: torch.Tensor,
         slots: torch.Tensor,
         blocks: torch.Tensor,
+        mask: BlockMask | None,
     ) -> torch.Tensor:
-        """A decode-only step's logits: (B,) tokens at (B,) positions, tables (B, n)."""
+        """A decode-only step's logits: (B,) tokens at (B,) positions, tables (B, n); mask:
+        flex's block mask, built outside the graph (see _tensors), or None (gather)."""
         b = tokens.shape[0]
-        step = StepAttention(slots, b, (DecodeGroup(0, blocks, positions + 1),))
+        group = DecodeGroup(0, blocks, positions + 1, mask)
+        step = StepAttention(slots, b, (group,), backend=self.attention)
         return self.model(tokens, positions, step, torch.arange(b, device=tokens.device))
 
     def _decode_step(
@@ -141,19 +156,32 @@ class ModelRunner:
         positions: torch.Tensor,
         slots: torch.Tensor,
         blocks: torch.Tensor,
+        mask: BlockMask | None,
         sampling: SamplingTensors,
         steps: torch.Tensor,
         greedy_only: bool,
         bitmask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode-only step as one graph: the logits, then the sampled tokens."""
-        logits = self._decode_logits(tokens, positions, slots, blocks)
+        logits = self._decode_logits(tokens, positions, slots, blocks, mask)
         return self._sample(logits, sampling, steps, greedy_only, bitmask)
 
-    def _tensors(self, x: StepInputs) -> tuple[torch.Tensor, ...]:
+    def _tensors(self, x: StepInputs) -> tuple:
+        """A compiled decode step's inputs: tokens, positions, slots, tables, and flex's block
+        mask. The mask is built here, outside the graph, and comes in as an input (inductor's
+        CPU flex kernel read a mask built inside the graph wrongly, torch 2.13); its tensors
+        are graph inputs, so a new mask each step compiles nothing new."""
         dev = self.device
         tables = torch.tensor(x.decodes[0][1], device=dev)
-        return (*(torch.tensor(v, device=dev) for v in (x.tokens, x.positions, x.slots)), tables)
+        tokens, positions, slots = (
+            torch.tensor(v, device=dev) for v in (x.tokens, x.positions, x.slots)
+        )
+        mask = None
+        if self.attention is DecodeBackend.FLEX:
+            group = DecodeGroup(0, tables, positions + 1)
+            step = StepAttention(slots, len(x.tokens), (group,), backend=self.attention)
+            mask = self.model.step_masks(step).decodes[0].mask
+        return tokens, positions, slots, tables, mask
 
     def forward(self, x: StepInputs) -> torch.Tensor:
         """The float32 logits (len(x.logits_index), vocab) of one step's inputs (what a
@@ -164,6 +192,7 @@ class ModelRunner:
             return self._decode_forward(*self._tensors(x))
         dev = self.device
         step = StepAttention(
+            backend=self.attention,
             slots=torch.tensor(x.slots, device=dev),
             num_decodes=sum(len(lens) for _, _, lens in x.decodes),
             decodes=tuple(
@@ -196,7 +225,10 @@ class ModelRunner:
     def _execute_eager(
         self, plan: StepPlan, bitmask: torch.Tensor | None
     ) -> tuple[Sampled, list[list[float]], StepTiming]:
-        packed = pack_step(plan, self.block_size)
+        # Flex reads every row's blocks in place: one group; the gather pads each group's
+        # copy to its longest table, so it groups rows by width.
+        groups = 1 if self.attention is DecodeBackend.FLEX else 4
+        packed = pack_step(plan, self.block_size, max_groups=groups)
         dev, n = self.device, len(packed.sampled)
         t0 = time.perf_counter()
         if self.broadcast is not None:

@@ -1,0 +1,131 @@
+"""Decode attention that reads the paged KV pool in place: FlexAttention with a paged block mask.
+
+Why: the gather path (attention.py, `decode_attention`) copies every row's blocks into a new
+(B, S, Hkv, D) tensor in each layer, each step, then runs SDPA over the copy: three trips over
+the KV (read the pool, write the copy, read it back) where attention needs one. On a GPU,
+where decode is bound by memory bandwidth, that copy is most of the attention's cost
+(docs/architecture.md has the bytes). Here the pool itself, viewed as one sequence of
+num_blocks * block_size keys, is FlexAttention's key/value; a block mask tells the kernel which
+of those blocks each row reads, so nothing is copied. This is what the CUDA runner uses; the
+CPU keeps gather + SDPA (measured faster there).
+
+The block mask. Row b's kv block list is its block table, from the first block inside its
+sliding window (0 without one) to the block of its last token: the kernel visits only those
+cache blocks, one flex KV block per cache block. Every listed block goes through `mask_mod`;
+there are no "full" lists, because with them the CUDA decoding kernel splits the length of the
+whole pool across its KV splits (flex_decode.py.jinja, TILE_KV) instead of the row's own blocks.
+`mask_mod` maps a physical key slot back to its logical position: cache block blk sits at index
+`logical[blk]` of every table that holds it (a shared block is a prefix-cache block, which
+names its whole prefix, so its index is the same in every table), and `tables[b, j] == blk`
+checks that row b holds it. The position must be below the row's length and, with a window,
+within `window` of its last token: the masks of `decode_mask` exactly. Eager flex_attention
+evaluates `mask_mod` densely over the whole pool (no block sparsity), so it is exact for every
+key, listed or not; for the same reason the eager call is never used on a GPU (it would
+materialise (B, H, pool) scores): there the call is always compiled.
+
+Grouped-query attention is folded into the query axis, as in `decode_attention`: the g query
+heads of a kv head are its g queries, q (B, Hkv, g, D). The CUDA decoding kernel packs them
+into one tile just as `enable_gqa=True` would (it reshapes (B, Hq, 1, D) to (B, Hkv, g, 1, D)),
+but folding also takes g that is not a power of two (Qwen2-7B: 28 / 4 = 7), which its
+enable_gqa path refuses. Shapes are bounded: a group's rows and table width are padded to
+powers of two (padding rows read one key of the scratch block), so the compiled kernel sees
+one shape per (rows, width) bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from batchgen.model.kv_cache import PagedKVCache
+
+# The CUDA decoding kernel needs the mask's query block size to be a multiple of its query
+# tile (>= 16 and >= the queries, next power of two): 128, flex's default, covers g <= 128.
+Q_BLOCK = 128
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pad_group(tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables (B, W) and lengths (B,) padded to powers of two: padding rows hold the scratch
+    block (0) with length 1, padding columns the scratch block."""
+    rows, width = tables.shape
+    r, w = _next_pow2(rows), _next_pow2(width)
+    if (r, w) == (rows, width):
+        return tables, lens
+    out = tables.new_zeros(r, w)
+    out[:rows, :width] = tables
+    return out, torch.cat([lens, lens.new_ones(r - rows)])
+
+
+def paged_block_mask(
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    window: int | None,
+    block_size: int,
+    pool_blocks: int,
+    queries: int,
+) -> BlockMask:
+    """The block mask of decode rows reading the pool in place: tables (B, W) padded with the
+    scratch block, lens (B,) context lengths (this token included), over the pool's
+    pool_blocks * block_size keys; queries: the folded query axis (query heads per kv head)."""
+    bs, (rows, width) = block_size, tables.shape
+    tables, lens = tables.to(torch.int32), lens.to(torch.int32)
+    cols = torch.arange(width, dtype=torch.int32, device=tables.device)
+    lo = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
+    first, last = lo // bs, (lens - 1) // bs  # (B,) the first and last block read
+    num = last - first + 1
+    # The listed blocks, shifted to start at `first`: a buffer of its own, apart from `tables`
+    # (inductor's CPU kernel fails to build when mask_mod reads the block list's buffer).
+    index = (cols[None] + first[:, None]).clamp(max=width - 1).long()
+    kv_indices = tables.gather(1, index)  # (B, W)
+    if tables.device.type == "cpu" and width < pool_blocks:  # inductor's CPU kernel wants
+        # lists as long as the pool (the CUDA one reads only the first kv_num_blocks)
+        kv_indices = torch.cat([kv_indices, kv_indices.new_zeros(rows, pool_blocks - width)], 1)
+    # logical[blk]: blk's index in the tables that hold it; unheld slots go to a spare entry.
+    held = cols[None] <= last[:, None]
+    logical = torch.zeros(pool_blocks + 1, dtype=torch.int32, device=tables.device)
+    target = torch.where(held, tables, pool_blocks).flatten().long()
+    logical.scatter_(0, target, cols.expand(rows, width).flatten())
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = kv_idx // bs
+        j = logical[blk]
+        pos = j * bs + kv_idx % bs  # the key's position in row b's sequence, if b holds blk
+        ok = (tables[b, j] == blk) & (pos < lens[b])
+        return ok & (pos >= lens[b] - window) if window is not None else ok
+
+    return BlockMask.from_kv_blocks(
+        num[:, None, None],  # (B, 1, 1): one head group, one query block
+        kv_indices[:, None, None, :],
+        BLOCK_SIZE=(Q_BLOCK, bs),
+        mask_mod=mask_mod,
+        seq_lengths=(queries, pool_blocks * bs),
+        compute_q_blocks=False,
+    )
+
+
+@functools.cache
+def _compiled_flex():
+    # dynamic=False: the CUDA decoding kernel needs a static batch; callers pad to buckets.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_decode_attention(q: torch.Tensor, cache: PagedKVCache, mask: BlockMask) -> torch.Tensor:
+    """q (B, H, D), one query per row, over the pool in place -> (B, H, D). B: the mask's
+    rows (padded). Compiled on a GPU; eager elsewhere (the CPU runs it only in tests)."""
+    b, h, d = q.shape
+    hkv = cache.k.shape[1]
+    # The pool as one (1, Hkv, num_blocks * block_size, D) sequence: a view, no copy. Its
+    # batch of 1 broadcasts over the rows (the kernels index K/V by batch % 1).
+    k, v = (x.permute(1, 0, 2)[None] for x in (cache.k, cache.v))
+    # (B, Hkv, g, D): GQA folded into the query axis. The softmax scale applied here makes it
+    # a 4-d tensor of its own, which inductor's CPU template needs (a view of the 3-d q fails
+    # to lower there, torch 2.13); on a GPU it is one small pointwise op.
+    qf = q.view(b, hkv, h // hkv, d) * d**-0.5
+    attend = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    return attend(qf, k, v, block_mask=mask, scale=1.0).reshape(b, h, d)
