@@ -82,15 +82,18 @@ class ModelRunner:
         self.attention = decode_backend(self.device, block_size, model.cfg.head_dim)
         self.broadcast, self.clock = broadcast, clock
         self.shapes: set[tuple] = set()  # compiled shapes seen
-        if compile:
+        if compile or self.attention is DecodeBackend.FLEX:
             import torch._dynamo.config as dynamo_config
 
-            # Each (batch, width, greedy) decode shape is one specialisation of the graph:
-            # room for the bounded set (batch sizes x power-of-two widths x 2), not dynamo's 8.
+            # Each (batch, width, greedy) decode shape is one specialisation of the graph, and
+            # each (rows, width) one of flex's in eager steps: room for the bounded set (batch
+            # sizes x power-of-two widths x 2), not dynamo's 8. (Past the limit dynamo would
+            # run flex eagerly: dense scores over the whole pool.)
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 128)
             dynamo_config.accumulated_recompile_limit = max(
                 dynamo_config.accumulated_recompile_limit, 1024
             )
+        if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs
             # Rank 0's graph holds the forward and the sampling; the other ranks' the forward.
             self._decode = torch.compile(

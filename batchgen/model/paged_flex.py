@@ -117,15 +117,19 @@ def _compiled_flex():
 
 def flex_decode_attention(q: torch.Tensor, cache: PagedKVCache, mask: BlockMask) -> torch.Tensor:
     """q (B, H, D), one query per row, over the pool in place -> (B, H, D). B: the mask's
-    rows (padded). Compiled on a GPU; eager elsewhere (the CPU runs it only in tests)."""
+    rows (padded). Inside a compiled step flex_attention is captured into its graph; called
+    eagerly, it is compiled on a GPU (its own graph a shape) and eager elsewhere (the CPU
+    runs it only in tests)."""
     b, h, d = q.shape
     hkv = cache.k.shape[1]
     # The pool as one (1, Hkv, num_blocks * block_size, D) sequence: a view, no copy. Its
     # batch of 1 broadcasts over the rows (the kernels index K/V by batch % 1).
     k, v = (x.permute(1, 0, 2)[None] for x in (cache.k, cache.v))
-    # (B, Hkv, g, D): GQA folded into the query axis. The softmax scale applied here makes it
-    # a 4-d tensor of its own, which inductor's CPU template needs (a view of the 3-d q fails
-    # to lower there, torch 2.13); on a GPU it is one small pointwise op.
-    qf = q.view(b, hkv, h // hkv, d) * d**-0.5
-    attend = _compiled_flex() if q.device.type == "cuda" else flex_attention
-    return attend(qf, k, v, block_mask=mask, scale=1.0).reshape(b, h, d)
+    qf = q.view(b, hkv, h // hkv, d)  # (B, Hkv, g, D): GQA folded into the query axis
+    compiling = torch.compiler.is_compiling()
+    if compiling and q.device.type == "cpu":
+        # Inductor's CPU template reads q's storage as 4-d: a view of the (B, H, D) q fails
+        # to lower (torch 2.13). The softmax scale applied here makes q a tensor of its own.
+        return flex_attention(qf * d**-0.5, k, v, block_mask=mask, scale=1.0).reshape(b, h, d)
+    attend = flex_attention if compiling or q.device.type != "cuda" else _compiled_flex()
+    return attend(qf, k, v, block_mask=mask).reshape(b, h, d)
