@@ -9,6 +9,11 @@ prefix-cache hits, at two tensor-parallel ranks, and compiled with no recompiles
 state. On a GPU, tests/test_gpu.py runs the compiled CUDA kernel (scripts/gpu_check.sh).
 """
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch._dynamo
@@ -188,3 +193,28 @@ def test_compiled_flex_decode_equals_eager_and_compiles_nothing_twice(model, mon
     with CompileEvents() as events, torch._dynamo.config.patch(error_on_recompile=True):
         again = [c.token_ids for c in llm.generate(rows, params)]
     assert again == want and events.n == 0
+
+
+def test_decode_micro_benchmark_runs_and_both_paths_agree(tmp_path):
+    """scripts/bench_paged_decode.py (the GPU check's gather-vs-flex figures) as a whole
+    process on a tiny CPU shape: both paths timed, their outputs equal, the JSON written."""
+    out = tmp_path / "decode.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_paged_decode.py"
+    args = "--device cpu --dtype float32 --rows 2,4 --ctx 64 --kv-heads 2 --head-dim 16"
+    args += " --q-per-kv 2 --window 40 --warmup 1 --reps 2"
+    r = subprocess.run(
+        [sys.executable, str(script), *args.split(), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "| 4 x 64 |" in r.stdout
+    results = json.loads(out.read_text())["results"]
+    assert [x["rows"] for x in results] == [2, 4]
+    for x in results:
+        assert (
+            x["gather_ms"] > 0
+            and x["flex_ms"] > 0
+            and x["kv_bytes"] == x["rows"] * 64 * 2 * 16 * 2 * 4
+        )
+        assert x["max_abs_diff"] < 1e-4
