@@ -25,7 +25,7 @@ import torch
 
 from batchgen.model.attention import decode_attention, decode_mask
 from batchgen.model.kv_cache import PagedKVCache
-from batchgen.model.paged_flex import flex_decode_attention, paged_block_mask
+from batchgen.model.paged_flex import flex_decode_attention, list_width, paged_block_mask
 
 
 def _time(fn: Callable[[], torch.Tensor], device: torch.device, reps: int) -> float:
@@ -66,7 +66,7 @@ def bench_shape(args, rows: int, device: torch.device, dtype: torch.dtype) -> di
     window = args.window or None
 
     sdpa_mask = decode_mask(lens, width * bs, window)
-    block_mask = paged_block_mask(tables, lens, window, bs, num_blocks, g)
+    block_mask = paged_block_mask(tables, lens, window, cache, g, list_width(cache, args.ctx))
 
     def gather() -> torch.Tensor:
         return decode_attention(q, cache, tables, sdpa_mask)

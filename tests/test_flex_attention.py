@@ -32,7 +32,12 @@ from batchgen.model.attention import (
     decode_mask,
 )
 from batchgen.model.kv_cache import PagedKVCache
-from batchgen.model.paged_flex import flex_decode_attention, pad_group, paged_block_mask
+from batchgen.model.paged_flex import (
+    flex_decode_attention,
+    list_width,
+    pad_rows,
+    paged_block_mask,
+)
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -62,9 +67,10 @@ def test_flex_over_the_pool_equals_the_gather(window, g, monkeypatch):
     q = torch.randn(5, hkv * g, d)
     want = decode_attention(q, cache, tables, decode_mask(lens, tables.shape[1] * bs, window))
 
-    padded, plens = pad_group(tables, lens)  # 5 rows -> 8: padding rows on the scratch block
+    padded, plens = pad_rows(tables, lens)  # 5 rows -> 8: padding rows on the scratch block
     assert padded.shape == (8, 4) and plens[5:].tolist() == [1, 1, 1]
-    mask = paged_block_mask(padded, plens, window, bs, num_blocks, g)
+    mask = paged_block_mask(padded, plens, window, cache, g, width=num_blocks)
+    assert mask.kv_indices.shape == (8, 1, 1, num_blocks)  # the fixed width, past the tables'
     # the rows' block lists: from the first block inside the window to the last one
     first = [max(0, n - (window or n)) // bs for n in lens.tolist()]
     assert mask.kv_num_blocks[:5, 0, 0].tolist() == [
@@ -98,6 +104,14 @@ def test_one_path_per_device(monkeypatch):
     monkeypatch.setenv(DECODE_ATTENTION_ENV, "fast")
     with pytest.raises(ValueError, match="flex|gather"):
         decode_backend(cpu, 16, 64)
+
+
+def test_block_lists_have_one_width_a_model():
+    """The most blocks a sequence can hold (max positions / block size, at most the pool);
+    on the CPU the whole pool, as inductor's CPU kernel wants."""
+    gpu_like = PagedKVCache(100, 16, 2, 8, torch.float32, "meta")  # any device but the CPU
+    assert list_width(gpu_like, 1000) == 63 and list_width(gpu_like, 10**6) == 100
+    assert list_width(PagedKVCache(100, 16, 2, 8, torch.float32, "cpu"), 1000) == 100
 
 
 # Rows of 1-25 tokens, and 4 of them again after a shared 8-token prefix, finishing after 1-12
@@ -177,19 +191,20 @@ def test_two_ranks_on_flex_give_one_rank_tokens(one_kv_head, monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_flex_decode_equals_eager_and_compiles_nothing_twice(model, monkeypatch):
-    """The compiled decode step with the block mask as an input: one graph for the workload's
-    one shape (4 rows decoding together, 1-block tables), none more on a second pass."""
+    """The compiled decode step with the block mask as an input: one graph for 4 rows decoding
+    together, though a row's table grows from 1 to 2 blocks (flex's lists have a fixed width:
+    no table-width axis); none more on a second pass."""
     engine = EngineConfig(max_num_seqs=4, block_size=64, kv_cache_tokens=512)
     g = torch.Generator().manual_seed(3)
-    rows = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 9, 14, 20)]
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    rows = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 9, 14, 60)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     monkeypatch.setenv(DECODE_ATTENTION_ENV, "gather")
     eager = LLM(model, dtype="float32", device="cpu", compile=False, engine=engine)
     want = [c.token_ids for c in eager.generate(rows, params)]
     monkeypatch.setenv(DECODE_ATTENTION_ENV, "flex")
     llm = LLM(model, dtype="float32", device="cpu", compile=True, engine=engine)
     assert [c.token_ids for c in llm.generate(rows, params)] == want
-    assert llm.runner.shapes == {("decode", 4, 1, True, False)}
+    assert llm.runner.shapes == {("decode", 4, 0, True, False)}
     with CompileEvents() as events, torch._dynamo.config.patch(error_on_recompile=True):
         again = [c.token_ids for c in llm.generate(rows, params)]
     assert again == want and events.n == 0

@@ -68,13 +68,14 @@ def test_flex_is_cudas_path_and_gives_the_gather_tokens(dirs, family, monkeypatc
 
 
 def test_compiled_flex_decode_is_one_cuda_graph_with_no_recompiles(dirs, monkeypatch):
-    """4 rows decoding together in 1-block tables: one decode graph, CUDA-graphed, the block
-    mask an input of it; a second pass compiles nothing and gives the same tokens."""
+    """4 rows decoding together, a table growing from 1 to 2 blocks: one decode graph (flex's
+    block lists have a fixed width), CUDA-graphed, the block mask an input of it; a second pass
+    compiles nothing and gives the same tokens."""
     from torch._dynamo.utils import counters
 
     engine = EngineConfig(max_num_seqs=4, block_size=64, kv_cache_tokens=1024)
     g = torch.Generator().manual_seed(3)
-    rows = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 9, 14, 20)]
+    rows = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 9, 14, 60)]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     monkeypatch.setenv(DECODE_ATTENTION_ENV, "gather")
     eager = LLM(dirs["llama"], dtype="float32", device="cuda", compile=False, engine=engine)
@@ -84,8 +85,9 @@ def test_compiled_flex_decode_is_one_cuda_graph_with_no_recompiles(dirs, monkeyp
     llm = LLM(dirs["llama"], dtype="float32", device="cuda", compile=True, engine=engine)
     assert llm.runner.attention is DecodeBackend.FLEX
     assert [c.token_ids for c in llm.generate(rows, params)] == want
-    assert llm.runner.shapes == {("decode", 4, 1, True, False)}
+    assert llm.runner.shapes == {("decode", 4, 0, True, False)}
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert counters["stats"]["unique_graphs"] == 1
     graphs = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         again = [c.token_ids for c in llm.generate(rows, params)]

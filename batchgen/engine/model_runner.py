@@ -10,7 +10,8 @@ Eagerly, a step runs at its exact size: no padding rows, no padding tokens. Comp
 (`compile=True`), decode-only steps, the steady state, run through one torch.compile'd graph
 per shape, CUDA graphs on a GPU: the batch padded to a power of two and the block tables to a
 power-of-two width, so a job sees a bounded set of shapes (log2(max_num_seqs) + 1 batch sizes
-times a few context buckets). The graph holds the forward and the sampling. Steps with prefill
+times a few context buckets; with flex, whose block lists have a fixed width, the batch sizes
+alone). The graph holds the forward and the sampling. Steps with prefill
 chunks run eagerly: their per-sequence attention has data-dependent shapes, and their large
 matmuls leave little launch overhead to save.
 
@@ -86,7 +87,7 @@ class ModelRunner:
             import torch._dynamo.config as dynamo_config
 
             # Each (batch, width, greedy) decode shape is one specialisation of the graph, and
-            # each (rows, width) one of flex's in eager steps: room for the bounded set (batch
+            # each row count one of flex's in eager steps: room for the bounded set (batch
             # sizes x power-of-two widths x 2), not dynamo's 8. (Past the limit dynamo would
             # run flex eagerly: dense scores over the whole pool.)
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 128)
@@ -143,11 +144,11 @@ class ModelRunner:
         tokens: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        blocks: torch.Tensor,
+        blocks: torch.Tensor | None,
         mask: BlockMask | None,
     ) -> torch.Tensor:
-        """A decode-only step's logits: (B,) tokens at (B,) positions, tables (B, n); mask:
-        flex's block mask, built outside the graph (see _tensors), or None (gather)."""
+        """A decode-only step's logits: (B,) tokens at (B,) positions; gather: tables (B, n),
+        flex: its block mask, built outside the graph (see _tensors)."""
         b = tokens.shape[0]
         group = DecodeGroup(0, blocks, positions + 1, mask)
         step = StepAttention(slots, b, (group,), backend=self.attention)
@@ -158,7 +159,7 @@ class ModelRunner:
         tokens: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        blocks: torch.Tensor,
+        blocks: torch.Tensor | None,
         mask: BlockMask | None,
         sampling: SamplingTensors,
         steps: torch.Tensor,
@@ -170,21 +171,21 @@ class ModelRunner:
         return self._sample(logits, sampling, steps, greedy_only, bitmask)
 
     def _tensors(self, x: StepInputs) -> tuple:
-        """A compiled decode step's inputs: tokens, positions, slots, tables, and flex's block
-        mask. The mask is built here, outside the graph, and comes in as an input (inductor's
-        CPU flex kernel read a mask built inside the graph wrongly, torch 2.13); its tensors
-        are graph inputs, so a new mask each step compiles nothing new."""
+        """A compiled decode step's inputs: tokens, positions, slots, then the tables (gather)
+        or the block mask (flex). Flex's mask is built here, outside the graph, and comes in as
+        an input (inductor's CPU flex kernel read a mask built inside the graph wrongly, torch
+        2.13); its tensors are graph inputs of a fixed width, so a new mask each step compiles
+        nothing and flex's graph has no table-width axis."""
         dev = self.device
         tables = torch.tensor(x.decodes[0][1], device=dev)
         tokens, positions, slots = (
             torch.tensor(v, device=dev) for v in (x.tokens, x.positions, x.slots)
         )
-        mask = None
-        if self.attention is DecodeBackend.FLEX:
-            group = DecodeGroup(0, tables, positions + 1)
-            step = StepAttention(slots, len(x.tokens), (group,), backend=self.attention)
-            mask = self.model.step_masks(step).decodes[0].mask
-        return tokens, positions, slots, tables, mask
+        if self.attention is DecodeBackend.GATHER:
+            return tokens, positions, slots, tables, None
+        group = DecodeGroup(0, tables, positions + 1)
+        step = StepAttention(slots, len(x.tokens), (group,), backend=self.attention)
+        return tokens, positions, slots, None, self.model.step_masks(step).decodes[0].mask
 
     def forward(self, x: StepInputs) -> torch.Tensor:
         """The float32 logits (len(x.logits_index), vocab) of one step's inputs (what a
@@ -277,7 +278,9 @@ class ModelRunner:
         samp, steps = sampling.tensors(self.device)
         if bitmask is not None and pad:  # padding rows allow every token
             bitmask = torch.cat([bitmask, bitmask.new_full((pad, bitmask.shape[1]), -1)])
-        key = ("decode", *x.shape, greedy_only, bitmask is not None)
+        b, width = x.shape
+        width = width if self.attention is DecodeBackend.GATHER else 0  # flex: no width axis
+        key = ("decode", b, width, greedy_only, bitmask is not None)
         t0 = time.perf_counter()
         if self.broadcast is not None:
             self.broadcast(x)

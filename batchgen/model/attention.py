@@ -15,7 +15,8 @@ with no padding. Every token's key/value is written at its own cache slot first;
 
 That is the gather path (`DecodeBackend.GATHER`, the CPU's). On CUDA the decodes instead
 read the pool in place with FlexAttention (`DecodeBackend.FLEX`, paged_flex.py): one group of
-all decodes, padded to power-of-two rows and width, and no copy of the KV.
+all decodes, its rows padded to a power of two and its block lists to a fixed width, and no copy
+of the KV.
 
 Sliding-window models (Mistral) add `query - key < window` to every mask. The masks depend
 on the step, not the layer: `StepAttention.with_masks` builds them once per forward and every
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 from batchgen.model.kv_cache import PagedKVCache
-from batchgen.model.paged_flex import flex_decode_attention, pad_group, paged_block_mask
+from batchgen.model.paged_flex import flex_decode_attention, list_width, pad_rows, paged_block_mask
 
 
 class DecodeBackend(enum.Enum):
@@ -83,10 +84,11 @@ class DecodeGroup:
     """Decoding sequences q_start.. q_start + B - 1 of a step, attended in one call."""
 
     q_start: int
-    blocks: torch.Tensor  # (B, n) block tables, padded with the scratch block
+    blocks: torch.Tensor | None  # (B, n) block tables, padded with the scratch block (None:
+    # a compiled flex step's, whose mask comes built)
     lens: torch.Tensor  # (B,) context lengths, this token included
     # From StepAttention.with_masks: gather, a (B, 1, 1, n * block_size) SDPA mask; flex, a
-    # BlockMask over the pool (blocks and lens then padded to powers of two).
+    # BlockMask over the pool (rows, blocks and lens then padded to a power of two).
     mask: torch.Tensor | BlockMask | None = None
 
 
@@ -101,10 +103,14 @@ class StepAttention:
     prefills: tuple[PrefillSpan, ...] = ()
     backend: DecodeBackend = DecodeBackend.GATHER
 
-    def with_masks(self, window: int | None, cache: PagedKVCache, queries: int) -> StepAttention:
+    def with_masks(
+        self, window: int | None, cache: PagedKVCache, queries: int, max_positions: int
+    ) -> StepAttention:
         """This step with its groups' and spans' attention masks built, for all layers.
-        cache: a layer's cache (its pool's shape); queries: query heads per kv head."""
-        decodes = tuple(self._decode_mask(g, window, cache, queries) for g in self.decodes)
+        cache: a layer's cache (its pool's shape); queries: query heads per kv head;
+        max_positions: the longest a sequence can be (flex's lists hold its blocks)."""
+        width = list_width(cache, max_positions)
+        decodes = tuple(self._decode_mask(g, window, cache, queries, width) for g in self.decodes)
         prefills = tuple(
             PrefillSpan(
                 s.q_start,
@@ -118,7 +124,7 @@ class StepAttention:
         return StepAttention(self.slots, self.num_decodes, decodes, prefills, self.backend)
 
     def _decode_mask(
-        self, g: DecodeGroup, window: int | None, cache: PagedKVCache, queries: int
+        self, g: DecodeGroup, window: int | None, cache: PagedKVCache, queries: int, width: int
     ) -> DecodeGroup:
         bs = cache.block_size
         if self.backend is DecodeBackend.GATHER:
@@ -126,8 +132,8 @@ class StepAttention:
             return DecodeGroup(g.q_start, g.blocks, g.lens, mask)
         if g.mask is not None:  # built already: the compiled decode step takes it as an input
             return g
-        blocks, lens = pad_group(g.blocks, g.lens)
-        mask = paged_block_mask(blocks, lens, window, bs, cache.num_blocks, queries)
+        blocks, lens = pad_rows(g.blocks, g.lens)
+        mask = paged_block_mask(blocks, lens, window, cache, queries, width)
         return DecodeGroup(g.q_start, blocks, lens, mask)
 
 

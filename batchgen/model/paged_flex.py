@@ -27,9 +27,10 @@ Grouped-query attention is folded into the query axis, as in `decode_attention`:
 heads of a kv head are its g queries, q (B, Hkv, g, D). The CUDA decoding kernel packs them
 into one tile just as `enable_gqa=True` would (it reshapes (B, Hq, 1, D) to (B, Hkv, g, 1, D)),
 but folding also takes g that is not a power of two (Qwen2-7B: 28 / 4 = 7), which its
-enable_gqa path refuses. Shapes are bounded: a group's rows and table width are padded to
-powers of two (padding rows read one key of the scratch block), so the compiled kernel sees
-one shape per (rows, width) bucket.
+enable_gqa path refuses. Shapes are bounded: a group's rows are padded to a power of two
+(padding rows read one key of the scratch block) and its lists and tables are widened, on the
+device, to one width for the model (`list_width`), so the compiled kernel sees one shape per row
+count, whatever the contexts.
 """
 
 from __future__ import annotations
@@ -50,47 +51,58 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def pad_group(tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tables (B, W) and lengths (B,) padded to powers of two: padding rows hold the scratch
-    block (0) with length 1, padding columns the scratch block."""
-    rows, width = tables.shape
-    r, w = _next_pow2(rows), _next_pow2(width)
-    if (r, w) == (rows, width):
+def pad_rows(tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables (B, W) and lengths (B,) with the rows padded to a power of two: padding rows
+    hold the scratch block (0) with length 1."""
+    rows = tables.shape[0]
+    r = _next_pow2(rows)
+    if r == rows:
         return tables, lens
-    out = tables.new_zeros(r, w)
-    out[:rows, :width] = tables
-    return out, torch.cat([lens, lens.new_ones(r - rows)])
+    return (
+        torch.cat([tables, tables.new_zeros(r - rows, tables.shape[1])]),
+        torch.cat([lens, lens.new_ones(r - rows)]),
+    )
+
+
+def list_width(cache: PagedKVCache, max_positions: int) -> int:
+    """The width of every block list (and table) a flex mask carries. Fixed for a model, so
+    the compiled graphs have no table-width axis: the most blocks a sequence can hold; on the
+    CPU the whole pool (inductor's CPU kernel wants the lists as long as the keys)."""
+    if cache.k.device.type == "cpu":
+        return cache.num_blocks
+    return min(cache.num_blocks, -(-max_positions // cache.block_size))
 
 
 def paged_block_mask(
     tables: torch.Tensor,
     lens: torch.Tensor,
     window: int | None,
-    block_size: int,
-    pool_blocks: int,
+    cache: PagedKVCache,
     queries: int,
+    width: int,
 ) -> BlockMask:
-    """The block mask of decode rows reading the pool in place: tables (B, W) padded with the
-    scratch block, lens (B,) context lengths (this token included), over the pool's
-    pool_blocks * block_size keys; queries: the folded query axis (query heads per kv head)."""
-    bs, (rows, width) = block_size, tables.shape
-    tables, lens = tables.to(torch.int32), lens.to(torch.int32)
-    cols = torch.arange(width, dtype=torch.int32, device=tables.device)
+    """The block mask of decode rows reading cache's pool in place: tables (B, n) padded with
+    the scratch block, lens (B,) context lengths (this token included); queries: the folded
+    query axis (query heads per kv head); width: the lists' fixed width (`list_width`)."""
+    bs, pool_blocks = cache.block_size, cache.num_blocks
+    tables, lens = tables[:, :width].to(torch.int32), lens.to(torch.int32)
+    rows, n = tables.shape  # columns past width: padding (no sequence holds more blocks)
+    cols = torch.arange(n, dtype=torch.int32, device=tables.device)
     lo = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
     first, last = lo // bs, (lens - 1) // bs  # (B,) the first and last block read
     num = last - first + 1
     # The listed blocks, shifted to start at `first`: a buffer of its own, apart from `tables`
     # (inductor's CPU kernel fails to build when mask_mod reads the block list's buffer).
-    index = (cols[None] + first[:, None]).clamp(max=width - 1).long()
-    kv_indices = tables.gather(1, index)  # (B, W)
-    if tables.device.type == "cpu" and width < pool_blocks:  # inductor's CPU kernel wants
-        # lists as long as the pool (the CUDA one reads only the first kv_num_blocks)
-        kv_indices = torch.cat([kv_indices, kv_indices.new_zeros(rows, pool_blocks - width)], 1)
+    kv_indices = tables.gather(1, (cols[None] + first[:, None]).clamp(max=n - 1).long())
     # logical[blk]: blk's index in the tables that hold it; unheld slots go to a spare entry.
     held = cols[None] <= last[:, None]
     logical = torch.zeros(pool_blocks + 1, dtype=torch.int32, device=tables.device)
     target = torch.where(held, tables, pool_blocks).flatten().long()
-    logical.scatter_(0, target, cols.expand(rows, width).flatten())
+    logical.scatter_(0, target, cols.expand(rows, n).flatten())
+    if n < width:  # to the fixed width: a few bytes a row, on the device
+        tables, kv_indices = (
+            torch.cat([x, x.new_zeros(rows, width - n)], 1) for x in (tables, kv_indices)
+        )
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = kv_idx // bs

@@ -153,7 +153,8 @@ class Transformer(nn.Module):
         """step with its attention masks built: once a forward, shared by every layer."""
         cfg = self.cfg
         queries = cfg.n_heads // cfg.n_kv_heads  # this rank's query heads per kv head
-        return step.with_masks(cfg.sliding_window, self.layers[0].attn.kv_cache, queries)
+        cache = self.layers[0].attn.kv_cache
+        return step.with_masks(cfg.sliding_window, cache, queries, cfg.max_position_embeddings)
 
     @property
     def kv_caches(self) -> list[PagedKVCache]:
