@@ -5,7 +5,10 @@
 #   2. the GPU-marked tests (`pytest -m gpu`: CUDA graphs and no recompiles, NVML stats,
 #      bf16 agreement with transformers, quantized paths), and with 2+ GPUs tensor
 #      parallelism at TP=2 (the summary says plainly when the device has one GPU);
-#   3. the GPU benchmark, bf16, random weights: scripts/bench.py on a 0.5B shape, whole
+#   3. the CUDA decode path, FlexAttention reading the paged pool in place: its GPU tests
+#      against the gather path (tests/test_gpu_flex.py), then one layer's decode attention both
+#      ways at 8B-like shapes (scripts/bench_paged_decode.py: ms, GB/s, outputs compared);
+#   4. the GPU benchmark, bf16, random weights: scripts/bench.py on a 0.5B shape, whole
 #      processes, batchgen against transformers (sorted generate, continuous batching).
 # Every step runs under `timeout`, none past the overall budget; a step that fails or
 # times out is recorded and the next one still runs.
@@ -13,9 +16,11 @@
 #   bash scripts/gpu_check.sh            # writes under $OUT if set, else ./gpu-out
 #   GPU_CHECK_BUDGET=480 bash scripts/gpu_check.sh
 #   GPU_CHECK_STEPS="setup bench" bash scripts/gpu_check.sh   # only some steps (a rerun)
+#   GPU_CHECK_STEPS="setup flex" bash scripts/gpu_check.sh    # the decode path alone (~3 min)
 #
-# Files written (5, flat, within what the device tool brings back): summary.md (steps,
-# timings, test results, benchmark tables), setup.log, tests.log, bench.{log,json}.
+# Files written (7, flat, within what the device tool brings back): summary.md (steps,
+# timings, test results, benchmark tables), setup.log, tests.log, flex.{log,json},
+# bench.{log,json}.
 # docs/benchmarks.md says how to prepare .whl/ and call this.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +34,7 @@ export PY PYTHONUNBUFFERED=1
 export BATCHGEN_BENCH_CACHE="${BATCHGEN_BENCH_CACHE:-/tmp/batchgen-bench}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-STEPS=" ${GPU_CHECK_STEPS:-setup tests bench} "
+STEPS=" ${GPU_CHECK_STEPS:-setup tests flex bench} "
 T0=$(date +%s)
 SUMMARY="$OUT/summary.md"
 
@@ -112,7 +117,7 @@ selected setup && step "environment + offline install" 45 "$OUT/setup.log" bash 
 # ---------------------------------------------------------------- 2. GPU-marked tests
 PYTEST_TIMEOUT=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT=(--timeout=100)
-selected tests && step "pytest -m gpu" 160 "$OUT/tests.log" \
+selected tests && step "pytest -m gpu" 130 "$OUT/tests.log" \
     "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" tests/test_gpu.py tests/test_quant.py
 
 # ---------------------------------------------------------------- 2b. tensor parallel
@@ -128,13 +133,23 @@ if selected tests; then
     fi
 fi
 
-# ---------------------------------------------------------------- 3. benchmark
+# ---------------------------------------------------------------- 3. flex decode
+# Tests first (flex is CUDA's default path; each eager (rows, width) bucket compiles flex once),
+# then the micro-benchmark: bf16, 8 KV heads of 128 dims, 4 query heads each (Llama 3 8B's
+# attention), 16-token blocks scattered over the pool, 1k context, 32 and 256 rows.
+selected flex && step "pytest -m gpu flex" 100 "$OUT/flex.log" \
+    "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" tests/test_gpu_flex.py
+selected flex && step "decode attention gather vs flex" 60 "$OUT/flex.log" \
+    "$PY" scripts/bench_paged_decode.py --device cuda --dtype bfloat16 --rows 32,256 --ctx 1024 \
+    --kv-heads 8 --head-dim 128 --q-per-kv 4 --block-size 16 --out "$OUT/flex.json"
+
+# ---------------------------------------------------------------- 4. benchmark
 # The engine against the best transformers baseline on a 0.5B shape (Qwen2.5-0.5B's, random
-# weights), bf16: the mixed workload of 512 rows; baselines: sorted generate and the
-# continuous batching manager at batch 32; one A B pair (the device time is short).
-selected bench && step "bench qwen-0.5b mixed" 330 "$OUT/bench.log" \
+# weights), bf16: the mixed workload of 256 rows; baseline: sorted generate at batch 32; one
+# A B pair (the device time is short: setup 45 + tests 130 + flex 160 + bench 170 = 505 s).
+selected bench && step "bench qwen-0.5b mixed" 170 "$OUT/bench.log" \
     "$PY" scripts/bench.py --model qwen-0.5b --dtype bfloat16 --device cuda --workload mixed \
-    --rows 512 --pairs 1 --baselines sorted:32,cb:32 --workdir "$TMP/bench" \
+    --rows 256 --pairs 1 --baselines sorted:32 --workdir "$TMP/bench" \
     --out "$OUT/bench.json" --markdown "$TMP/bench.md"
 
 # ---------------------------------------------------------------- summary
@@ -142,6 +157,13 @@ selected bench && step "bench qwen-0.5b mixed" 330 "$OUT/bench.log" \
     echo
     echo "tests: $(grep -E '^=+ .*(passed|failed|error|skipped).* in ' "$OUT/tests.log" 2>/dev/null | tail -1 | tr -d '=')"
     grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests.log" 2>/dev/null | sed 's/^/    /'
+    if [ -f "$OUT/flex.log" ]; then
+        echo
+        echo "flex: $(grep -E '^=+ .*(passed|failed|error|skipped).* in ' "$OUT/flex.log" | tail -1 | tr -d '=')"
+        grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/flex.log" | sed 's/^/    /'
+        echo
+        grep -E '^(decode attention of one layer|\| )' "$OUT/flex.log"
+    fi
     for md in "$TMP/bench.md"; do
         [ -f "$md" ] && {
             echo

@@ -2,11 +2,16 @@
 plan (step_inputs.py), runs the model on the paged cache, samples, and hands back one
 (token, logprob) per sampling sequence.
 
+Decode attention has one path per device (`decode_backend`): on CUDA, FlexAttention reads
+each row's blocks in place from the paged pool; on the CPU, the rows' blocks are gathered and
+SDPA runs over the copy (measured faster there; docs/architecture.md).
+
 Eagerly, a step runs at its exact size: no padding rows, no padding tokens. Compiled
 (`compile=True`), decode-only steps, the steady state, run through one torch.compile'd graph
 per shape, CUDA graphs on a GPU: the batch padded to a power of two and the block tables to a
 power-of-two width, so a job sees a bounded set of shapes (log2(max_num_seqs) + 1 batch sizes
-times a few context buckets). The graph holds the forward and the sampling. Steps with prefill
+times a few context buckets; with flex, whose block lists have a fixed width, the batch sizes
+alone). The graph holds the forward and the sampling. Steps with prefill
 chunks run eagerly: their per-sequence attention has data-dependent shapes, and their large
 matmuls leave little launch overhead to save.
 
@@ -24,12 +29,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from batchgen.engine.constraints import apply_bitmask
 from batchgen.engine.sampler import SamplingColumns, SamplingTensors, sample
 from batchgen.engine.sequence import StepPlan
 from batchgen.engine.step_inputs import StepInputs, pack_decode, pack_step
-from batchgen.model.attention import DecodeGroup, PrefillSpan, StepAttention
+from batchgen.model.attention import (
+    DecodeBackend,
+    DecodeGroup,
+    PrefillSpan,
+    StepAttention,
+    decode_backend,
+)
 from batchgen.model.tp_layers import CollectiveClock
 from batchgen.model.transformer import Transformer
 
@@ -68,17 +80,21 @@ class ModelRunner:
         self.num_blocks = 0  # no cache until allocate()
         self.max_positions = model.cfg.max_position_embeddings
         self.compiled = compile
+        self.attention = decode_backend(self.device, block_size, model.cfg.head_dim)
         self.broadcast, self.clock = broadcast, clock
         self.shapes: set[tuple] = set()  # compiled shapes seen
-        if compile:
+        if compile or self.attention is DecodeBackend.FLEX:
             import torch._dynamo.config as dynamo_config
 
-            # Each (batch, width, greedy) decode shape is one specialisation of the graph:
-            # room for the bounded set (batch sizes x power-of-two widths x 2), not dynamo's 8.
+            # Each (batch, width, greedy) decode shape is one specialisation of the graph, and
+            # each row count one of flex's in eager steps: room for the bounded set (batch
+            # sizes x power-of-two widths x 2), not dynamo's 8. (Past the limit dynamo would
+            # run flex eagerly: dense scores over the whole pool.)
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 128)
             dynamo_config.accumulated_recompile_limit = max(
                 dynamo_config.accumulated_recompile_limit, 1024
             )
+        if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs
             # Rank 0's graph holds the forward and the sampling; the other ranks' the forward.
             self._decode = torch.compile(
@@ -132,11 +148,14 @@ class ModelRunner:
         tokens: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        blocks: torch.Tensor,
+        blocks: torch.Tensor | None,
+        mask: BlockMask | None,
     ) -> torch.Tensor:
-        """A decode-only step's logits: (B,) tokens at (B,) positions, tables (B, n)."""
+        """A decode-only step's logits: (B,) tokens at (B,) positions; gather: tables (B, n),
+        flex: its block mask, built outside the graph (see _tensors)."""
         b = tokens.shape[0]
-        step = StepAttention(slots, b, (DecodeGroup(0, blocks, positions + 1),))
+        group = DecodeGroup(0, blocks, positions + 1, mask)
+        step = StepAttention(slots, b, (group,), backend=self.attention)
         return self.model(tokens, positions, step, torch.arange(b, device=tokens.device))
 
     def _decode_step(
@@ -144,20 +163,33 @@ class ModelRunner:
         tokens: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        blocks: torch.Tensor,
+        blocks: torch.Tensor | None,
+        mask: BlockMask | None,
         sampling: SamplingTensors,
         steps: torch.Tensor,
         greedy_only: bool,
         bitmask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode-only step as one graph: the logits, then the sampled tokens."""
-        logits = self._decode_logits(tokens, positions, slots, blocks)
+        logits = self._decode_logits(tokens, positions, slots, blocks, mask)
         return self._sample(logits, sampling, steps, greedy_only, bitmask)
 
-    def _tensors(self, x: StepInputs) -> tuple[torch.Tensor, ...]:
+    def _tensors(self, x: StepInputs) -> tuple:
+        """A compiled decode step's inputs: tokens, positions, slots, then the tables (gather)
+        or the block mask (flex). Flex's mask is built here, outside the graph, and comes in as
+        an input (inductor's CPU flex kernel read a mask built inside the graph wrongly, torch
+        2.13); its tensors are graph inputs of a fixed width, so a new mask each step compiles
+        nothing and flex's graph has no table-width axis."""
         dev = self.device
         tables = torch.tensor(x.decodes[0][1], device=dev)
-        return (*(torch.tensor(v, device=dev) for v in (x.tokens, x.positions, x.slots)), tables)
+        tokens, positions, slots = (
+            torch.tensor(v, device=dev) for v in (x.tokens, x.positions, x.slots)
+        )
+        if self.attention is DecodeBackend.GATHER:
+            return tokens, positions, slots, tables, None
+        group = DecodeGroup(0, tables, positions + 1)
+        step = StepAttention(slots, len(x.tokens), (group,), backend=self.attention)
+        return tokens, positions, slots, None, self.model.step_masks(step).decodes[0].mask
 
     def forward(self, x: StepInputs) -> torch.Tensor:
         """The float32 logits (len(x.logits_index), vocab) of one step's inputs (what a
@@ -168,6 +200,7 @@ class ModelRunner:
             return self._decode_forward(*self._tensors(x))
         dev = self.device
         step = StepAttention(
+            backend=self.attention,
             slots=torch.tensor(x.slots, device=dev),
             num_decodes=sum(len(lens) for _, _, lens in x.decodes),
             decodes=tuple(
@@ -200,7 +233,10 @@ class ModelRunner:
     def _execute_eager(
         self, plan: StepPlan, bitmask: torch.Tensor | None
     ) -> tuple[Sampled, list[list[float]], StepTiming]:
-        packed = pack_step(plan, self.block_size)
+        # Flex reads every row's blocks in place: one group; the gather pads each group's
+        # copy to its longest table, so it groups rows by width.
+        groups = 1 if self.attention is DecodeBackend.FLEX else 4
+        packed = pack_step(plan, self.block_size, max_groups=groups)
         dev, n = self.device, len(packed.sampled)
         t0 = time.perf_counter()
         if self.broadcast is not None:
@@ -246,7 +282,9 @@ class ModelRunner:
         samp, steps = sampling.tensors(self.device)
         if bitmask is not None and pad:  # padding rows allow every token
             bitmask = torch.cat([bitmask, bitmask.new_full((pad, bitmask.shape[1]), -1)])
-        key = ("decode", *x.shape, greedy_only, bitmask is not None)
+        b, width = x.shape
+        width = width if self.attention is DecodeBackend.GATHER else 0  # flex: no width axis
+        key = ("decode", b, width, greedy_only, bitmask is not None)
         t0 = time.perf_counter()
         if self.broadcast is not None:
             self.broadcast(x)

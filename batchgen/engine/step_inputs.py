@@ -90,13 +90,14 @@ def _scored_positions(s: Scheduled) -> range:
     return range(lo, min(s.start + s.num_tokens, seq.num_tokens - 1))
 
 
-def pack_step(plan: StepPlan, block_size: int) -> PackedStep:
-    """The plan at its exact size (eager): decodes by width group, then prefill spans."""
+def pack_step(plan: StepPlan, block_size: int, max_groups: int = 4) -> PackedStep:
+    """The plan at its exact size (eager): decodes in at most max_groups width groups, then
+    prefill spans."""
     inputs = StepInputs()
     sampled: list[Scheduled] = []
     decodes = plan.decodes
     order = sorted(range(len(decodes)), key=lambda i: -len(decodes[i].seq.block_table))
-    for lo, hi in width_groups([len(decodes[i].seq.block_table) for i in order]):
+    for lo, hi in width_groups([len(decodes[i].seq.block_table) for i in order], max_groups):
         width = len(decodes[order[lo]].seq.block_table)
         tables, lens = [], []
         for i in order[lo:hi]:

@@ -13,6 +13,11 @@ with no padding. Every token's key/value is written at its own cache slot first;
   when nothing of the sequence is cached yet, else to its blocks (cached prefix or earlier
   chunks + this chunk) with an offset causal mask.
 
+That is the gather path (`DecodeBackend.GATHER`, the CPU's). On CUDA the decodes instead
+read the pool in place with FlexAttention (`DecodeBackend.FLEX`, paged_flex.py): one group of
+all decodes, its rows padded to a power of two and its block lists to a fixed width, and no copy
+of the KV.
+
 Sliding-window models (Mistral) add `query - key < window` to every mask. The masks depend
 on the step, not the layer: `StepAttention.with_masks` builds them once per forward and every
 layer reuses them (as it reuses the block tables). Grouped-query attention never copies K/V
@@ -22,12 +27,43 @@ per query head: decodes fold a kv head's query heads into SDPA's query axis, pre
 
 from __future__ import annotations
 
+import enum
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 
 from batchgen.model.kv_cache import PagedKVCache
+from batchgen.model.paged_flex import flex_decode_attention, list_width, pad_rows, paged_block_mask
+
+
+class DecodeBackend(enum.Enum):
+    """How decodes read their keys/values; one path per device, chosen by the runner."""
+
+    GATHER = "gather"  # copy each row's blocks, then SDPA: the CPU's (measured faster there)
+    FLEX = "flex"  # FlexAttention over the pool in place, no copy (paged_flex.py): CUDA's
+
+
+# Overrides the device's decode attention path (flex|gather): for tests (flex on the CPU) and
+# A/B runs on a GPU. Read when a runner is built; tensor-parallel ranks inherit it.
+DECODE_ATTENTION_ENV = "BATCHGEN_DECODE_ATTENTION"
+
+
+def decode_backend(device: torch.device, block_size: int, head_dim: int) -> DecodeBackend:
+    """One decode attention path per device: FlexAttention over the pool in place on CUDA,
+    gather + SDPA elsewhere. The CUDA kernel tiles keys by a power of two >= 16 within a
+    block and needs head_dim >= 16 (tl.dot); other shapes keep the gather."""
+    forced = os.environ.get(DECODE_ATTENTION_ENV)
+    if forced:
+        try:
+            return DecodeBackend(forced)
+        except ValueError:
+            names = "|".join(b.value for b in DecodeBackend)
+            raise ValueError(f"{DECODE_ATTENTION_ENV}={forced!r}: use one of {names}") from None
+    fits = block_size >= 16 and block_size & (block_size - 1) == 0 and head_dim >= 16
+    return DecodeBackend.FLEX if device.type == "cuda" and fits else DecodeBackend.GATHER
 
 
 @dataclass(slots=True)
@@ -48,9 +84,12 @@ class DecodeGroup:
     """Decoding sequences q_start.. q_start + B - 1 of a step, attended in one call."""
 
     q_start: int
-    blocks: torch.Tensor  # (B, n) block tables, padded with the scratch block
+    blocks: torch.Tensor | None  # (B, n) block tables, padded with the scratch block (None:
+    # a compiled flex step's, whose mask comes built)
     lens: torch.Tensor  # (B,) context lengths, this token included
-    mask: torch.Tensor | None = None  # (B, 1, 1, n * block_size), from StepAttention.with_masks
+    # From StepAttention.with_masks: gather, a (B, 1, 1, n * block_size) SDPA mask; flex, a
+    # BlockMask over the pool (rows, blocks and lens then padded to a power of two).
+    mask: torch.Tensor | BlockMask | None = None
 
 
 @dataclass(slots=True)
@@ -62,18 +101,16 @@ class StepAttention:
     num_decodes: int
     decodes: tuple[DecodeGroup, ...] = ()
     prefills: tuple[PrefillSpan, ...] = ()
+    backend: DecodeBackend = DecodeBackend.GATHER
 
-    def with_masks(self, window: int | None, block_size: int) -> StepAttention:
-        """This step with its groups' and spans' attention masks built, for all layers."""
-        decodes = tuple(
-            DecodeGroup(
-                g.q_start,
-                g.blocks,
-                g.lens,
-                decode_mask(g.lens, g.blocks.shape[1] * block_size, window),
-            )
-            for g in self.decodes
-        )
+    def with_masks(
+        self, window: int | None, cache: PagedKVCache, queries: int, max_positions: int
+    ) -> StepAttention:
+        """This step with its groups' and spans' attention masks built, for all layers.
+        cache: a layer's cache (its pool's shape); queries: query heads per kv head;
+        max_positions: the longest a sequence can be (flex's lists hold its blocks)."""
+        width = list_width(cache, max_positions)
+        decodes = tuple(self._decode_mask(g, window, cache, queries, width) for g in self.decodes)
         prefills = tuple(
             PrefillSpan(
                 s.q_start,
@@ -84,7 +121,20 @@ class StepAttention:
             )
             for s in self.prefills
         )
-        return StepAttention(self.slots, self.num_decodes, decodes, prefills)
+        return StepAttention(self.slots, self.num_decodes, decodes, prefills, self.backend)
+
+    def _decode_mask(
+        self, g: DecodeGroup, window: int | None, cache: PagedKVCache, queries: int, width: int
+    ) -> DecodeGroup:
+        bs = cache.block_size
+        if self.backend is DecodeBackend.GATHER:
+            mask = decode_mask(g.lens, g.blocks.shape[1] * bs, window)
+            return DecodeGroup(g.q_start, g.blocks, g.lens, mask)
+        if g.mask is not None:  # built already: the compiled decode step takes it as an input
+            return g
+        blocks, lens = pad_rows(g.blocks, g.lens)
+        mask = paged_block_mask(blocks, lens, window, cache, queries, width)
+        return DecodeGroup(g.q_start, blocks, lens, mask)
 
 
 def _window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -151,8 +201,14 @@ def step_attention(
     cache.write(step.slots, k, v)
     parts = []
     for g in step.decodes:
-        qg = q[g.q_start : g.q_start + g.lens.shape[0]]
-        parts.append(decode_attention(qg, cache, g.blocks, g.mask))
+        rows = g.lens.shape[0]
+        n = min(rows, step.num_decodes - g.q_start)  # a flex group's rows past n: padding
+        qg = q[g.q_start : g.q_start + n]
+        if step.backend is DecodeBackend.FLEX:
+            qg = torch.cat([qg, qg.new_zeros(rows - n, *qg.shape[1:])]) if rows > n else qg
+            parts.append(flex_decode_attention(qg, cache, g.mask)[:n])
+        else:
+            parts.append(decode_attention(qg, cache, g.blocks, g.mask))
     for s in step.prefills:
         sl = slice(s.q_start, s.q_start + s.q_len)
         parts.append(prefill_attention(q[sl], k[sl], v[sl], cache, s))

@@ -149,6 +149,13 @@ class Transformer(nn.Module):
             )
             self.rope_cos, self.rope_sin = cos, sin
 
+    def step_masks(self, step: StepAttention) -> StepAttention:
+        """step with its attention masks built: once a forward, shared by every layer."""
+        cfg = self.cfg
+        queries = cfg.n_heads // cfg.n_kv_heads  # this rank's query heads per kv head
+        cache = self.layers[0].attn.kv_cache
+        return step.with_masks(cfg.sliding_window, cache, queries, cfg.max_position_embeddings)
+
     @property
     def kv_caches(self) -> list[PagedKVCache]:
         return [block.attn.kv_cache for block in self.layers]
@@ -163,7 +170,7 @@ class Transformer(nn.Module):
         """tokens, positions (T,): a step's tokens, packed; step: where their keys/values go
         and what each attends to. Returns the float32 logits (S, vocab) of the tokens at
         logits_index (S,): those whose next token is sampled."""
-        step = step.with_masks(self.cfg.sliding_window, self.layers[0].attn.kv_cache.block_size)
+        step = self.step_masks(step)
         x = self.embed(tokens)  # (T, dim)
         rope = None
         if self.pos_embed is not None:

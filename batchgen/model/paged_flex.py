@@ -1,0 +1,147 @@
+"""Decode attention that reads the paged KV pool in place: FlexAttention with a paged block mask.
+
+Why: the gather path (attention.py, `decode_attention`) copies every row's blocks into a new
+(B, S, Hkv, D) tensor in each layer, each step, then runs SDPA over the copy: three trips over
+the KV (read the pool, write the copy, read it back) where attention needs one. On a GPU,
+where decode is bound by memory bandwidth, that copy is most of the attention's cost
+(docs/architecture.md has the bytes). Here the pool itself, viewed as one sequence of
+num_blocks * block_size keys, is FlexAttention's key/value; a block mask tells the kernel which
+of those blocks each row reads, so nothing is copied. This is what the CUDA runner uses; the
+CPU keeps gather + SDPA (measured faster there).
+
+The block mask. Row b's kv block list is its block table, from the first block inside its
+sliding window (0 without one) to the block of its last token: the kernel visits only those
+cache blocks, one flex KV block per cache block. Every listed block goes through `mask_mod`;
+there are no "full" lists, because with them the CUDA decoding kernel splits the length of the
+whole pool across its KV splits (flex_decode.py.jinja, TILE_KV) instead of the row's own blocks.
+`mask_mod` maps a physical key slot back to its logical position: cache block blk sits at index
+`logical[blk]` of every table that holds it (a shared block is a prefix-cache block, which
+names its whole prefix, so its index is the same in every table), and `tables[b, j] == blk`
+checks that row b holds it. The position must be below the row's length and, with a window,
+within `window` of its last token: the masks of `decode_mask` exactly. Eager flex_attention
+evaluates `mask_mod` densely over the whole pool (no block sparsity), so it is exact for every
+key, listed or not; for the same reason the eager call is never used on a GPU (it would
+materialise (B, H, pool) scores): there the call is always compiled.
+
+Grouped-query attention is folded into the query axis, as in `decode_attention`: the g query
+heads of a kv head are its g queries, q (B, Hkv, g, D). The CUDA decoding kernel packs them
+into one tile just as `enable_gqa=True` would (it reshapes (B, Hq, 1, D) to (B, Hkv, g, 1, D)),
+but folding also takes g that is not a power of two (Qwen2-7B: 28 / 4 = 7), which its
+enable_gqa path refuses. Shapes are bounded: a group's rows are padded to a power of two
+(padding rows read one key of the scratch block) and its lists and tables are widened, on the
+device, to one width for the model (`list_width`), so the compiled kernel sees one shape per row
+count, whatever the contexts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from batchgen.model.kv_cache import PagedKVCache
+
+# The CUDA decoding kernel needs the mask's query block size to be a multiple of its query
+# tile (>= 16 and >= the queries, next power of two): 128, flex's default, covers g <= 128.
+Q_BLOCK = 128
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pad_rows(tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables (B, W) and lengths (B,) with the rows padded to a power of two: padding rows
+    hold the scratch block (0) with length 1."""
+    rows = tables.shape[0]
+    r = _next_pow2(rows)
+    if r == rows:
+        return tables, lens
+    return (
+        torch.cat([tables, tables.new_zeros(r - rows, tables.shape[1])]),
+        torch.cat([lens, lens.new_ones(r - rows)]),
+    )
+
+
+def list_width(cache: PagedKVCache, max_positions: int) -> int:
+    """The width of every block list (and table) a flex mask carries. Fixed for a model, so
+    the compiled graphs have no table-width axis: the most blocks a sequence can hold; on the
+    CPU the whole pool (inductor's CPU kernel wants the lists as long as the keys)."""
+    if cache.k.device.type == "cpu":
+        return cache.num_blocks
+    return min(cache.num_blocks, -(-max_positions // cache.block_size))
+
+
+def paged_block_mask(
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    window: int | None,
+    cache: PagedKVCache,
+    queries: int,
+    width: int,
+) -> BlockMask:
+    """The block mask of decode rows reading cache's pool in place: tables (B, n) padded with
+    the scratch block, lens (B,) context lengths (this token included); queries: the folded
+    query axis (query heads per kv head); width: the lists' fixed width (`list_width`)."""
+    bs, pool_blocks = cache.block_size, cache.num_blocks
+    tables, lens = tables[:, :width].to(torch.int32), lens.to(torch.int32)
+    rows, n = tables.shape  # columns past width: padding (no sequence holds more blocks)
+    cols = torch.arange(n, dtype=torch.int32, device=tables.device)
+    lo = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
+    first, last = lo // bs, (lens - 1) // bs  # (B,) the first and last block read
+    num = last - first + 1
+    # The listed blocks, shifted to start at `first`: a buffer of its own, apart from `tables`
+    # (inductor's CPU kernel fails to build when mask_mod reads the block list's buffer).
+    kv_indices = tables.gather(1, (cols[None] + first[:, None]).clamp(max=n - 1).long())
+    # logical[blk]: blk's index in the tables that hold it; unheld slots go to a spare entry.
+    held = cols[None] <= last[:, None]
+    logical = torch.zeros(pool_blocks + 1, dtype=torch.int32, device=tables.device)
+    target = torch.where(held, tables, pool_blocks).flatten().long()
+    logical.scatter_(0, target, cols.expand(rows, n).flatten())
+    if n < width:  # to the fixed width: a few bytes a row, on the device
+        tables, kv_indices = (
+            torch.cat([x, x.new_zeros(rows, width - n)], 1) for x in (tables, kv_indices)
+        )
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = kv_idx // bs
+        j = logical[blk]
+        pos = j * bs + kv_idx % bs  # the key's position in row b's sequence, if b holds blk
+        ok = (tables[b, j] == blk) & (pos < lens[b])
+        return ok & (pos >= lens[b] - window) if window is not None else ok
+
+    return BlockMask.from_kv_blocks(
+        num[:, None, None],  # (B, 1, 1): one head group, one query block
+        kv_indices[:, None, None, :],
+        BLOCK_SIZE=(Q_BLOCK, bs),
+        mask_mod=mask_mod,
+        seq_lengths=(queries, pool_blocks * bs),
+        compute_q_blocks=False,
+    )
+
+
+@functools.cache
+def _compiled_flex():
+    # dynamic=False: the CUDA decoding kernel needs a static batch; callers pad to buckets.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_decode_attention(q: torch.Tensor, cache: PagedKVCache, mask: BlockMask) -> torch.Tensor:
+    """q (B, H, D), one query per row, over the pool in place -> (B, H, D). B: the mask's
+    rows (padded). Inside a compiled step flex_attention is captured into its graph; called
+    eagerly, it is compiled on a GPU (its own graph a shape) and eager elsewhere (the CPU
+    runs it only in tests)."""
+    b, h, d = q.shape
+    hkv = cache.k.shape[1]
+    # The pool as one (1, Hkv, num_blocks * block_size, D) sequence: a view, no copy. Its
+    # batch of 1 broadcasts over the rows (the kernels index K/V by batch % 1).
+    k, v = (x.permute(1, 0, 2)[None] for x in (cache.k, cache.v))
+    qf = q.view(b, hkv, h // hkv, d)  # (B, Hkv, g, D): GQA folded into the query axis
+    compiling = torch.compiler.is_compiling()
+    if compiling and q.device.type == "cpu":
+        # Inductor's CPU template reads q's storage as 4-d: a view of the (B, H, D) q fails
+        # to lower (torch 2.13). The softmax scale applied here makes q a tensor of its own.
+        return flex_attention(qf * d**-0.5, k, v, block_mask=mask, scale=1.0).reshape(b, h, d)
+    attend = flex_attention if compiling or q.device.type != "cuda" else _compiled_flex()
+    return attend(qf, k, v, block_mask=mask).reshape(b, h, d)
