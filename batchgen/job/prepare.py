@@ -21,13 +21,12 @@ from batchgen.data.source import DEFAULT_ID_COLUMN, decode_rows
 from batchgen.engine.sequence import Request
 from batchgen.errors import InputError, RowError
 from batchgen.job.config import RunConfig, Task
-from batchgen.job.row_options import RowOptions
+from batchgen.job.ids import ROW_NUMBERS_FIX, check_id_type
+from batchgen.job.row_options import RowOptions, row_number
 from batchgen.job.tokenization import fit_length, tokenize
 
 log = logging.getLogger(__name__)
 
-# The fix for bad ids where row numbers would do.
-ROW_NUMBERS_FIX = "use row numbers as ids (no --id-column, and no input column named id)"
 # Columns of an OpenAI batch file copied to the output by default (the request's prompt).
 OPENAI_PASSTHROUGH = ("prompt", "messages")
 
@@ -102,14 +101,8 @@ class Preparer:
             needed |= self.chat_builder.required_columns()
         needed |= {c for c in (self.id_column, source.error_column) if c}
         source.require_columns(sorted(needed))
-        id_column = self.id_column
-        if id_column and pa.types.is_floating(source.schema.field(id_column).type):
-            # NaN equals nothing, not even itself: a NaN-id row would never count as done.
-            raise InputError(
-                f"id column {id_column!r} is {source.schema.field(id_column).type}, and "
-                "floating-point ids (NaN never equals itself) break exactly-once output; cast it "
-                f"to int or string, or {ROW_NUMBERS_FIX}"
-            )
+        if self.id_column:
+            check_id_type(source, self.id_column)
         self.columns = [c for c in source.columns if c in needed]
         self._seen_ids: set[Any] = set()
 
@@ -260,9 +253,13 @@ class Preparer:
         if not self.n_column or rec.get("n") is None:
             return self.cfg.n, None
         v = rec["n"]
-        if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v) or v < 1:
+        try:
+            n = row_number("n", v, integer=True)
+        except ValueError:
+            n = 0
+        if n < 1:
             return 1, f"bad per-row n: {v!r}, not an integer >= 1"
-        return int(v), None
+        return n, None
 
     def _tokenize(self, texts: list[str], chats: list[bool]) -> list[list[int]]:
         """Chat templates already hold the model's special tokens; plain text gets them added."""

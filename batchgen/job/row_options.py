@@ -8,6 +8,7 @@ job, the labels to score (a `choice` column, else the job's `--choice`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -108,9 +109,7 @@ class RowOptions:
         values = {c: rec[c] for c in self.overrides if rec.get(c) is not None}
         try:
             for c, v in values.items():
-                if isinstance(v, bool) or not isinstance(v, int | float):
-                    raise ValueError(f"{c} is {v!r}, not a number")
-                values[c] = int(v) if c in ("max_new_tokens", "seed") else float(v)
+                values[c] = row_number(c, v, integer=c in ("max_new_tokens", "seed"))
             if sample and "seed" in values:  # a row's explicit seed is its sample 0's
                 values["seed"] = row_seed(values["seed"], row_id, sample)
             values.setdefault("seed", row_seed(self.cfg.seed, row_id, sample))
@@ -144,6 +143,20 @@ class RowOptions:
             if not x:
                 raise ConfigError(f"choice: the label {label!r} tokenizes to no tokens")
         return tuple(tuple(x) for x in ids)
+
+
+def row_number(name: str, v: Any, integer: bool) -> int | float:
+    """A row's numeric option: a finite number, and a whole one where an integer is meant
+    (max_new_tokens 2.7 is not 2). ValueError naming the value."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"{name} is {v!r}, not a number")
+    if not math.isfinite(v):
+        raise ValueError(f"{name} is {v!r}, not a finite number")
+    if integer:
+        if v != int(v):
+            raise ValueError(f"{name} is {v!r}, not an integer")
+        return int(v)
+    return float(v)
 
 
 def _parse_labels(value: Any) -> tuple[str, ...]:
