@@ -42,10 +42,11 @@ SCHEMA = pa.schema(
         ("n", pa.int64()),
         ("logprobs", pa.bool_()),
         ("json_schema", pa.string()),  # JSON text of the schema to follow
+        ("model", pa.string()),  # the body's model, echoed in the output lines
         (OPENAI_ERROR_COLUMN, pa.string()),
     ]
 )
-# Body fields that map to a column (or, like `model`, are accepted and ignored).
+# Body fields that map to a column.
 MAPPED_FIELDS = frozenset(
     {
         "model",
@@ -63,6 +64,7 @@ MAPPED_FIELDS = frozenset(
     }
 )
 _PARSE_ROWS = 4096  # lines per Arrow batch while parsing
+MAX_N = 128  # OpenAI's bound on a request's n: a line asking for more is an error line
 
 
 class LineError(Exception):
@@ -87,8 +89,15 @@ def parse_line(text: str, lineno: int, file: str | None = None) -> tuple[dict[st
 
     A malformed line gives a record with only `custom_id` (the line's, or `line-N`, prefixed
     with `file:` when given, where it has none) and OPENAI_ERROR_COLUMN set."""
+    record, unsupported, _ = _parse_line(text, lineno, file)
+    return record, unsupported
+
+
+def _parse_line(text: str, lineno: int, file: str | None) -> tuple[dict[str, Any], list[str], bool]:
+    """parse_line's record and unsupported fields, and whether the custom_id was made up."""
     record: dict[str, Any] = dict.fromkeys(SCHEMA.names)
     record["custom_id"] = f"{file}:line-{lineno}" if file else f"line-{lineno}"
+    generated = True
     unsupported: list[str] = []
     try:
         try:
@@ -99,7 +108,7 @@ def parse_line(text: str, lineno: int, file: str | None = None) -> tuple[dict[st
             raise LineError(f"a JSON {type(obj).__name__}, not an object")
         cid = obj.get("custom_id")
         if isinstance(cid, str) and cid:
-            record["custom_id"] = cid
+            record["custom_id"], generated = cid, False
         elif "custom_id" not in obj:
             raise LineError("no custom_id")
         else:
@@ -115,7 +124,7 @@ def parse_line(text: str, lineno: int, file: str | None = None) -> tuple[dict[st
         record = {**dict.fromkeys(SCHEMA.names), "custom_id": record["custom_id"]}
         where = f"{file} line {lineno}" if file else f"line {lineno}"
         record[OPENAI_ERROR_COLUMN] = f"OpenAI batch {where}: {e}"
-    return record, unsupported
+    return record, unsupported, generated
 
 
 def _parse_body(url: Any, body: dict[str, Any], record: dict[str, Any]) -> None:
@@ -123,7 +132,7 @@ def _parse_body(url: Any, body: dict[str, Any], record: dict[str, Any]) -> None:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise LineError(f"a {CHAT_URL} body needs a non-empty messages list")
-        record["messages"] = json.dumps(messages)
+        record["messages"] = json.dumps([_message(m) for m in messages])
     elif url == COMPLETIONS_URL:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -140,19 +149,44 @@ def _parse_body(url: Any, body: dict[str, Any], record: dict[str, Any]) -> None:
     record["temperature"] = _number(body.get("temperature"), "temperature")
     record["top_p"] = _number(body.get("top_p"), "top_p")
     record["seed"] = _int(body.get("seed"), "seed")
-    record["n"] = _int(body.get("n"), "n", minimum=1)
+    record["n"] = _int(body.get("n"), "n", minimum=1, maximum=MAX_N)
     record["stop"] = _stop(body.get("stop"))
     record["logprobs"] = _logprobs(body.get("logprobs"), url)
     record["json_schema"] = _json_schema(body.get("response_format"))
+    model = body.get("model")
+    record["model"] = model if isinstance(model, str) else None
 
 
-def _int(v: Any, name: str, minimum: int | None = None) -> int | None:
+def _message(m: Any) -> Any:
+    """A chat message with `content` given as a list of text parts ([{"type": "text", "text":
+    ...}], as OpenAI accepts) made one string, the parts joined by newlines (as vLLM does), so
+    any chat template renders it. Other part types (images, audio) are refused."""
+    content = m.get("content") if isinstance(m, dict) else None
+    if not isinstance(content, list):
+        return m  # anything else is checked where the prompt is rendered
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise LineError(
+                f"a message content part of type {kind!r}; only text parts "
+                '({"type": "text", "text": ...}) are supported'
+            )
+        texts.append(part["text"])
+    return {**m, "content": "\n".join(texts)}
+
+
+def _int(
+    v: Any, name: str, minimum: int | None = None, maximum: int | None = None
+) -> int | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise LineError(f"{name} is {v!r}, not an integer")
     if minimum is not None and v < minimum:
         raise LineError(f"{name} is {v}, below {minimum}")
+    if maximum is not None and v > maximum:
+        raise LineError(f"{name} is {v}, above {maximum} (OpenAI's limit)")
     return v
 
 
@@ -178,10 +212,10 @@ def _logprobs(v: Any, url: str) -> bool | None:
     """Whether logprobs were asked for: chat says true/false, completions a count (0 or more)."""
     if v is None:
         return None
-    if url == CHAT_URL:
-        if not isinstance(v, bool):
-            raise LineError(f"logprobs is {v!r}, not true or false")
+    if isinstance(v, bool):  # chat's form; a completion's `false` means none too
         return v
+    if url == CHAT_URL:
+        raise LineError(f"logprobs is {v!r}, not true or false")
     return _int(v, "logprobs", minimum=0) is not None
 
 
@@ -203,48 +237,59 @@ def _json_schema(v: Any) -> str | None:
 
 
 class OpenAIBatchTable:
-    """Every line of one or more request files, parsed: `table` in input order."""
+    """Every line of one or more request files, parsed: `table` in input order.
+
+    A malformed line without a custom_id of its own gets `line-N`; where a real line already
+    has that custom_id, it gets `line-N~2` (or the next free number), so no real id is lost
+    and the error line still names its line."""
 
     def __init__(self, files: Sequence[str]) -> None:
         self.unsupported_fields: Counter[str] = Counter()
-        batches: list[pa.RecordBatch] = []
-        first_line: dict[str, str] = {}  # custom_id -> where it first appeared
+        records: list[dict[str, Any]] = []
+        made_up: list[int] = []  # positions in records of the made-up custom_ids
+        first_line: dict[str, str] = {}  # a real custom_id -> where it first appeared
         for file in files:
             # Malformed lines' ids name the file too where the input has several.
             name = os.path.basename(file) if len(files) > 1 else None
-            for chunk in _chunks(self._parse_file(file, name, first_line), _PARSE_ROWS):
-                batches.append(pa.RecordBatch.from_pylist(chunk, schema=SCHEMA))
+            for record, generated in self._parse_file(file, name, first_line):
+                if generated:
+                    made_up.append(len(records))
+                records.append(record)
+        taken = set(first_line)
+        for i in made_up:
+            cid = base = records[i]["custom_id"]
+            k = 1
+            while cid in taken:
+                k += 1
+                cid = f"{base}~{k}"
+            records[i]["custom_id"] = cid
+            taken.add(cid)
+        batches = [
+            pa.RecordBatch.from_pylist(records[i : i + _PARSE_ROWS], schema=SCHEMA)
+            for i in range(0, len(records), _PARSE_ROWS)
+        ]
         self.table = pa.Table.from_batches(batches, schema=SCHEMA)
 
     def _parse_file(
         self, file: str, name: str | None, first_line: dict[str, str]
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[tuple[dict[str, Any], bool]]:
         try:
-            with open(file, encoding="utf-8") as fh:
+            # utf-8-sig: a byte order mark before the first line is not part of its JSON
+            with open(file, encoding="utf-8-sig") as fh:
                 for lineno, line in enumerate(fh, 1):
                     if not line.strip():
                         continue
-                    record, unsupported = parse_line(line, lineno, name)
+                    record, unsupported, generated = _parse_line(line, lineno, name)
                     self.unsupported_fields.update(unsupported)
-                    where = f"{file} line {lineno}"
                     cid = record["custom_id"]
-                    if cid in first_line:
-                        raise InputError(
-                            f"custom_id {cid!r} appears on {first_line[cid]} and {where}; "
-                            "each request of a batch file needs its own custom_id"
-                        )
-                    first_line[cid] = where
-                    yield record
+                    if not generated:
+                        where = f"{file} line {lineno}"
+                        if cid in first_line:
+                            raise InputError(
+                                f"custom_id {cid!r} appears on {first_line[cid]} and {where}; "
+                                "each request of a batch file needs its own custom_id"
+                            )
+                        first_line[cid] = where
+                    yield record, generated
         except UnicodeDecodeError as e:
             raise InputError(f"OpenAI batch file {file} is not UTF-8: {e}") from e
-
-
-def _chunks(records: Iterator[dict[str, Any]], n: int) -> Iterator[list[dict[str, Any]]]:
-    chunk: list[dict[str, Any]] = []
-    for r in records:
-        chunk.append(r)
-        if len(chunk) == n:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk

@@ -186,7 +186,9 @@ def _write_openai_results(out: OutputDir, job: Job) -> None:
         return tokenizer.decode([t])
 
     model = str(job.spec.model_dir)
-    n = write_results(out.path, source.requests, out.read_all(), model, token_text)
+    n = write_results(
+        out.path, source.requests, out.read_all(), model, token_text, eos_ids=job.spec.eos_ids
+    )
     log.info("wrote %d OpenAI batch output lines to %s", n, os.path.join(out.path, RESULTS_FILE))
 
 
