@@ -184,6 +184,9 @@ class OutputDir:
                 stored = None  # unreadable: treated like another job's
             if stored == self.fingerprint and not overwrite:
                 return
+            if not overwrite and _same_but_limit(stored, self.fingerprint):
+                self._change_limit(stored)
+                return
             if not overwrite and self._part_numbers():
                 changed = _changed_keys(stored, self.fingerprint)
                 raise InputError(
@@ -205,6 +208,24 @@ class OutputDir:
                 _remove(os.path.join(self.path, n))
         write_atomic(self.path, JOB_FILE, _json_writer(self.fingerprint))
 
+    def _change_limit(self, stored: dict[str, Any]) -> None:
+        """The same job under another limit (None: all rows). A larger one continues the job;
+        a smaller one finds a complete job complete (its stored limit stays) and refuses to
+        leave an unfinished one with rows neither done nor asked for."""
+        old, new = stored.get("limit"), self.fingerprint.get("limit")
+        if new is None or (old is not None and new >= old):
+            log.warning("output %s: limit %s -> %s; continuing the job", self.path, old, new)
+            if self.is_complete:
+                os.remove(os.path.join(self.path, SUCCESS_FILE))
+            write_atomic(self.path, JOB_FILE, _json_writer(self.fingerprint))
+        elif self.is_complete:
+            self.fingerprint = stored
+        else:
+            raise InputError(
+                f"output {self.path} holds an unfinished job with limit {old}; rerun it with "
+                f"--limit {old} or more (or no limit) to resume, or pass --overwrite"
+            )
+
     def _part_numbers(self) -> list[int]:
         return [int(m.group(1)) for n in os.listdir(self.path) if (m := _PART_RE.fullmatch(n))]
 
@@ -225,6 +246,10 @@ def _is_ours(name: str) -> bool:
         or _TMP_RE.fullmatch(name) is not None
         or _PART_RE.fullmatch(name) is not None
     )
+
+
+def _same_but_limit(stored: Any, current: dict[str, Any]) -> bool:
+    return isinstance(stored, dict) and {**stored, "limit": 0} == {**current, "limit": 0}
 
 
 def _changed_keys(stored: Any, current: dict[str, Any]) -> list[str]:

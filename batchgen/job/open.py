@@ -59,8 +59,10 @@ def open_job(cfg: RunConfig) -> Job:
                 f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is "
                 "not an OpenAI batch request file (lines with custom_id and body)"
             )
-        if source.asks_logprobs:  # the lines that ask get each token's logprob: parts keep them
-            cfg = dataclasses.replace(cfg, with_token_ids=True, with_logprobs=True)
+    if isinstance(source, OpenAIBatchSource) and source.asks_logprobs:
+        # The lines that ask get each token's logprob: the parts keep them whatever the output
+        # format, so a rerun that adds --output-format openai is the same job and can write them.
+        cfg = dataclasses.replace(cfg, with_token_ids=True, with_logprobs=True)
     max_seq = spec.model_cfg.max_position_embeddings
     # room after the prompt: its new tokens, or a score job's labels (checked per row later)
     room = cfg.max_new_tokens if cfg.task is Task.GENERATE else 1
