@@ -89,3 +89,33 @@ def test_tokenizer_larger_than_the_vocabulary_exits_2(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     r = run_job(src, tmp_path / "out", small, exit_code=2)
     assert_one_line_error(r, f"tokenizer has {tokens} tokens", "vocab_size) 256")
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_a_repeated_id_in_a_later_window_exits_2_before_load(tmp_path, broken_weights, fmt):
+    ids = [f"r{i}" for i in range(40)] + ["r3"]
+    rows = {"prompt": prompts(41), "key": ids}
+    src = tmp_path / f"in.{fmt}"
+    if fmt == "parquet":
+        write_parquet(src, rows)
+    else:
+        src.write_text(
+            "".join(json.dumps({"prompt": p, "key": k}) + "\n" for p, k in zip(*rows.values()))
+        )
+    out = tmp_path / "out"
+    r = run_job(src, out, broken_weights, "--id-column", "key", "--window-rows", 8, exit_code=2)
+    assert_one_line_error(r, "'key'", "'r3' 2 times")
+    assert not list(out.glob("part-*"))
+    # under --limit, only the rows the job reads count; a null id is refused too
+    r = run_job(src, out, broken_weights, "--id-column", "key", "--limit", 40, exit_code=2)
+    assert_one_line_error(r, "weights")  # past the id check: the broken weights fail the load
+    write_parquet(tmp_path / "null.parquet", {"prompt": prompts(3), "key": ["a", None, "b"]})
+    r = run_job(
+        tmp_path / "null.parquet",
+        tmp_path / "o2",
+        broken_weights,
+        "--id-column",
+        "key",
+        exit_code=2,
+    )
+    assert_one_line_error(r, "null", "input row 1")

@@ -6,11 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from batchgen.choices import OutputFormat, Task
-from batchgen.data import InputSource, open_input
+from batchgen.data import InputFormat, InputSource, open_input
 from batchgen.data.reader import OpenAIBatchSource
 from batchgen.engine.constraints import ConstraintError
 from batchgen.errors import ConfigError
 from batchgen.job.config import RunConfig
+from batchgen.job.ids import check_unique_ids
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.prepare import Preparer
 from batchgen.model.memory import check_allocation
@@ -78,6 +79,8 @@ def open_job(cfg: RunConfig) -> Job:
         what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
         check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", spec.device)
     prep = Preparer(cfg, source, spec.tokenizer, max_prompt)
+    if prep.id_column and source.format is not InputFormat.OPENAI:  # custom_ids: when parsed
+        check_unique_ids(source, prep.id_column, cfg.limit)
     if (
         prep.options.defaults.constraint is not None
     ):  # a job's grammar that cannot compile: before loading
