@@ -8,8 +8,15 @@ import shutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import (
+    assert_one_line_error,
+    prompts,
+    rows_by_id,
+    run_job,
+    write_jsonl,
+    write_parquet,
+)
 from transformers import AutoTokenizer
-from helpers import assert_one_line_error, prompts, rows_by_id, run_job, write_parquet
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +106,7 @@ def test_a_repeated_id_in_a_later_window_exits_2_before_load(tmp_path, broken_we
     if fmt == "parquet":
         write_parquet(src, rows)
     else:
-        src.write_text(
-            "".join(json.dumps({"prompt": p, "key": k}) + "\n" for p, k in zip(*rows.values()))
-        )
+        write_jsonl(src, [{"prompt": p, "key": k} for p, k in zip(*rows.values(), strict=True)])
     out = tmp_path / "out"
     r = run_job(src, out, broken_weights, "--id-column", "key", "--window-rows", 8, exit_code=2)
     assert_one_line_error(r, "'key'", "'r3' 2 times")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import click
@@ -61,10 +62,10 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
       batchgen run jobs/label_sentiment.yaml --limit 100
     A killed or preempted job resumes when the same command runs again.
     """
-    from batchgen.runner.run import run
-    from batchgen.scaleout.workers import describe_workers, run_workers
-
     try:
+        from batchgen.runner.run import run  # torch: seconds, so inside the SIGINT handling
+        from batchgen.scaleout.workers import describe_workers, run_workers
+
         cfg = build_config(ctx, source, **flags)
         if dry_run:
             click.echo(describe_workers(cfg))
@@ -79,6 +80,8 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
         _fail(str(e), 1)
     except JobInterrupted as e:
         _fail(str(e), 128 + e.signum)
+    except KeyboardInterrupt:  # SIGINT before the job's own handler (start-up), or a second one
+        _fail(str(JobInterrupted(signal.SIGINT)), 128 + signal.SIGINT)
     if not cfg.quiet:
         click.echo(f"\nwrote {cfg.output_dir}\n{stats.table()}")
     else:

@@ -176,9 +176,7 @@ def _message(m: Any) -> Any:
     return {**m, "content": "\n".join(texts)}
 
 
-def _int(
-    v: Any, name: str, minimum: int | None = None, maximum: int | None = None
-) -> int | None:
+def _int(v: Any, name: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):

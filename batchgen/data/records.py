@@ -227,8 +227,11 @@ class PartBuffer:
             self._write(self._rows[: self.rows_per_part])
             self._rows = self._rows[self.rows_per_part :]
 
-    def flush(self) -> None:
-        if self._rows:
+    def flush(self, final: bool = False) -> None:
+        """Write the rows held. final: the job is complete; an output that would have no part
+        (no rows at all) gets one empty part, so readers see the schema, not a frame without
+        columns."""
+        if self._rows or (final and not self.output.part_files()):
             self._write(self._rows)
             self._rows = []
 

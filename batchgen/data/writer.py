@@ -63,6 +63,11 @@ class OutputDir:
         self.fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True))
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise InputError(f"output {self.path} is a file; pass a directory path")
+        if os.path.islink(self.path) and not os.path.exists(self.path):
+            raise InputError(
+                f"output {self.path} links to {os.readlink(self.path)}, which does not exist; "
+                "create it or pass another -o"
+            )
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as e:
@@ -184,7 +189,7 @@ class OutputDir:
                 stored = None  # unreadable: treated like another job's
             if stored == self.fingerprint and not overwrite:
                 return
-            if not overwrite and _same_but_limit(stored, self.fingerprint):
+            if not overwrite and _changed_keys(stored, self.fingerprint) == ["limit"]:
                 self._change_limit(stored)
                 return
             if not overwrite and self._part_numbers():
@@ -209,9 +214,8 @@ class OutputDir:
         write_atomic(self.path, JOB_FILE, _json_writer(self.fingerprint))
 
     def _change_limit(self, stored: dict[str, Any]) -> None:
-        """The same job under another limit (None: all rows). A larger one continues the job;
-        a smaller one finds a complete job complete (its stored limit stays) and refuses to
-        leave an unfinished one with rows neither done nor asked for."""
+        """The same job under another limit (None: all rows): a larger one continues it, a
+        smaller one finds a complete job complete and refuses to cut an unfinished one short."""
         old, new = stored.get("limit"), self.fingerprint.get("limit")
         if new is None or (old is not None and new >= old):
             log.warning("output %s: limit %s -> %s; continuing the job", self.path, old, new)
@@ -246,10 +250,6 @@ def _is_ours(name: str) -> bool:
         or _TMP_RE.fullmatch(name) is not None
         or _PART_RE.fullmatch(name) is not None
     )
-
-
-def _same_but_limit(stored: Any, current: dict[str, Any]) -> bool:
-    return isinstance(stored, dict) and {**stored, "limit": 0} == {**current, "limit": 0}
 
 
 def _changed_keys(stored: Any, current: dict[str, Any]) -> list[str]:

@@ -54,12 +54,11 @@ def open_job(cfg: RunConfig) -> Job:
         tensor_parallel_size=cfg.tensor_parallel_size,
     )
     source = open_input(cfg.input)
-    if cfg.output_format is OutputFormat.OPENAI:
-        if not isinstance(source, OpenAIBatchSource):
-            raise ConfigError(
-                f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is "
-                "not an OpenAI batch request file (lines with custom_id and body)"
-            )
+    if cfg.output_format is OutputFormat.OPENAI and not isinstance(source, OpenAIBatchSource):
+        raise ConfigError(
+            f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is "
+            "not an OpenAI batch request file (lines with custom_id and body)"
+        )
     if isinstance(source, OpenAIBatchSource) and source.asks_logprobs:
         # The lines that ask get each token's logprob: the parts keep them whatever the output
         # format, so a rerun that adds --output-format openai is the same job and can write them.

@@ -22,7 +22,7 @@ from batchgen.engine.sequence import Request
 from batchgen.errors import InputError, RowError
 from batchgen.job.config import RunConfig, Task
 from batchgen.job.ids import ROW_NUMBERS_FIX, check_id_type
-from batchgen.job.row_options import RowOptions, row_number
+from batchgen.job.row_options import RowOptions, row_number, warn_option_columns
 from batchgen.job.tokenization import fit_length, tokenize
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ class Preparer:
         self.max_prompt_len = max_prompt_len
         self.passthrough = self._passthrough(cfg, source, self.id_column)
         self.options = RowOptions(cfg, source.columns, tokenizer)
+        if source.format is not InputFormat.OPENAI:  # there the parser made them, from bodies
+            warn_option_columns(source.columns)
         self.score = self.options.score
         # n samples per row (--n or an n column): one output record per (id, sample_index)
         self.n_column = "n" in source.columns

@@ -8,6 +8,7 @@ job, the labels to score (a `choice` column, else the job's `--choice`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Collection
 from typing import Any
@@ -27,7 +28,21 @@ CONSTRAINT_COLUMNS = tuple(k.value for k in ConstraintKind)
 # An optional input column of stop strings (a string or a list) that replaces --stop for its row.
 STOP_COLUMN = "stop"
 
+log = logging.getLogger(__name__)
+
 Labels = tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]  # labels and their token ids
+
+
+def warn_option_columns(columns: Collection[str]) -> None:
+    """Log once which input columns act as per-row options: a data column that happens to be
+    named `choice`, `stop` or `n` would otherwise change its rows' outputs silently."""
+    used = [c for c in (*OVERRIDE_COLUMNS, *CONSTRAINT_COLUMNS, STOP_COLUMN, "n") if c in columns]
+    if used:
+        log.warning(
+            "input column(s) %s set their rows' options (docs/jobs.md, per-row columns); "
+            "rename any that are plain data",
+            ", ".join(map(repr, used)),
+        )
 
 
 def job_constraint(cfg: RunConfig) -> Constraint | None:

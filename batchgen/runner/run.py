@@ -147,7 +147,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack) -> RunStats:
                 raise RuntimeError(f"{lists.pending} rows still wait for samples at the end")
             complete = True
         finally:
-            buffer.flush()  # on a signal too: every finished row is kept
+            buffer.flush(final=complete)  # on a signal too: every finished row is kept
             progress.close()
             gpu = nvml.stop() if nvml is not None else None
             stats.finish(complete, peak_memory_bytes(device), llm.engine.kv_pool, gpu)

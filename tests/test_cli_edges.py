@@ -1,0 +1,78 @@
+"""Smaller ways a run went wrong quietly or loudly (issue 22, defect 8): each now refused with
+one line, warned about, or written as it should be."""
+
+import signal
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import (
+    FAST,
+    assert_one_line_error,
+    prompts,
+    read_stats,
+    run_cli,
+    run_job,
+    start_cli,
+    write_parquet,
+)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_a_job_temperature_that_is_not_finite_exits_2(tmp_path, model, value):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    r = run_job(src, tmp_path / "out", model, "--temperature", value, exit_code=2)
+    assert "Traceback" not in r.stderr and "temperature" in r.stderr
+
+
+def test_a_job_spec_setting_one_key_twice_exits_2(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        f"input: {src}\noutput: {tmp_path / 'out'}\nmax_new_tokens: 2\nmax-new-tokens: 9\n"
+    )
+    r = run_cli("run", spec, "--model", model, *FAST, exit_code=2)
+    assert_one_line_error(r, "max_new_tokens twice", "'max-new-tokens'")
+
+
+def test_a_dangling_symlink_as_output_is_named(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "gone")
+    r = run_job(src, link, model, exit_code=2)
+    assert_one_line_error(r, "links to", "gone", "does not exist")
+
+
+def test_sigint_during_start_up_exits_130(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    proc = start_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST)
+    time.sleep(0.8)  # inside the command, still importing torch or loading
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Aborted!" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("Error: interrupted by SIGINT")
+
+
+def test_option_columns_are_named_in_one_warning(tmp_path, model, caplog):
+    cols = {"prompt": prompts(2), "choice": [["a", "b"], ["c", "d"]], "stop": ["x", "y"]}
+    src = write_parquet(tmp_path / "in.parquet", cols)
+    run_job(src, tmp_path / "out", model, "--max-new-tokens", 2)
+    warnings = [
+        r.getMessage() for r in caplog.records if "set their rows' options" in r.getMessage()
+    ]
+    assert len(warnings) == 1 and "'choice', 'stop'" in warnings[0]
+
+
+def test_a_job_of_no_rows_writes_an_empty_part_with_the_schema(tmp_path, model):
+    src = tmp_path / "in.parquet"
+    pq.write_table(
+        pa.table({"prompt": pa.array([], pa.string()), "k": pa.array([], pa.int64())}), src
+    )
+    out = tmp_path / "out"
+    run_job(src, out, model)
+    (part,) = out.glob("part-*.parquet")
+    table = pq.read_table(part)
+    assert table.num_rows == 0 and {"id", "k", "text", "error"} <= set(table.column_names)
+    assert (out / "_SUCCESS").exists() and read_stats(out)["rows"] == 0
