@@ -109,7 +109,7 @@ def test_a_repeated_id_in_a_later_window_exits_2_before_load(tmp_path, broken_we
         write_jsonl(src, [{"prompt": p, "key": k} for p, k in zip(*rows.values(), strict=True)])
     out = tmp_path / "out"
     r = run_job(src, out, broken_weights, "--id-column", "key", "--window-rows", 8, exit_code=2)
-    assert_one_line_error(r, "'key'", "'r3' 2 times")
+    assert_one_line_error(r, "'key'", "'r3' twice")
     assert not list(out.glob("part-*"))
     # under --limit, only the rows the job reads count; a null id is refused too
     r = run_job(src, out, broken_weights, "--id-column", "key", "--limit", 40, exit_code=2)

@@ -76,3 +76,23 @@ def test_a_job_of_no_rows_writes_an_empty_part_with_the_schema(tmp_path, model):
     table = pq.read_table(part)
     assert table.num_rows == 0 and {"id", "k", "text", "error"} <= set(table.column_names)
     assert (out / "_SUCCESS").exists() and read_stats(out)["rows"] == 0
+
+
+def test_input_columns_named_like_output_columns_are_kept_renamed(tmp_path, model, caplog):
+    gold = ["yes", "no", "yes"]
+    cols = {"prompt": prompts(3), "label": gold, "scores": [1, 2, 3], "input_scores": [4, 5, 6]}
+    src = write_parquet(tmp_path / "in.parquet", cols)
+    out = tmp_path / "out"
+    run_job(src, out, model, "--task", "score", "--choice", "yes,no")
+    rows = sorted(
+        pq.read_table(next(out.glob("part-*.parquet"))).to_pylist(), key=lambda r: r["id"]
+    )
+    assert [r["input_label"] for r in rows] == gold  # the input's labels, kept
+    assert [r["input_input_scores"] for r in rows] == [1, 2, 3]  # input_scores was taken
+    assert [r["input_scores"] for r in rows] == [4, 5, 6]
+    assert all(
+        r["label"] in ("yes", "no") and set(dict(r["scores"])) == {"yes", "no"} for r in rows
+    )
+    warnings = [r.getMessage() for r in caplog.records if "under another name" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "'label' as 'input_label'" in warnings[0]

@@ -61,8 +61,9 @@ def check_unique_ids(source: InputSource, id_column: str, limit: int | None) -> 
     repeated = counts.filter(pc.greater(counts.field("counts"), 1))
     if len(repeated):
         first = repeated[0].as_py()
+        times = "twice" if first["counts"] == 2 else f"{first['counts']} times"
         raise InputError(
-            f"id column {id_column!r} has the value {first['values']!r} {first['counts']} times "
+            f"id column {id_column!r} has the value {first['values']!r} {times} "
             f"({len(repeated)} repeated value(s) in all); ids must be unique for exactly-once "
             f"output; fix the input, or {ROW_NUMBERS_FIX}"
         )
