@@ -8,6 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers import (
+    EAGER,
     FAST,
     assert_one_line_error,
     prompts,
@@ -96,3 +97,19 @@ def test_input_columns_named_like_output_columns_are_kept_renamed(tmp_path, mode
     warnings = [r.getMessage() for r in caplog.records if "under another name" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "'label' as 'input_label'" in warnings[0]
+
+
+def test_stats_report_start_up_and_engine_time_beside_the_job_wall_time(tmp_path, model):
+    """Run as its own process: its start-up (imports, config, tokenizer, input checks) is
+    reported, not left out of the time the user waited."""
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
+    out = tmp_path / "out"
+    proc = start_cli("run", src, "-o", out, "--model", model, *EAGER, "--max-new-tokens", 2)
+    stdout, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    s = read_stats(out)
+    assert s["startup_s"] > 0  # at least the Python start and the imports
+    assert s["total_wall_s"] == pytest.approx(s["wall_s"] + s["startup_s"])
+    assert s["engine_s"] == pytest.approx(s["prefill_s"] + s["decode_s"])
+    assert 0 < s["engine_s"] <= s["wall_s"]
+    assert "s start-up" in stdout and "engine steps" in stdout

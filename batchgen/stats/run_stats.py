@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from batchgen.engine.sequence import KVPool, StepReport
+from batchgen.stats.startup import process_age_s
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -76,7 +77,8 @@ class RunStats:
     gpu: dict[str, Any] | None = None  # NVML's samples (nvml.GpuSamples.summary)
     complete: bool = False
     started: float = field(default_factory=time.perf_counter)
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # the job: from its statistics' start (after start-up) to its end
+    startup_s: float | None = field(default_factory=process_age_s)  # the process before that
 
     def loaded(self, info: RunInfo, seconds: float) -> None:
         """The model is loaded (in `seconds`): what runs from here on."""
@@ -161,6 +163,9 @@ class RunStats:
             decode_live_share=self.decode_live_share,
         )
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        # the whole command as the user waits for it, and the engine's own share of the job
+        d["total_wall_s"] = self.elapsed + (self.startup_s or 0.0)
+        d["engine_s"] = self.prefill_s + self.decode_s
         if self.info is not None:
             d.update(self.info.to_dict())
             if self.info.tensor_parallel_size > 1:
@@ -182,7 +187,8 @@ class RunStats:
         cached = f"{self.cached_prompt_tokens} from the prefix cache"
         rows = [
             ("rows", done),
-            ("wall time", f"{self.elapsed:.2f} s"),
+            ("wall time", f"{self.elapsed:.2f} s job + {self.startup_s or 0:.2f} s start-up"),
+            ("engine steps", f"{d['engine_s']:.2f} s"),
             ("rows/s", f"{d['rows_per_s']:.2f}"),
             ("prompt tokens/s", f"{d['prompt_tokens_per_s']:.1f}"),
             ("output tokens/s", f"{d['output_tokens_per_s']:.1f}"),
