@@ -1,6 +1,7 @@
 """Smaller ways a run went wrong quietly or loudly (issue 22, defect 8): each now refused with
 one line, warned about, or written as it should be."""
 
+import json
 import signal
 import time
 
@@ -113,3 +114,32 @@ def test_stats_report_start_up_and_engine_time_beside_the_job_wall_time(tmp_path
     assert s["engine_s"] == pytest.approx(s["prefill_s"] + s["decode_s"])
     assert 0 < s["engine_s"] <= s["wall_s"]
     assert "s start-up" in stdout and "engine steps" in stdout
+
+
+def test_plan_takes_the_run_options(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
+
+    def plan(*flags, exit_code=0):
+        r = run_cli(
+            "plan",
+            src,
+            "--model",
+            model,
+            "--max-new-tokens",
+            5,
+            *flags,
+            "--json",
+            exit_code=exit_code,
+        )
+        return json.loads(r.stdout) if exit_code == 0 else r
+
+    assert plan()["max_output_tokens"] == 20
+    assert plan("--n", 3, "--temperature", 1)["max_output_tokens"] == 60  # a request per sample
+    scored = plan("--task", "score", "--choice", "yes,no")
+    assert scored["rows"] == 4 and scored["max_output_tokens"] == 0  # labels scored, not sampled
+    assert plan("--choice", "yes,no")["rows"] == 4
+    assert plan("--quantize", "int8", "--quant-backend", "quanto")["rows"] == 4
+    r = plan("--lora", tmp_path / "no-adapter", exit_code=2)
+    assert_one_line_error(r, "no-adapter")
+    r = plan("--task", "score", exit_code=2)  # what run refuses, plan refuses
+    assert_one_line_error(r, "--choice")

@@ -97,17 +97,20 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
 @main.command("plan")
 @click.argument("source")
 @data_options
+@run_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.pass_context
 def plan_cmd(ctx: click.Context, source: str, as_json: bool, **flags) -> None:
     """Show what SOURCE would run, without loading the weights: rows, prompt length
-    histogram, the engine's budgets and the KV cache it would allocate."""
+    histogram, the engine's budgets and the KV cache it would allocate. Takes `run`'s
+    options (--n, --choice, --task, --lora, --quantize, ...); -o is not needed."""
     import json
 
     from batchgen.cli.plan import format_plan, make_plan
 
     try:
-        cfg = build_config(ctx, source, output="(plan)", **flags)
+        flags["output"] = flags["output"] or "(plan)"  # a job spec's output still wins
+        cfg = build_config(ctx, source, **flags)
         report = make_plan(cfg)
     except UsageError as e:
         _fail(str(e), EXIT_USAGE)
