@@ -3,6 +3,8 @@ one line, warned about, or written as it should be."""
 
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import pyarrow as pa
@@ -11,6 +13,7 @@ import pytest
 from helpers import (
     EAGER,
     FAST,
+    ROOT,
     assert_one_line_error,
     prompts,
     read_stats,
@@ -143,3 +146,37 @@ def test_plan_takes_the_run_options(tmp_path, model):
     assert_one_line_error(r, "no-adapter")
     r = plan("--task", "score", exit_code=2)  # what run refuses, plan refuses
     assert_one_line_error(r, "--choice")
+
+
+@pytest.mark.slow  # two processes that import torch, one quantizing
+def test_torchao_is_imported_only_to_quantize_and_quietly(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    code = (
+        "import sys\nfrom batchgen.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('torchao imported:', 'torchao' in sys.modules)\n"
+    )
+    for flags, imported in [
+        ((), False),
+        (("--quantize", "int8", "--quant-backend", "torchao"), True),
+    ]:
+        args = ["run", src, "-o", tmp_path / f"out{imported}", "--model", model, *FAST, *flags]
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *map(str, args)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert f"torchao imported: {imported}" in proc.stdout
+        for noise in ("Failed to load", "_C_mxfp8", "Enum subclass"):
+            assert noise not in proc.stderr, proc.stderr
+
+
+def test_pyproject_license_is_an_spdx_expression():
+    """A license table makes setuptools warn on every install (deprecated by PEP 639)."""
+    tomllib = pytest.importorskip("tomllib")
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in meta["build-system"]["requires"][0]
