@@ -63,8 +63,8 @@ class Bound:
     low_open: bool = False
 
     def __contains__(self, value: float) -> bool:
-        if not math.isfinite(value):  # NaN compares false; inf is no sampling value either
-            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False  # NaN compares false to everything; inf is no option's value either
         above = value > self.low if self.low_open else value >= self.low
         return above and (self.high is None or value <= self.high)
 
