@@ -75,7 +75,7 @@ def test_id_column_of_a_nested_type_exits_2_before_load(tmp_path, broken_weights
     src = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": prompts(2), "key": ids}), src)
     r = run_job(src, tmp_path / "out", broken_weights, "--id-column", "key", exit_code=2)
-    assert_one_line_error(r, "'key'", "integer or string")
+    assert_one_line_error(r, "'key'", "integers or strings")
 
 
 def test_duplicate_column_names_exit_2(tmp_path, broken_weights):

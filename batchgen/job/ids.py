@@ -16,24 +16,30 @@ from batchgen.errors import InputError
 
 # The fix for bad ids where row numbers would do.
 ROW_NUMBERS_FIX = "use row numbers as ids (no --id-column, and no input column named id)"
-ID_TYPES = "an integer or string column"
+ID_TYPES = "integers or strings (or bytes, dates, timestamps, decimals)"
 # Rows of the id column read at a time by the up-front check.
 _CHECK_ROWS = 1 << 16
 
 
 def check_id_type(source: InputSource, id_column: str) -> None:
     """InputError for an id column that cannot key a row: floats (NaN equals nothing, not even
-    itself: a NaN-id row would never count as done), lists, structs, maps, booleans, dates..."""
+    itself: a NaN-id row would never count as done), booleans (two values), lists, structs and
+    maps (a row's id is one value), or nulls only."""
     kind = source.schema.field(id_column).type
-    if pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        return
-    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
-        return
-    why = " (NaN never equals itself)" if pa.types.is_floating(kind) else ""
-    raise InputError(
-        f"id column {id_column!r} is of type {kind}{why}, and ids must be {ID_TYPES} for "
-        f"exactly-once output; cast it to int or string, or {ROW_NUMBERS_FIX}"
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    bad = (
+        pa.types.is_nested(kind)
+        or pa.types.is_floating(kind)
+        or pa.types.is_boolean(kind)
+        or pa.types.is_null(kind)
     )
+    if bad:
+        why = " (NaN never equals itself)" if pa.types.is_floating(kind) else ""
+        raise InputError(
+            f"id column {id_column!r} is of type {kind}{why}, and ids must be {ID_TYPES} for "
+            f"exactly-once output; cast it to int or string, or {ROW_NUMBERS_FIX}"
+        )
 
 
 def check_unique_ids(source: InputSource, id_column: str, limit: int | None) -> None:
