@@ -49,10 +49,11 @@ def test_a_dangling_symlink_as_output_is_named(tmp_path, model):
     assert_one_line_error(r, "links to", "gone", "does not exist")
 
 
-def test_sigint_during_start_up_exits_130(tmp_path, model):
+@pytest.mark.parametrize("delay", [0.6, 1.5])  # importing torch; reading the model or input
+def test_sigint_during_start_up_exits_130(tmp_path, model, delay):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     proc = start_cli("run", src, "-o", tmp_path / "out", "--model", model, *FAST)
-    time.sleep(0.8)  # inside the command, still importing torch or loading
+    time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
