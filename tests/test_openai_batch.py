@@ -78,6 +78,7 @@ def test_parse_chat_line_maps_every_field():
         "stop": ["\n"],
         "n": 2,
         "logprobs": True,
+        "top_logprobs": None,
         "json_schema": json.dumps(schema),
         "model": "any",
         OPENAI_ERROR_COLUMN: None,
@@ -530,3 +531,46 @@ def test_output_echoes_the_model_and_leaves_eos_out_of_logprobs(tmp_path):
     content = a["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert [(e["token"], e["logprob"]) for e in content] == [("x", -0.5), ("y", -0.25)]
     assert b["response"]["body"]["choices"][0]["logprobs"]["tokens"] == ["z"]
+
+
+def test_top_logprobs_are_parsed_within_openais_bounds():
+    rec, _ = parse(chat_line("c", "x", logprobs=True, top_logprobs=3))
+    assert rec["top_logprobs"] == 3 and rec[OPENAI_ERROR_COLUMN] is None
+    assert parse(completion_line("p", "x", logprobs=2))[0]["top_logprobs"] == 2
+    assert parse(completion_line("p", "x", logprobs=0))[0]["top_logprobs"] is None
+    for line, words in [
+        (chat_line("c", "x", top_logprobs=2), "needs logprobs"),
+        (chat_line("c", "x", logprobs=True, top_logprobs=21), "above 20"),
+        (completion_line("p", "x", logprobs=6), "above 5"),
+    ]:
+        assert words in parse(line)[0][OPENAI_ERROR_COLUMN]
+
+
+def test_top_logprobs_are_computed(tmp_path, model, tok):
+    lines = [
+        chat_line("c", CHATS[0], max_tokens=4, logprobs=True, top_logprobs=3),
+        completion_line("p", PROMPTS[0], max_tokens=3, logprobs=2),
+        completion_line("q", PROMPTS[1], max_tokens=3, logprobs=True),
+    ]
+    src = write_jsonl(tmp_path / "req.jsonl", lines)
+    out = tmp_path / "out"
+    _run(src, out, model, "--output-format", "openai")
+    rows = rows_by_id(out, "custom_id")
+    c, p, q = _results(out)
+    content = c["response"]["body"]["choices"][0]["logprobs"]["content"]
+    ids = rows["c"]["token_ids"]
+    assert len(content) == len(rows["c"]["top_logprobs"]) >= 1
+    for i, e in enumerate(content):
+        alts = e["top_logprobs"]
+        assert len(alts) == 3
+        assert [a["logprob"] for a in alts] == sorted((a["logprob"] for a in alts), reverse=True)
+        # greedy: the likeliest alternative is the token chosen, with its logprob
+        assert rows["c"]["top_logprobs"][i][0]["id"] == ids[i]
+        assert alts[0]["token"] == e["token"]
+        assert alts[0]["logprob"] == pytest.approx(e["logprob"], abs=1e-5)
+        assert all(a["bytes"] == list(a["token"].encode()) for a in alts)
+    lp = p["response"]["body"]["choices"][0]["logprobs"]
+    assert len(lp["top_logprobs"]) == len(lp["tokens"]) >= 1
+    assert all(1 <= len(d) <= 2 and all(v <= 0 for v in d.values()) for d in lp["top_logprobs"])
+    assert q["response"]["body"]["choices"][0]["logprobs"]["top_logprobs"] is None
+    assert rows["q"]["top_logprobs"] is None

@@ -23,10 +23,9 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchgen.data.openai_body import LineError, parse_body
 from batchgen.errors import InputError
 
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
 OPENAI_ERROR_COLUMN = "openai_error"  # the parse error of a malformed line, else null
 
 SCHEMA = pa.schema(
@@ -41,6 +40,7 @@ SCHEMA = pa.schema(
         ("stop", pa.list_(pa.string())),
         ("n", pa.int64()),
         ("logprobs", pa.bool_()),
+        ("top_logprobs", pa.int64()),  # alternatives per generated token (logprobs asked)
         ("json_schema", pa.string()),  # JSON text of the schema to follow
         ("model", pa.string()),  # the body's model, echoed in the output lines
         (OPENAI_ERROR_COLUMN, pa.string()),
@@ -60,15 +60,11 @@ MAPPED_FIELDS = frozenset(
         "stop",
         "n",
         "logprobs",
+        "top_logprobs",
         "response_format",
     }
 )
 _PARSE_ROWS = 4096  # lines per Arrow batch while parsing
-MAX_N = 128  # OpenAI's bound on a request's n: a line asking for more is an error line
-
-
-class LineError(Exception):
-    pass
 
 
 def is_openai_batch(file: str) -> bool:
@@ -119,119 +115,12 @@ def _parse_line(text: str, lineno: int, file: str | None) -> tuple[dict[str, Any
         unsupported = sorted(k for k in body if k not in MAPPED_FIELDS)
         if obj.get("method", "POST") != "POST":
             raise LineError(f"method {obj['method']!r} is not POST")
-        _parse_body(obj.get("url"), body, record)
+        parse_body(obj.get("url"), body, record)
     except LineError as e:
         record = {**dict.fromkeys(SCHEMA.names), "custom_id": record["custom_id"]}
         where = f"{file} line {lineno}" if file else f"line {lineno}"
         record[OPENAI_ERROR_COLUMN] = f"OpenAI batch {where}: {e}"
     return record, unsupported, generated
-
-
-def _parse_body(url: Any, body: dict[str, Any], record: dict[str, Any]) -> None:
-    if url == CHAT_URL:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise LineError(f"a {CHAT_URL} body needs a non-empty messages list")
-        record["messages"] = json.dumps([_message(m) for m in messages])
-    elif url == COMPLETIONS_URL:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            what = "no prompt" if prompt is None else f"prompt is {type(prompt).__name__}"
-            raise LineError(
-                f"{what}; a {COMPLETIONS_URL} body needs a prompt string "
-                "(lists of prompts and token ids are not supported)"
-            )
-        record["prompt"] = prompt
-    else:
-        raise LineError(f"url {url!r} is not {CHAT_URL} or {COMPLETIONS_URL}")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    record["max_new_tokens"] = _int(max_tokens, "max_tokens", minimum=1)
-    record["temperature"] = _number(body.get("temperature"), "temperature")
-    record["top_p"] = _number(body.get("top_p"), "top_p")
-    record["seed"] = _int(body.get("seed"), "seed")
-    record["n"] = _int(body.get("n"), "n", minimum=1, maximum=MAX_N)
-    record["stop"] = _stop(body.get("stop"))
-    record["logprobs"] = _logprobs(body.get("logprobs"), url)
-    record["json_schema"] = _json_schema(body.get("response_format"))
-    model = body.get("model")
-    record["model"] = model if isinstance(model, str) else None
-
-
-def _message(m: Any) -> Any:
-    """A chat message with `content` given as a list of text parts ([{"type": "text", "text":
-    ...}], as OpenAI accepts) made one string, the parts joined by newlines (as vLLM does), so
-    any chat template renders it. Other part types (images, audio) are refused."""
-    content = m.get("content") if isinstance(m, dict) else None
-    if not isinstance(content, list):
-        return m  # anything else is checked where the prompt is rendered
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise LineError(
-                f"a message content part of type {kind!r}; only text parts "
-                '({"type": "text", "text": ...}) are supported'
-            )
-        texts.append(part["text"])
-    return {**m, "content": "\n".join(texts)}
-
-
-def _int(v: Any, name: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise LineError(f"{name} is {v!r}, not an integer")
-    if minimum is not None and v < minimum:
-        raise LineError(f"{name} is {v}, below {minimum}")
-    if maximum is not None and v > maximum:
-        raise LineError(f"{name} is {v}, above {maximum} (OpenAI's limit)")
-    return v
-
-
-def _number(v: Any, name: str) -> float | None:
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise LineError(f"{name} is {v!r}, not a number")
-    return float(v)
-
-
-def _stop(v: Any) -> list[str] | None:
-    if v is None:
-        return None
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return v
-    raise LineError(f"stop is {v!r}, not a string or a list of strings")
-
-
-def _logprobs(v: Any, url: str) -> bool | None:
-    """Whether logprobs were asked for: chat says true/false, completions a count (0 or more)."""
-    if v is None:
-        return None
-    if isinstance(v, bool):  # chat's form; a completion's `false` means none too
-        return v
-    if url == CHAT_URL:
-        raise LineError(f"logprobs is {v!r}, not true or false")
-    return _int(v, "logprobs", minimum=0) is not None
-
-
-def _json_schema(v: Any) -> str | None:
-    if v is None:
-        return None
-    kind = v.get("type") if isinstance(v, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return json.dumps({"type": "object"})
-    if kind == "json_schema":
-        spec = v.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise LineError("response_format json_schema has no json_schema.schema object")
-        return json.dumps(schema)
-    raise LineError(f"response_format {v!r} is not of type text, json_object or json_schema")
 
 
 class OpenAIBatchTable:

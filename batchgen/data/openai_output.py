@@ -7,10 +7,11 @@ failed gets status 400, no body, and `error` {code, message}. The ids are the re
 the input, so a rerun writes the same ids. Where the results hold several samples of a request
 (a `sample_index` column), they are its choices, in sample order. A request that asked for
 `logprobs` gets each generated token's: a chat choice's `logprobs.content` ({token, logprob,
-bytes, top_logprobs: []}), a completion's `tokens`/`token_logprobs`/`text_offset`, without
-the EOS token that ended it (it is not in the text either); the top alternatives are not
-computed (`top_logprobs` empty, or null for a completion). The body's `model` is the request's
-own where it named one, else the local model's path.
+bytes, top_logprobs}), a completion's `tokens`/`token_logprobs`/`text_offset`/`top_logprobs`,
+without the EOS token that ended it (it is not in the text either). `top_logprobs` holds each
+token's likeliest alternatives where the request asked for some (the parts' `top_logprobs`
+column), else `[]` (chat) or null (completion). The body's `model` is the request's own where
+it named one, else the local model's path.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def write_results(
     body's model of a request whose line named none."""
     created = int(time.time()) if created is None else created
     # sample_index: several results of one request (n samples), where the job has it.
-    extra = ("sample_index", "token_ids", "logprobs")
+    extra = ("sample_index", "token_ids", "logprobs", "top_logprobs")
     columns = [c for c in (*_RESULT_COLUMNS, *extra) if c in results.schema.names]
     by_id: dict[Any, list[dict[str, Any]]] = {}
     for r in results.select(columns).to_pylist():
@@ -131,15 +132,25 @@ def _logprobs(
     row: dict[str, Any], chat: bool, token_text: TokenText, eos_ids: Collection[int]
 ) -> dict[str, Any]:
     """A choice's logprobs in the format of its endpoint."""
-    ids, logprobs = row["token_ids"], row["logprobs"]
+    ids, logprobs, top = row["token_ids"], row["logprobs"], row.get("top_logprobs")
     if ids and ids[-1] in eos_ids and row["finish_reason"] == "stop":  # not part of the text
-        ids, logprobs = ids[:-1], logprobs[:-1]
+        ids, logprobs, top = ids[:-1], logprobs[:-1], top and top[:-1]
     texts = [token_text(t) for t in ids]
+    # per token: its alternatives as (text, logprob), best first; None where none were asked
+    alts = [[(token_text(a["id"]), a["logprob"]) for a in t] for t in top] if top else None
     if chat:
         return {
             "content": [
-                {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                for s, lp in zip(texts, logprobs, strict=True)
+                {
+                    "token": s,
+                    "logprob": lp,
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {"token": a, "logprob": v, "bytes": list(a.encode())}
+                        for a, v in (alts[i] if alts else ())
+                    ],
+                }
+                for i, (s, lp) in enumerate(zip(texts, logprobs, strict=True))
             ]
         }
     offsets, at = [], 0
@@ -149,6 +160,6 @@ def _logprobs(
     return {
         "tokens": texts,
         "token_logprobs": logprobs,
-        "top_logprobs": None,
+        "top_logprobs": [dict(a) for a in alts] if alts else None,
         "text_offset": offsets,
     }

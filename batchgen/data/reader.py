@@ -142,7 +142,8 @@ class OpenAIBatchSource(InputSource):
     def __init__(self, path: str, files: list[str]) -> None:
         parsed = OpenAIBatchTable(files)
         table = parsed.table
-        for name in ("n", "json_schema"):  # absent when no line sets it: a plain job, no samples
+        # absent when no line sets it: a plain job, no samples, no top alternatives
+        for name in ("n", "json_schema", "top_logprobs"):
             if table.column(name).null_count == table.num_rows:
                 table = table.drop_columns([name])
         self._table = table

@@ -18,7 +18,11 @@ from batchgen.errors import InputError
 _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 # Names an input column cannot keep in the output: the result row already has them. The id
 # column keeps its input name (`id` for row numbers), so it is reserved only for the passthrough.
-RESERVED_COLUMNS = frozenset({"sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs"})
+RESERVED_COLUMNS = frozenset(
+    {"sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs", "top_logprobs"}
+)
+# A generated token's likeliest alternatives, best first (rows that ask: a top_logprobs column).
+TOP_LOGPROBS_TYPE = pa.list_(pa.list_(pa.struct([("id", pa.int32()), ("logprob", pa.float32())])))
 SCORE_COLUMNS = frozenset({"label", "scores"})  # a score job's results, in place of text
 
 
@@ -42,6 +46,7 @@ class Result(Protocol):
     token_ids: list[int]
     logprobs: list[float] | None
     scores: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
     error: str | None
 
     @property
@@ -62,6 +67,7 @@ class RecordShape:
     as_list: bool = False  # a record per row, its samples' fields as lists
     with_token_ids: bool = False
     with_logprobs: bool = False
+    with_top_logprobs: bool = False
 
     def schema(self, id_type: pa.DataType, passthrough: pa.Schema) -> pa.Schema:
         return output_schema(
@@ -73,6 +79,7 @@ class RecordShape:
             id_column=self.id_column,
             score=self.score,
             as_list=self.as_list,
+            with_top_logprobs=self.with_top_logprobs,
         )
 
     def record(self, row: Row, result: Result | None) -> dict[str, Any]:
@@ -97,6 +104,9 @@ class RecordShape:
             rec["token_ids"] = result.token_ids if ok else None
         if self.with_logprobs:
             rec["logprobs"] = result.logprobs if ok else None
+        if self.with_top_logprobs:
+            top = result.top_logprobs if ok else None
+            rec["top_logprobs"] = top and [[{"id": i, "logprob": v} for i, v in t] for t in top]
         return rec
 
 
@@ -122,6 +132,7 @@ def output_schema(
     id_column: str = DEFAULT_ID_COLUMN,
     score: bool = False,
     as_list: bool = False,
+    with_top_logprobs: bool = False,
 ) -> pa.Schema:
     """The one definition of a result row: the id under its input column's name (and
     sample_index, for n samples a row), passthrough input columns, generation fields (a
@@ -158,6 +169,8 @@ def output_schema(
         fields.append(pa.field("token_ids", pa.list_(pa.int32())))
     if with_logprobs:
         fields.append(pa.field("logprobs", pa.list_(pa.float32())))
+    if with_top_logprobs:
+        fields.append(pa.field("top_logprobs", TOP_LOGPROBS_TYPE))
     if as_list:
         fields = [
             pa.field(f.name, pa.list_(f.type)) if f.name in LIST_FIELDS else f for f in fields
@@ -166,7 +179,14 @@ def output_schema(
 
 
 # A sample's own fields: gathered into lists (in sample order) by SampleLists.
-LIST_FIELDS = ("text", "finish_reason", "completion_tokens", "token_ids", "logprobs")
+LIST_FIELDS = (
+    "text",
+    "finish_reason",
+    "completion_tokens",
+    "token_ids",
+    "logprobs",
+    "top_logprobs",
+)
 
 
 class SampleLists:

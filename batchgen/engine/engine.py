@@ -216,9 +216,9 @@ class Engine:
             return Completion(
                 seq.request.index, [], FinishReason.ERROR, seq.prompt_len, error=seq.error
             )
-        ids, logprobs = seq.output_ids, seq.logprobs
+        ids, logprobs, top = seq.output_ids, seq.logprobs, seq.top_logprobs
         if seq.keep is not None:
-            ids, logprobs = ids[: seq.keep], logprobs[: seq.keep]
+            ids, logprobs, top = ids[: seq.keep], logprobs[: seq.keep], top[: seq.keep]
         text = self.detokenize(ids)
         if seq.params.stop and seq.finish_reason is FinishReason.STOP:
             text = trim_at_stop(text, seq.params.stop)
@@ -230,6 +230,7 @@ class Engine:
             text=text,
             logprobs=logprobs,
             cached_tokens=seq.num_cached_prompt,
+            top_logprobs=top if seq.params.top_logprobs else None,
         )
 
     def _scored_completion(self, seq: Sequence) -> Completion | None:

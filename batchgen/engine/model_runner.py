@@ -27,13 +27,15 @@ import torch
 
 from batchgen.engine.constraints import apply_bitmask
 from batchgen.engine.sampler import SamplingColumns, SamplingTensors, sample
-from batchgen.engine.sequence import StepPlan
+from batchgen.engine.sequence import MAX_TOP_LOGPROBS, Scheduled, StepPlan, TopLogprobs
 from batchgen.engine.step_inputs import StepInputs, pack_decode, pack_step
 from batchgen.model.attention import DecodeGroup, PrefillSpan, StepAttention
 from batchgen.model.tp_layers import CollectiveClock
 from batchgen.model.transformer import Transformer
 
-Sampled = list[tuple[int, float]]  # (token, logprob) per sampling sequence, in plan order
+# (token, logprob, its top alternatives where the sequence asks for them) per sampling
+# sequence, in plan order
+Sampled = list[tuple[int, float, TopLogprobs | None]]
 
 
 @dataclass(slots=True)
@@ -117,11 +119,18 @@ class ModelRunner:
         steps: torch.Tensor,
         greedy_only: bool,
         bitmask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        top: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
+        """(tokens, their logprobs) and, with top, the (B, MAX_TOP_LOGPROBS) likeliest logprobs
+        and their token ids (of the same distribution: the model's, under the constraint)."""
         if bitmask is not None:  # constrained rows: tokens outside their grammar get -inf
             logits = apply_bitmask(logits, bitmask)
         tok = sample(logits, sampling, steps, greedy_only)
-        return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
+        logp = logits.log_softmax(-1)
+        lp = logp.gather(-1, tok[:, None])[:, 0]
+        if not top:
+            return tok, lp
+        return tok, lp, *logp.topk(min(MAX_TOP_LOGPROBS, logp.shape[-1]), dim=-1)
 
     def _decode_logits(
         self,
@@ -145,10 +154,11 @@ class ModelRunner:
         steps: torch.Tensor,
         greedy_only: bool,
         bitmask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        top: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """A decode-only step as one graph: the logits, then the sampled tokens."""
         logits = self._decode_logits(tokens, positions, slots, blocks)
-        return self._sample(logits, sampling, steps, greedy_only, bitmask)
+        return self._sample(logits, sampling, steps, greedy_only, bitmask, top)
 
     def _tensors(self, x: StepInputs) -> tuple[torch.Tensor, ...]:
         dev = self.device
@@ -222,8 +232,11 @@ class ModelRunner:
         nd = len(packed.decode_order)
         if bitmask is not None:  # to the packed order: decodes by width, then prefills
             bitmask = bitmask[torch.tensor(packed.decode_order + list(range(nd, n)), device=dev)]
-        tok, lp = self._sample(logits[:n], samp, steps, sampling.greedy_only, bitmask)
-        out = list(zip(tok.tolist(), lp.tolist(), strict=True))
+        top = _wants_top(packed.sampled)
+        out = _sampled(
+            self._sample(logits[:n], samp, steps, sampling.greedy_only, bitmask, top),
+            packed.sampled,
+        )
         decoded = [None] * nd  # back to plan order
         for j, i in enumerate(packed.decode_order):
             decoded[i] = out[j]
@@ -242,16 +255,38 @@ class ModelRunner:
         samp, steps = sampling.tensors(self.device)
         if bitmask is not None and pad:  # padding rows allow every token
             bitmask = torch.cat([bitmask, bitmask.new_full((pad, bitmask.shape[1]), -1)])
-        key = ("decode", *x.shape, greedy_only, bitmask is not None)
+        top = _wants_top(packed.sampled)
+        key = ("decode", *x.shape, greedy_only, bitmask is not None, top)
         t0 = time.perf_counter()
         if self.broadcast is not None:
             self.broadcast(x)
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        tok, lp = self._decode(*self._tensors(x), samp, steps, greedy_only, bitmask)
-        out = list(zip(tok[:n].tolist(), lp[:n].tolist(), strict=True))  # the one host sync
+        result = self._decode(*self._tensors(x), samp, steps, greedy_only, bitmask, top)
+        out = _sampled(result, packed.sampled[:n])  # the one host sync
         dt = time.perf_counter() - t0
         if key not in self.shapes:
             self.shapes.add(key)
             return out, [], StepTiming(0.0, dt, pad, new_shape=True)
         return out, [], StepTiming(dt, 0.0, pad)
+
+
+def _wants_top(sampled: list[Scheduled]) -> bool:
+    """Does a sequence of the step keep its tokens' top alternatives? (A second graph per
+    decode shape, used only by jobs that ask.)"""
+    return any(s.seq.params.top_logprobs for s in sampled)
+
+
+def _sampled(result: tuple[torch.Tensor, ...], sampled: list[Scheduled]) -> Sampled:
+    """The step's outputs for the sequences `sampled` (its first rows), on the host."""
+    n = len(sampled)
+    toks, lps = result[0][:n].tolist(), result[1][:n].tolist()
+    if len(result) == 2:
+        return [(t, lp, None) for t, lp in zip(toks, lps, strict=True)]
+    vals, ids = result[2][:n].tolist(), result[3][:n].tolist()
+    out: Sampled = []
+    for i, s in enumerate(sampled):
+        k = s.seq.params.top_logprobs
+        top = list(zip(ids[i][:k], vals[i][:k], strict=True)) if k else None
+        out.append((toks[i], lps[i], top))
+    return out

@@ -28,6 +28,11 @@ class Constraint:
         return f"--{self.kind.value.replace('_', '-')} {str(self.spec)[:60]}"
 
 
+# The most alternatives a generated token reports (`top_logprobs`, OpenAI's bound for chat).
+MAX_TOP_LOGPROBS = 20
+TopLogprobs = list[tuple[int, float]]  # a position's likeliest (token id, logprob), best first
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS token or a stop string
     LENGTH = "length"  # max_new_tokens reached
@@ -46,6 +51,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     constraint: Constraint | None = None  # a choice, regex or JSON schema the output must match
+    top_logprobs: int = 0  # each generated token's likeliest alternatives kept (0: none)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -58,6 +64,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.seed < 2**31:
             raise ValueError(f"seed must be in [0, 2**31), got {self.seed}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -104,6 +112,7 @@ class Completion:
     logprobs: list[float] | None = None  # of each generated token
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     scores: list[float] | None = None  # score task: log P(candidate | prompt), per candidate
+    top_logprobs: list[TopLogprobs] | None = None  # per generated token, where asked for
 
     @property
     def completion_tokens(self) -> int:
@@ -125,6 +134,7 @@ class Sequence:
     arrival: int  # order of arrival, for tie-breaks
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each generated (or scored) token
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # where params ask for them
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)

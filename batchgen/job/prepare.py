@@ -117,6 +117,7 @@ class Preparer:
             as_list=self.as_list,
             with_token_ids=self.cfg.with_token_ids,
             with_logprobs=self.cfg.with_logprobs,
+            with_top_logprobs="top_logprobs" in self.source.columns,
         )
 
     def output_schema(self) -> pa.Schema:

@@ -22,7 +22,9 @@ from batchgen.job.tokenization import tokenize
 
 # Optional input columns that override the job's sampling defaults for their row. Without a
 # seed column, each row's seed is derived from the job's seed and the row's id (seeds.py).
-OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "seed")
+# top_logprobs: keep each generated token's N likeliest alternatives (a top_logprobs column).
+OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "seed", "top_logprobs")
+_INTEGERS = ("max_new_tokens", "seed", "top_logprobs")
 # Optional input columns that constrain their row's output (over the job's --choice etc.).
 CONSTRAINT_COLUMNS = tuple(k.value for k in ConstraintKind)
 # An optional input column of stop strings (a string or a list) that replaces --stop for its row.
@@ -124,7 +126,7 @@ class RowOptions:
         values = {c: rec[c] for c in self.overrides if rec.get(c) is not None}
         try:
             for c, v in values.items():
-                values[c] = row_number(c, v, integer=c in ("max_new_tokens", "seed"))
+                values[c] = row_number(c, v, integer=c in _INTEGERS)
             if sample and "seed" in values:  # a row's explicit seed is its sample 0's
                 values["seed"] = row_seed(values["seed"], row_id, sample)
             values.setdefault("seed", row_seed(self.cfg.seed, row_id, sample))
