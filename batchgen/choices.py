@@ -5,6 +5,7 @@ the CLI gives click). Plain Python."""
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 
@@ -62,6 +63,8 @@ class Bound:
     low_open: bool = False
 
     def __contains__(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False  # NaN compares false to everything; inf is no option's value either
         above = value > self.low if self.low_open else value >= self.low
         return above and (self.high is None or value <= self.high)
 

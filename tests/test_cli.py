@@ -136,11 +136,11 @@ def test_template_over_columns_equals_the_rendered_prompt(tmp_path, model, tok, 
     run_job(plain, tmp_path / "plain", model, "--max-new-tokens", 6)
 
     got, want = rows_by_id(out), rows_by_id(tmp_path / "plain")
-    # the input `text` column cannot pass through under its own name: the output's text wins
-    assert read_output(out).schema.names == ["id", "lang", *BASE_COLUMNS]
-    assert "'text' not copied to the output" in caplog.text
+    # the input `text` column cannot pass through under its own name: it is kept as input_text
+    assert read_output(out).schema.names == ["id", "input_text", "lang", *BASE_COLUMNS]
+    assert "'text' as 'input_text'" in caplog.text
     for i in range(6):
-        assert got[i]["lang"] == langs[i]
+        assert (got[i]["lang"], got[i]["input_text"]) == (langs[i], texts[i])
         assert got[i]["prompt_tokens"] == len(tok(rendered[i])["input_ids"])
         assert (got[i]["text"], got[i]["error"]) == (want[i]["text"], None)
 
@@ -211,7 +211,7 @@ def test_an_input_id_column_is_the_default_id(tmp_path, model, caplog):
     src = write_parquet(tmp_path / "in.parquet", {"id": ids, "prompt": prompts(N)})
     out = tmp_path / "out"
     run_job(src, out, model, "--max-new-tokens", 4)
-    assert "not copied" not in caplog.text
+    assert "another name" not in caplog.text
     table = read_output(out)
     assert table.schema.names == ["id", "prompt", *BASE_COLUMNS]
     rows = rows_by_id(out)

@@ -161,3 +161,16 @@ def test_shards_without_rows_merge_into_an_empty_file_of_the_id_column(tmp_path)
         write_shard(tmp_path, Shard(i, 2), [], job={"id_column": "key"})
     assert merge(tmp_path).rows == 0
     assert pq.read_table(tmp_path / "merged.parquet").schema.names == ["key"]
+
+
+def test_a_merge_removes_the_temp_files_of_a_merge_killed_mid_write(tmp_path):
+    for i, part in split(list(range(6)), 2).items():
+        write_shard(tmp_path, Shard(i, 2), part)
+    left = [tmp_path / ".tmp-merged.parquet.k3j_9x", tmp_path / ".tmp-_stats.json.a1b2c3"]
+    for f in left:
+        f.write_bytes(b"half a file")
+    other = tmp_path / ".tmp-notes.txt.abc"  # not a merge's: kept
+    other.write_text("mine")
+    merge(tmp_path)
+    assert not any(f.exists() for f in left) and other.exists()
+    assert pq.read_table(tmp_path / "merged.parquet").num_rows == 6

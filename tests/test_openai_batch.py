@@ -78,7 +78,9 @@ def test_parse_chat_line_maps_every_field():
         "stop": ["\n"],
         "n": 2,
         "logprobs": True,
+        "top_logprobs": None,
         "json_schema": json.dumps(schema),
+        "model": "any",
         OPENAI_ERROR_COLUMN: None,
     }
     assert unsupported == ["logit_bias", "tools"]
@@ -319,7 +321,7 @@ def test_openai_output_lines_in_input_order(tmp_path, model):
             continue
         assert resp["status_code"] == 200 and g["error"] is None
         body = resp["body"]
-        assert body["model"] == str(model)
+        assert body["model"] == "any"  # the request's model, echoed
         assert body["usage"] == {
             "prompt_tokens": row["prompt_tokens"],
             "completion_tokens": row["completion_tokens"],
@@ -453,3 +455,122 @@ def test_logprobs_asked_for_are_in_the_output_lines(tmp_path, model):
     assert lp["token_logprobs"] == pytest.approx(rows["p"]["logprobs"]) and len(lp["tokens"]) == 3
     assert lp["text_offset"][0] == 0 and lp["top_logprobs"] is None
     assert q["response"]["body"]["choices"][0]["logprobs"] is None  # not asked for
+
+
+# -- issue 22: n's bound, a BOM, made-up ids, content parts, logprobs false, model, EOS ---------
+
+
+def test_n_above_openais_bound_is_an_error_line(tmp_path, model):
+    rec, _ = parse(completion_line("big", "x", n=100_000_000))
+    assert "n is 100000000, above 128" in rec[OPENAI_ERROR_COLUMN]
+    assert parse(completion_line("ok", "x", n=128))[0]["n"] == 128
+    lines = [completion_line("big", PROMPTS[0], n=100_000_000), completion_line("ok", PROMPTS[1])]
+    src = write_jsonl(tmp_path / "req.jsonl", lines)
+    _run(src, tmp_path / "out", model)
+    rows = rows_by_id(tmp_path / "out", "custom_id")
+    assert "above 128" in rows["big"]["error"] and rows["ok"]["error"] is None
+
+
+def test_a_byte_order_mark_keeps_the_first_request(tmp_path):
+    src = tmp_path / "req.jsonl"
+    lines = [completion_line("first", "x"), completion_line("second", "y")]
+    src.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(x) + "\n" for x in lines).encode())
+    source = open_input(src)
+    assert source.format is InputFormat.OPENAI
+    table = source.requests
+    assert table.column("custom_id").to_pylist() == ["first", "second"]
+    assert source._table.column(OPENAI_ERROR_COLUMN).null_count == 2
+
+
+def test_a_made_up_custom_id_never_takes_a_real_one(tmp_path):
+    src = tmp_path / "req.jsonl"
+    real = [completion_line("line-2", "x"), completion_line("line-2~2", "y")]
+    src.write_text(json.dumps(real[0]) + "\n{broken\n" + json.dumps(real[1]) + "\n")
+    ids = open_input(src).requests.column("custom_id").to_pylist()
+    assert ids == ["line-2", "line-2~3", "line-2~2"]
+
+
+def test_content_parts_and_logprobs_false(tmp_path, model, tok):
+    parts = [{"type": "text", "text": "label the sentiment"}, {"type": "text", "text": "great"}]
+    rec, _ = parse(chat_line("c", parts, logprobs=False))
+    assert rec[OPENAI_ERROR_COLUMN] is None and rec["logprobs"] is False
+    assert json.loads(rec["messages"])[0]["content"] == "label the sentiment\ngreat"
+    rec, _ = parse(completion_line("p", "x", logprobs=False))
+    assert rec[OPENAI_ERROR_COLUMN] is None and rec["logprobs"] is False
+    image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
+    rec, _ = parse(chat_line("i", image))
+    assert "'image_url'" in rec[OPENAI_ERROR_COLUMN]
+
+
+def test_output_echoes_the_model_and_leaves_eos_out_of_logprobs(tmp_path):
+    requests = pa.table(
+        {
+            "custom_id": ["a", "b"],
+            "messages": ["[]", None],
+            "logprobs": [True, True],
+            "model": ["gpt-4o-mini", None],
+        }
+    )
+    results = pa.table(
+        {
+            "custom_id": ["a", "b"],
+            "text": ["xy", "z"],
+            "finish_reason": ["stop", "stop"],
+            "prompt_tokens": [3, 3],
+            "completion_tokens": [3, 1],
+            "error": [None, None],
+            "token_ids": [[5, 6, 1], [7]],
+            "logprobs": [[-0.5, -0.25, -0.125], [-1.0]],
+        }
+    )
+    text = {5: "x", 6: "y", 7: "z", 1: "<eos>"}.__getitem__
+    write_results(str(tmp_path), requests, results, "/local/m", text, eos_ids=[1])
+    a, b = _results(tmp_path)
+    assert a["response"]["body"]["model"] == "gpt-4o-mini"
+    assert b["response"]["body"]["model"] == "/local/m"
+    content = a["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [(e["token"], e["logprob"]) for e in content] == [("x", -0.5), ("y", -0.25)]
+    assert b["response"]["body"]["choices"][0]["logprobs"]["tokens"] == ["z"]
+
+
+def test_top_logprobs_are_parsed_within_openais_bounds():
+    rec, _ = parse(chat_line("c", "x", logprobs=True, top_logprobs=3))
+    assert rec["top_logprobs"] == 3 and rec[OPENAI_ERROR_COLUMN] is None
+    assert parse(completion_line("p", "x", logprobs=2))[0]["top_logprobs"] == 2
+    assert parse(completion_line("p", "x", logprobs=0))[0]["top_logprobs"] is None
+    for line, words in [
+        (chat_line("c", "x", top_logprobs=2), "needs logprobs"),
+        (chat_line("c", "x", logprobs=True, top_logprobs=21), "above 20"),
+        (completion_line("p", "x", logprobs=6), "above 5"),
+    ]:
+        assert words in parse(line)[0][OPENAI_ERROR_COLUMN]
+
+
+def test_top_logprobs_are_computed(tmp_path, model, tok):
+    lines = [
+        chat_line("c", CHATS[0], max_tokens=4, logprobs=True, top_logprobs=3),
+        completion_line("p", PROMPTS[0], max_tokens=3, logprobs=2),
+        completion_line("q", PROMPTS[1], max_tokens=3, logprobs=True),
+    ]
+    src = write_jsonl(tmp_path / "req.jsonl", lines)
+    out = tmp_path / "out"
+    _run(src, out, model, "--output-format", "openai")
+    rows = rows_by_id(out, "custom_id")
+    c, p, q = _results(out)
+    content = c["response"]["body"]["choices"][0]["logprobs"]["content"]
+    ids = rows["c"]["token_ids"]
+    assert len(content) == len(rows["c"]["top_logprobs"]) >= 1
+    for i, e in enumerate(content):
+        alts = e["top_logprobs"]
+        assert len(alts) == 3
+        assert [a["logprob"] for a in alts] == sorted((a["logprob"] for a in alts), reverse=True)
+        # greedy: the likeliest alternative is the token chosen, with its logprob
+        assert rows["c"]["top_logprobs"][i][0]["id"] == ids[i]
+        assert alts[0]["token"] == e["token"]
+        assert alts[0]["logprob"] == pytest.approx(e["logprob"], abs=1e-5)
+        assert all(a["bytes"] == list(a["token"].encode()) for a in alts)
+    lp = p["response"]["body"]["choices"][0]["logprobs"]
+    assert len(lp["top_logprobs"]) == len(lp["tokens"]) >= 1
+    assert all(1 <= len(d) <= 2 and all(v <= 0 for v in d.values()) for d in lp["top_logprobs"])
+    assert q["response"]["body"]["choices"][0]["logprobs"]["top_logprobs"] is None
+    assert rows["q"]["top_logprobs"] is None

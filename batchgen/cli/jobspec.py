@@ -39,6 +39,14 @@ def load_job_spec(path: str) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ConfigError(f"job spec {path} must be a mapping of option: value")
     # max-new-tokens and max_new_tokens are one key, before flags are merged in by name
+    spelled: dict[str, str] = {}
+    for k in map(str, values):
+        key = k.replace("-", "_")
+        if key in spelled:
+            raise ConfigError(
+                f"job spec {path} sets {key} twice, as {spelled[key]!r} and {k!r}; keep one"
+            )
+        spelled[key] = k
     values = {str(k).replace("-", "_"): v for k, v in values.items()}
     for key in ("input", "output", "model"):
         if isinstance(values.get(key), str):

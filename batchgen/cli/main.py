@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
@@ -27,6 +32,26 @@ Exit codes:
 def _fail(msg: str, code: int) -> None:
     click.echo(f"Error: {msg}", err=True)
     sys.exit(code)
+
+
+@contextmanager
+def _exit_on_sigint() -> Iterator[None]:
+    """SIGINT exits at once with the usual line and 130. Raised as KeyboardInterrupt, it could
+    land inside an import (torch, numpy), which turns it into an ImportError traceback."""
+
+    def handler(signum: int, frame: object) -> None:
+        sys.stderr.write(f"Error: {JobInterrupted(signum)}\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -62,25 +87,28 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
       batchgen run jobs/label_sentiment.yaml --limit 100
     A killed or preempted job resumes when the same command runs again.
     """
-    from batchgen.runner.run import run
-    from batchgen.scaleout.workers import describe_workers, run_workers
-
     try:
-        cfg = build_config(ctx, source, **flags)
-        if dry_run:
-            click.echo(describe_workers(cfg))
-            return
-        if cfg.workers != 1:  # one process per GPU (or N on the CPU) over shards, then merged
-            click.echo(run_workers(cfg).table())
-            click.echo(f"plots and metrics: batchgen report {cfg.output}")
-            return
-        stats = run(cfg)
+        with _exit_on_sigint():  # start-up: nothing to save; the job's loop has its own handler
+            from batchgen.runner.run import run
+            from batchgen.scaleout.workers import describe_workers, run_workers
+
+            cfg = build_config(ctx, source, **flags)
+            if dry_run:
+                click.echo(describe_workers(cfg))
+                return
+            if cfg.workers != 1:  # one process per GPU (or N on the CPU) over shards, merged
+                click.echo(run_workers(cfg).table())
+                click.echo(f"plots and metrics: batchgen report {cfg.output}")
+                return
+            stats = run(cfg)
     except UsageError as e:
         _fail(str(e), EXIT_USAGE)
     except RuntimeFailure as e:
         _fail(str(e), 1)
     except JobInterrupted as e:
         _fail(str(e), 128 + e.signum)
+    except KeyboardInterrupt:  # a second SIGINT during the job's loop
+        _fail(str(JobInterrupted(signal.SIGINT)), 128 + signal.SIGINT)
     if not cfg.quiet:
         click.echo(f"\nwrote {cfg.output_dir}\n{stats.table()}")
         click.echo(f"plots and metrics: batchgen report {cfg.output_dir}")
@@ -98,24 +126,20 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
 @main.command("plan")
 @click.argument("source")
 @data_options
-@click.option(
-    "--tensor-parallel-size",
-    "-tp",
-    type=click.IntRange(min=1),
-    default=1,
-    help="Ranks the model would be split over: the plan shows each rank's weight and KV bytes.",
-)
+@run_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.pass_context
 def plan_cmd(ctx: click.Context, source: str, as_json: bool, **flags) -> None:
     """Show what SOURCE would run, without loading the weights: rows, prompt length
-    histogram, the engine's budgets and the KV cache it would allocate."""
+    histogram, the engine's budgets and the KV cache it would allocate. Takes `run`'s
+    options (--n, --choice, --task, --lora, --quantize, ...); -o is not needed."""
     import json
 
     from batchgen.cli.plan import format_plan, make_plan
 
     try:
-        cfg = build_config(ctx, source, output="(plan)", **flags)
+        flags["output"] = flags["output"] or "(plan)"  # a job spec's output still wins
+        cfg = build_config(ctx, source, **flags)
         report = make_plan(cfg)
     except UsageError as e:
         _fail(str(e), EXIT_USAGE)

@@ -7,15 +7,18 @@ failed gets status 400, no body, and `error` {code, message}. The ids are the re
 the input, so a rerun writes the same ids. Where the results hold several samples of a request
 (a `sample_index` column), they are its choices, in sample order. A request that asked for
 `logprobs` gets each generated token's: a chat choice's `logprobs.content` ({token, logprob,
-bytes, top_logprobs: []}), a completion's `tokens`/`token_logprobs`/`text_offset`; the top
-alternatives are not computed (`top_logprobs` empty, or null for a completion).
+bytes, top_logprobs}), a completion's `tokens`/`token_logprobs`/`text_offset`/`top_logprobs`,
+without the EOS token that ended it (it is not in the text either). `top_logprobs` holds each
+token's likeliest alternatives where the request asked for some (the parts' `top_logprobs`
+column), else `[]` (chat) or null (completion). The body's `model` is the request's own where
+it named one, else the local model's path.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import pyarrow as pa
@@ -43,16 +46,18 @@ def write_results(
     model: str,
     token_text: TokenText = str,
     created: int | None = None,
+    eos_ids: Collection[int] = (),
 ) -> int:
     """Write directory/results.jsonl atomically; returns the number of lines.
 
     requests: the OpenAI source's table (`custom_id`, `messages`, `logprobs`, in input order);
     results: the job's output rows (any order), whose id column is custom_id, the input's, with
     `token_ids` and `logprobs` for the requests that ask for logprobs. token_text: a token's
-    text."""
+    text; eos_ids: the tokens that end a completion, left out of its logprobs. `model`: the
+    body's model of a request whose line named none."""
     created = int(time.time()) if created is None else created
     # sample_index: several results of one request (n samples), where the job has it.
-    extra = ("sample_index", "token_ids", "logprobs")
+    extra = ("sample_index", "token_ids", "logprobs", "top_logprobs")
     columns = [c for c in (*_RESULT_COLUMNS, *extra) if c in results.schema.names]
     by_id: dict[Any, list[dict[str, Any]]] = {}
     for r in results.select(columns).to_pylist():
@@ -60,11 +65,14 @@ def write_results(
     ids = requests.column("custom_id").to_pylist()
     chats = requests.column("messages").is_valid().to_pylist()
     asked = requests.column("logprobs").fill_null(False).to_pylist()
+    named = requests.column("model") if "model" in requests.column_names else None
+    models = [model] * len(ids) if named is None else named.fill_null(model).to_pylist()
+    eos = frozenset(eos_ids)
     lines = [
         json.dumps(
-            output_line(i, cid, chat, by_id[cid], model, created, token_text if lp else None)
+            output_line(i, cid, chat, by_id[cid], named, created, token_text if lp else None, eos)
         )
-        for i, (cid, chat, lp) in enumerate(zip(ids, chats, asked, strict=True))
+        for i, (cid, chat, lp, named) in enumerate(zip(ids, chats, asked, models, strict=True))
         if cid in by_id
     ]
     data = "".join(line + "\n" for line in lines).encode()
@@ -80,6 +88,7 @@ def output_line(
     model: str,
     created: int,
     token_text: TokenText | None = None,
+    eos_ids: Collection[int] = frozenset(),
 ) -> dict[str, Any]:
     """The output line of request `index` of the input, from its result rows (one a sample).
     A request with any failed sample failed. token_text: the request asked for logprobs."""
@@ -97,7 +106,7 @@ def output_line(
             choice = {"index": i, "message": {"role": "assistant", "content": row["text"]}}
         else:
             choice = {"index": i, "text": row["text"]}
-        logprobs = _logprobs(row, chat, token_text) if token_text is not None else None
+        logprobs = _logprobs(row, chat, token_text, eos_ids) if token_text is not None else None
         choices.append({**choice, "logprobs": logprobs, "finish_reason": row["finish_reason"]})
     kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
     body: dict[str, Any] = {"id": f"{kind[0]}-{index}", "object": kind[1]}
@@ -119,14 +128,29 @@ def output_line(
     return line
 
 
-def _logprobs(row: dict[str, Any], chat: bool, token_text: TokenText) -> dict[str, Any]:
+def _logprobs(
+    row: dict[str, Any], chat: bool, token_text: TokenText, eos_ids: Collection[int]
+) -> dict[str, Any]:
     """A choice's logprobs in the format of its endpoint."""
-    texts = [token_text(t) for t in row["token_ids"]]
+    ids, logprobs, top = row["token_ids"], row["logprobs"], row.get("top_logprobs")
+    if ids and ids[-1] in eos_ids and row["finish_reason"] == "stop":  # not part of the text
+        ids, logprobs, top = ids[:-1], logprobs[:-1], top and top[:-1]
+    texts = [token_text(t) for t in ids]
+    # per token: its alternatives as (text, logprob), best first; None where none were asked
+    alts = [[(token_text(a["id"]), a["logprob"]) for a in t] for t in top] if top else None
     if chat:
         return {
             "content": [
-                {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                for s, lp in zip(texts, row["logprobs"], strict=True)
+                {
+                    "token": s,
+                    "logprob": lp,
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {"token": a, "logprob": v, "bytes": list(a.encode())}
+                        for a, v in (alts[i] if alts else ())
+                    ],
+                }
+                for i, (s, lp) in enumerate(zip(texts, logprobs, strict=True))
             ]
         }
     offsets, at = [], 0
@@ -135,7 +159,7 @@ def _logprobs(row: dict[str, Any], chat: bool, token_text: TokenText) -> dict[st
         at += len(s)
     return {
         "tokens": texts,
-        "token_logprobs": row["logprobs"],
-        "top_logprobs": None,
+        "token_logprobs": logprobs,
+        "top_logprobs": [dict(a) for a in alts] if alts else None,
         "text_offset": offsets,
     }

@@ -142,7 +142,8 @@ class OpenAIBatchSource(InputSource):
     def __init__(self, path: str, files: list[str]) -> None:
         parsed = OpenAIBatchTable(files)
         table = parsed.table
-        for name in ("n", "json_schema"):  # absent when no line sets it: a plain job, no samples
+        # absent when no line sets it: a plain job, no samples, no top alternatives
+        for name in ("n", "json_schema", "top_logprobs"):
             if table.column(name).null_count == table.num_rows:
                 table = table.drop_columns([name])
         self._table = table
@@ -157,9 +158,9 @@ class OpenAIBatchSource(InputSource):
 
     @property
     def requests(self) -> pa.Table:
-        """Every line's custom_id, messages (null for a completion) and whether it asked for
-        logprobs, in input order."""
-        return self._table.select(["custom_id", "messages", "logprobs"])
+        """Every line's custom_id, messages (null for a completion), whether it asked for
+        logprobs and its body's model, in input order."""
+        return self._table.select(["custom_id", "messages", "logprobs", "model"])
 
     def _read(self, batch_rows: int, columns: Sequence[str] | None) -> Iterator[pa.RecordBatch]:
         table = self._table if columns is None else self._table.select(list(columns))

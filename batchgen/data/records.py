@@ -21,8 +21,10 @@ _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens"
 # --with-timings: each row's seconds (stats/latency.py says what they are)
 TIMING_COLUMNS = ("queued_s", "ttft_s", "latency_s", "tpot_s")
 RESERVED_COLUMNS = frozenset(
-    {"sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs", *TIMING_COLUMNS}
+    {"sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs", "top_logprobs", *TIMING_COLUMNS}
 )
+# A generated token's likeliest alternatives, best first (rows that ask: a top_logprobs column).
+TOP_LOGPROBS_TYPE = pa.list_(pa.list_(pa.struct([("id", pa.int32()), ("logprob", pa.float32())])))
 SCORE_COLUMNS = frozenset({"label", "scores"})  # a score job's results, in place of text
 
 
@@ -46,6 +48,7 @@ class Result(Protocol):
     token_ids: list[int]
     logprobs: list[float] | None
     scores: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
     error: str | None
 
     @property
@@ -67,6 +70,7 @@ class RecordShape:
     with_token_ids: bool = False
     with_logprobs: bool = False
     with_timings: bool = False
+    with_top_logprobs: bool = False
 
     def schema(self, id_type: pa.DataType, passthrough: pa.Schema) -> pa.Schema:
         return output_schema(
@@ -79,6 +83,7 @@ class RecordShape:
             score=self.score,
             as_list=self.as_list,
             with_timings=self.with_timings,
+            with_top_logprobs=self.with_top_logprobs,
         )
 
     def record(
@@ -109,6 +114,9 @@ class RecordShape:
             rec["logprobs"] = result.logprobs if ok else None
         if self.with_timings:
             rec.update(timings or dict.fromkeys(TIMING_COLUMNS))
+        if self.with_top_logprobs:
+            top = result.top_logprobs if ok else None
+            rec["top_logprobs"] = top and [[{"id": i, "logprob": v} for i, v in t] for t in top]
         return rec
 
 
@@ -135,6 +143,7 @@ def output_schema(
     score: bool = False,
     as_list: bool = False,
     with_timings: bool = False,
+    with_top_logprobs: bool = False,
 ) -> pa.Schema:
     """The one definition of a result row: the id under its input column's name (and
     sample_index, for n samples a row), passthrough input columns, generation fields (a
@@ -173,6 +182,8 @@ def output_schema(
         fields.append(pa.field("logprobs", pa.list_(pa.float32())))
     if with_timings:
         fields += [pa.field(c, pa.float64()) for c in TIMING_COLUMNS]
+    if with_top_logprobs:
+        fields.append(pa.field("top_logprobs", TOP_LOGPROBS_TYPE))
     if as_list:
         fields = [
             pa.field(f.name, pa.list_(f.type)) if f.name in LIST_FIELDS else f for f in fields
@@ -188,6 +199,7 @@ LIST_FIELDS = (
     "token_ids",
     "logprobs",
     *TIMING_COLUMNS,
+    "top_logprobs",
 )
 
 
@@ -249,8 +261,11 @@ class PartBuffer:
             self._write(self._rows[: self.rows_per_part])
             self._rows = self._rows[self.rows_per_part :]
 
-    def flush(self) -> None:
-        if self._rows:
+    def flush(self, final: bool = False) -> None:
+        """Write the rows held. final: the job is complete; an output that would have no part
+        (no rows at all) gets one empty part, so readers see the schema, not a frame without
+        columns."""
+        if self._rows or (final and not self.output.part_files()):
             self._write(self._rows)
             self._rows = []
 

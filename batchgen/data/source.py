@@ -48,6 +48,13 @@ class InputSource:
     def __init__(self, path: str, schema: pa.Schema, num_rows: int | None) -> None:
         self.path = path
         self.schema = schema.remove_metadata()
+        names = self.schema.names
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # a column is found by its name: which one would be the prompt?
+            raise InputError(
+                f"input {path} has {len(names) - len(set(names))} duplicate column name(s): "
+                f"{', '.join(map(repr, twice))}; give each column its own name"
+            )
         self.num_rows = num_rows  # None where counting would mean reading everything (JSONL)
 
     @property

@@ -24,7 +24,6 @@ temp files of a killed run deleted, and only once the directory is known to be b
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -36,15 +35,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.data.atomic import WriteFn, os_error, write_atomic
+from batchgen.data.lock import LOCK_FILE, lock_directory
 from batchgen.data.source import DEFAULT_ID_COLUMN
-from batchgen.errors import InputError, OutputBusy
+from batchgen.errors import InputError
 
 log = logging.getLogger(__name__)
 
 JOB_FILE = "_job.json"
 STATS_FILE = "_stats.json"
 SUCCESS_FILE = "_SUCCESS"
-LOCK_FILE = "_lock"
 RESULTS_FILE = "results.jsonl"  # OpenAI batch output lines (--output-format openai)
 STEPS_FILE = "_steps.parquet"  # one row per engine step (stats/steps.py)
 REPORT_FILE = "report.html"  # `batchgen report`'s page
@@ -68,13 +67,18 @@ class OutputDir:
         self.fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True))
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise InputError(f"output {self.path} is a file; pass a directory path")
+        if os.path.islink(self.path) and not os.path.exists(self.path):
+            raise InputError(
+                f"output {self.path} links to {os.readlink(self.path)}, which does not exist; "
+                "create it or pass another -o"
+            )
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as e:
             raise InputError(os_error(e, f"cannot create output {self.path}")) from None
         # Read-only first: nothing, not even the lock file, goes into a directory that is not ours.
         self._check_owner()
-        self._lock = _lock(self.path)
+        self._lock = lock_directory(self.path)
         try:
             self._claim(overwrite)
             self._remove_temp_files()
@@ -189,6 +193,9 @@ class OutputDir:
                 stored = None  # unreadable: treated like another job's
             if stored == self.fingerprint and not overwrite:
                 return
+            if not overwrite and _changed_keys(stored, self.fingerprint) == ["limit"]:
+                self._change_limit(stored)
+                return
             if not overwrite and self._part_numbers():
                 changed = _changed_keys(stored, self.fingerprint)
                 raise InputError(
@@ -209,6 +216,23 @@ class OutputDir:
             if _is_ours(n):
                 _remove(os.path.join(self.path, n))
         write_atomic(self.path, JOB_FILE, _json_writer(self.fingerprint))
+
+    def _change_limit(self, stored: dict[str, Any]) -> None:
+        """The same job under another limit (None: all rows): a larger one continues it, a
+        smaller one finds a complete job complete and refuses to cut an unfinished one short."""
+        old, new = stored.get("limit"), self.fingerprint.get("limit")
+        if new is None or (old is not None and new >= old):
+            log.warning("output %s: limit %s -> %s; continuing the job", self.path, old, new)
+            if self.is_complete:
+                os.remove(os.path.join(self.path, SUCCESS_FILE))
+            write_atomic(self.path, JOB_FILE, _json_writer(self.fingerprint))
+        elif self.is_complete:
+            self.fingerprint = stored
+        else:
+            raise InputError(
+                f"output {self.path} holds an unfinished job with limit {old}; rerun it with "
+                f"--limit {old} or more (or no limit) to resume, or pass --overwrite"
+            )
 
     def _part_numbers(self) -> list[int]:
         return [int(m.group(1)) for n in os.listdir(self.path) if (m := _PART_RE.fullmatch(n))]
@@ -237,32 +261,6 @@ def _changed_keys(stored: Any, current: dict[str, Any]) -> list[str]:
     if not isinstance(stored, dict):
         return []
     return sorted(k for k in set(stored) | set(current) if stored.get(k) != current.get(k))
-
-
-def _lock(directory: str):
-    """Take the directory's exclusive lock, or fail naming the run that holds it.
-
-    flock belongs to the open file, so the lock lasts exactly as long as the returned file
-    stays open, and a killed process never leaves a stale lock. The file itself is kept."""
-    path = os.path.join(directory, LOCK_FILE)
-    try:
-        f = open(path, "a+")  # noqa: SIM115 - held open for the OutputDir's lifetime
-    except OSError as e:
-        raise InputError(os_error(e, f"cannot write to output {directory}")) from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        raise OutputBusy(
-            f"output {directory} is in use by another batchgen run (pid {holder}); wait for it "
-            "to finish, or pick another output directory"
-        ) from None
-    f.truncate(0)
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
 
 
 def _remove(path: str) -> None:

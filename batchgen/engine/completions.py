@@ -68,9 +68,9 @@ class Completions:
             return self._scored(seq, now)
         if seq.finish_reason is FinishReason.ERROR:
             return error_completion(seq.request, seq.error)
-        ids, logprobs = seq.output_ids, seq.logprobs
+        ids, logprobs, top = seq.output_ids, seq.logprobs, seq.top_logprobs
         if seq.keep is not None:
-            ids, logprobs = ids[: seq.keep], logprobs[: seq.keep]
+            ids, logprobs, top = ids[: seq.keep], logprobs[: seq.keep], top[: seq.keep]
         text = self.detokenize(ids)
         if seq.params.stop and seq.finish_reason is FinishReason.STOP:
             text = trim_at_stop(text, seq.params.stop)
@@ -89,6 +89,7 @@ class Completions:
             text=text,
             logprobs=logprobs,
             cached_tokens=seq.num_cached_prompt,
+            top_logprobs=top if seq.params.top_logprobs else None,
             error=error,
             queued_at=seq.queued_at,
             first_token_at=seq.first_token_at or now,

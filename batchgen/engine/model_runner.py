@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from batchgen.engine.constraints import apply_bitmask
-from batchgen.engine.sampler import SamplingColumns, SamplingTensors, sample
+from batchgen.engine.sampler import SamplingColumns, SamplingTensors
 from batchgen.engine.sequence import StepPlan
 from batchgen.engine.step_inputs import StepInputs, pack_decode, pack_step
+from batchgen.engine.step_sampling import Sampled, sample_step, to_host, wants_top
 from batchgen.model.attention import (
     DecodeBackend,
     DecodeGroup,
@@ -44,8 +44,6 @@ from batchgen.model.attention import (
 )
 from batchgen.model.tp_layers import CollectiveClock
 from batchgen.model.transformer import Transformer
-
-Sampled = list[tuple[int, float]]  # (token, logprob) per sampling sequence, in plan order
 
 
 @dataclass(slots=True)
@@ -130,19 +128,6 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    @staticmethod
-    def _sample(
-        logits: torch.Tensor,
-        sampling: SamplingTensors,
-        steps: torch.Tensor,
-        greedy_only: bool,
-        bitmask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if bitmask is not None:  # constrained rows: tokens outside their grammar get -inf
-            logits = apply_bitmask(logits, bitmask)
-        tok = sample(logits, sampling, steps, greedy_only)
-        return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
-
     def _decode_logits(
         self,
         tokens: torch.Tensor,
@@ -169,10 +154,11 @@ class ModelRunner:
         steps: torch.Tensor,
         greedy_only: bool,
         bitmask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        top: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """A decode-only step as one graph: the logits, then the sampled tokens."""
         logits = self._decode_logits(tokens, positions, slots, blocks, mask)
-        return self._sample(logits, sampling, steps, greedy_only, bitmask)
+        return sample_step(logits, sampling, steps, greedy_only, bitmask, top)
 
     def _tensors(self, x: StepInputs) -> tuple:
         """A compiled decode step's inputs: tokens, positions, slots, then the tables (gather)
@@ -262,8 +248,11 @@ class ModelRunner:
         nd = len(packed.decode_order)
         if bitmask is not None:  # to the packed order: decodes by width, then prefills
             bitmask = bitmask[torch.tensor(packed.decode_order + list(range(nd, n)), device=dev)]
-        tok, lp = self._sample(logits[:n], samp, steps, sampling.greedy_only, bitmask)
-        out = list(zip(tok.tolist(), lp.tolist(), strict=True))
+        top = wants_top(packed.sampled)
+        out = to_host(
+            sample_step(logits[:n], samp, steps, sampling.greedy_only, bitmask, top),
+            packed.sampled,
+        )
         decoded = [None] * nd  # back to plan order
         for j, i in enumerate(packed.decode_order):
             decoded[i] = out[j]
@@ -284,14 +273,15 @@ class ModelRunner:
             bitmask = torch.cat([bitmask, bitmask.new_full((pad, bitmask.shape[1]), -1)])
         b, width = x.shape
         width = width if self.attention is DecodeBackend.GATHER else 0  # flex: no width axis
-        key = ("decode", b, width, greedy_only, bitmask is not None)
+        top = wants_top(packed.sampled)
+        key = ("decode", b, width, greedy_only, bitmask is not None, top)
         t0 = time.perf_counter()
         if self.broadcast is not None:
             self.broadcast(x)
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        tok, lp = self._decode(*self._tensors(x), samp, steps, greedy_only, bitmask)
-        out = list(zip(tok[:n].tolist(), lp[:n].tolist(), strict=True))  # the one host sync
+        result = self._decode(*self._tensors(x), samp, steps, greedy_only, bitmask, top)
+        out = to_host(result, packed.sampled[:n])  # the one host sync
         dt = time.perf_counter() - t0
         if key not in self.shapes:
             self.shapes.add(key)

@@ -231,10 +231,10 @@ class Scheduler:
     # ---------------------------------------------------------------- results
 
     def update(
-        self, plan: StepPlan, sampled: Seq[tuple[int, float]], scored: Seq[Seq[float]] = ()
+        self, plan: StepPlan, sampled: Seq[tuple], scored: Seq[Seq[float]] = ()
     ) -> list[Sequence]:
-        """Apply a step's results: sampled (token, logprob) for each scheduled sequence
-        that samples, in plan order, and the scored tokens' log-probabilities of each
+        """Apply a step's results: sampled (token, logprob[, top alternatives or None]) for
+        each scheduled sequence that samples, in plan order, and the scored tokens' log-probabilities of each
         scored candidate's chunk, in plan order. Returns the sequences that finished."""
         samplers = [s for s in plan.scheduled if s.samples]
         if len(samplers) != len(sampled):
@@ -251,10 +251,12 @@ class Scheduler:
             if seq.num_computed == seq.num_tokens:
                 self.finish(seq, FinishReason.STOP)
                 finished.append(seq)
-        for s, (tok, logprob) in zip(samplers, sampled, strict=True):
+        for s, (tok, logprob, *top) in zip(samplers, sampled, strict=True):
             seq = s.seq
             seq.token_ids.append(tok)
             seq.logprobs.append(logprob)
+            if top and top[0] is not None:
+                seq.top_logprobs.append(top[0])
             if tok in self.eos and not seq.params.ignore_eos:
                 self.finish(seq, FinishReason.STOP)
             elif seq.num_generated >= seq.params.max_new_tokens:

@@ -29,6 +29,11 @@ class Constraint:
         return f"--{self.kind.value.replace('_', '-')} {str(self.spec)[:60]}"
 
 
+# The most alternatives a generated token reports (`top_logprobs`, OpenAI's bound for chat).
+MAX_TOP_LOGPROBS = 20
+TopLogprobs = list[tuple[int, float]]  # a position's likeliest (token id, logprob), best first
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS token or a stop string
     LENGTH = "length"  # max_new_tokens reached
@@ -47,6 +52,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     constraint: Constraint | None = None  # a choice, regex or JSON schema the output must match
+    top_logprobs: int = 0  # each generated token's likeliest alternatives kept (0: none)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -59,6 +65,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.seed < 2**31:
             raise ValueError(f"seed must be in [0, 2**31), got {self.seed}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -117,6 +125,7 @@ class Completion:
     queued_at: float = 0.0  # the request entered the engine's queue
     first_token_at: float = 0.0  # the step that sampled its first token ended
     finished_at: float = 0.0  # the step that finished it ended
+    top_logprobs: list[TopLogprobs] | None = None  # per generated token, where asked for
 
     @property
     def completion_tokens(self) -> int:
@@ -138,6 +147,7 @@ class Sequence:
     arrival: int  # order of arrival, for tie-breaks
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each generated (or scored) token
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # where params ask for them
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -22,7 +22,7 @@ import torch
 from batchgen.choices import Dtype
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Grammars
-from batchgen.errors import ConfigError
+from batchgen.errors import ConfigError, ModelLoadError
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import config_from_hf, read_hf_config
 from batchgen.model.lora import LoraAdapter, check_adapter
@@ -121,6 +121,18 @@ def load_tokenizer(model_dir: Path, model_type: str | None = None):
     return Tokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
+def check_vocab(model_dir: Path, tokenizer_size: int, vocab_size: int) -> None:
+    """A tokenizer with ids the model has no embedding for would fail mid-run on the first
+    prompt that holds one (an index error, 0 rows written): refuse it at load. A smaller
+    tokenizer is common (embeddings padded to a multiple of 64) and fine."""
+    if tokenizer_size > vocab_size:
+        raise ModelLoadError(
+            f"{model_dir}: the tokenizer has {tokenizer_size} tokens and the model's vocabulary "
+            f"(config.json vocab_size) {vocab_size}; token ids {vocab_size} and up have no "
+            "embedding. Use the tokenizer that came with the model"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """Everything the engine is built from, resolved; no weights."""
@@ -172,6 +184,7 @@ class ModelSpec:
             raise ConfigError(str(e)) from None
         quant = make_scheme(quantize, quant_backend, dev, dt, group_size=quant_group_size)
         tokenizer = load_tokenizer(model_dir, hf.get("model_type"))
+        check_vocab(model_dir, len(tokenizer), model_cfg.vocab_size)
         eos = eos_token_ids(model_dir, hf, tokenizer)
         return cls(
             model_dir=model_dir,

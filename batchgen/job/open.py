@@ -6,11 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from batchgen.choices import OutputFormat, Task
-from batchgen.data import InputSource, open_input
+from batchgen.data import InputFormat, InputSource, open_input
 from batchgen.data.reader import OpenAIBatchSource
 from batchgen.engine.constraints import ConstraintError
 from batchgen.errors import ConfigError
 from batchgen.job.config import RunConfig
+from batchgen.job.ids import check_unique_ids
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.prepare import Preparer
 from batchgen.model.memory import check_allocation, weight_bytes
@@ -53,14 +54,15 @@ def open_job(cfg: RunConfig) -> Job:
         tensor_parallel_size=cfg.tensor_parallel_size,
     )
     source = open_input(cfg.input)
-    if cfg.output_format is OutputFormat.OPENAI:
-        if not isinstance(source, OpenAIBatchSource):
-            raise ConfigError(
-                f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is "
-                "not an OpenAI batch request file (lines with custom_id and body)"
-            )
-        if source.asks_logprobs:  # the lines that ask get each token's logprob: parts keep them
-            cfg = dataclasses.replace(cfg, with_token_ids=True, with_logprobs=True)
+    if cfg.output_format is OutputFormat.OPENAI and not isinstance(source, OpenAIBatchSource):
+        raise ConfigError(
+            f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is "
+            "not an OpenAI batch request file (lines with custom_id and body)"
+        )
+    if isinstance(source, OpenAIBatchSource) and source.asks_logprobs:
+        # The lines that ask get each token's logprob: the parts keep them whatever the output
+        # format, so a rerun that adds --output-format openai is the same job and can write them.
+        cfg = dataclasses.replace(cfg, with_token_ids=True, with_logprobs=True)
     max_seq = spec.model_cfg.max_position_embeddings
     # room after the prompt: its new tokens, or a score job's labels (checked per row later)
     room = cfg.max_new_tokens if cfg.task is Task.GENERATE else 1
@@ -77,6 +79,8 @@ def open_job(cfg: RunConfig) -> Job:
         what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
         check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", spec.device)
     prep = Preparer(cfg, source, spec.tokenizer, max_prompt)
+    if prep.id_column and source.format is not InputFormat.OPENAI:  # custom_ids: when parsed
+        check_unique_ids(source, prep.id_column, cfg.limit)
     if (
         prep.options.defaults.constraint is not None
     ):  # a job's grammar that cannot compile: before loading

@@ -8,7 +8,6 @@ Rows that cannot run become error records here, before the engine sees them.
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,20 +15,15 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.data import InputFormat, InputSource, PromptBuilder, default_ids
-from batchgen.data.records import RecordShape, Row, reserved_columns
+from batchgen.data.records import RecordShape, Row
 from batchgen.data.source import DEFAULT_ID_COLUMN, decode_rows
 from batchgen.engine.sequence import Request
 from batchgen.errors import InputError, RowError
-from batchgen.job.config import RunConfig, Task
-from batchgen.job.row_options import RowOptions
+from batchgen.job.config import RunConfig
+from batchgen.job.ids import ROW_NUMBERS_FIX, check_id_type
+from batchgen.job.passthrough import passthrough_columns
+from batchgen.job.row_options import RowOptions, row_number, warn_option_columns
 from batchgen.job.tokenization import fit_length, tokenize
-
-log = logging.getLogger(__name__)
-
-# The fix for bad ids where row numbers would do.
-ROW_NUMBERS_FIX = "use row numbers as ids (no --id-column, and no input column named id)"
-# Columns of an OpenAI batch file copied to the output by default (the request's prompt).
-OPENAI_PASSTHROUGH = ("prompt", "messages")
 
 
 @dataclass(slots=True)
@@ -89,8 +83,10 @@ class Preparer:
             self.builder = make_prompt_builder(cfg, tokenizer)
         self.id_column = cfg.id_column or source.id_column  # None: row numbers
         self.max_prompt_len = max_prompt_len
-        self.passthrough = self._passthrough(cfg, source, self.id_column)
+        self.passthrough = passthrough_columns(cfg, source, self.id_column)  # input: output
         self.options = RowOptions(cfg, source.columns, tokenizer)
+        if source.format is not InputFormat.OPENAI:  # there the parser made them, from bodies
+            warn_option_columns(source.columns)
         self.score = self.options.score
         # n samples per row (--n or an n column): one output record per (id, sample_index)
         self.n_column = "n" in source.columns
@@ -102,33 +98,10 @@ class Preparer:
             needed |= self.chat_builder.required_columns()
         needed |= {c for c in (self.id_column, source.error_column) if c}
         source.require_columns(sorted(needed))
-        id_column = self.id_column
-        if id_column and pa.types.is_floating(source.schema.field(id_column).type):
-            # NaN equals nothing, not even itself: a NaN-id row would never count as done.
-            raise InputError(
-                f"id column {id_column!r} is {source.schema.field(id_column).type}, and "
-                "floating-point ids (NaN never equals itself) break exactly-once output; cast it "
-                f"to int or string, or {ROW_NUMBERS_FIX}"
-            )
+        if self.id_column:
+            check_id_type(source, self.id_column)
         self.columns = [c for c in source.columns if c in needed]
         self._seen_ids: set[Any] = set()
-
-    @staticmethod
-    def _passthrough(cfg: RunConfig, source: InputSource, id_column: str | None) -> list[str]:
-        """Input columns copied to the output besides the id column; by default a column
-        named like an output column (e.g. `text`) is left out."""
-        if cfg.passthrough is not None:
-            return [c for c in cfg.passthrough if c != id_column]
-        if source.format is InputFormat.OPENAI:
-            return [c for c in OPENAI_PASSTHROUGH if c in source.columns]
-        reserved = reserved_columns(score=cfg.task is Task.SCORE)
-        clash = [c for c in source.columns if c in reserved and c != id_column]
-        if clash:
-            log.warning(
-                "input column(s) %s not copied to the output, which has columns of that name",
-                ", ".join(map(repr, clash)),
-            )
-        return [c for c in source.columns if c not in reserved and c != id_column]
 
     @property
     def output_id_column(self) -> str:
@@ -145,11 +118,13 @@ class Preparer:
             with_token_ids=self.cfg.with_token_ids,
             with_logprobs=self.cfg.with_logprobs,
             with_timings=self.cfg.with_timings,
+            with_top_logprobs="top_logprobs" in self.source.columns,
         )
 
     def output_schema(self) -> pa.Schema:
         """The output's schema: the record shape over the id's type and the passthrough."""
-        passthrough = pa.schema([self.source.schema.field(c) for c in self.passthrough])
+        fields = self.source.schema
+        passthrough = pa.schema([fields.field(c).with_name(n) for c, n in self.passthrough.items()])
         return self.record_shape.schema(self.id_type, passthrough)
 
     @property
@@ -206,7 +181,7 @@ class Preparer:
             if not todo:
                 continue
             first = len(rows)
-            passthrough = {c: rec[c] for c in self.passthrough}
+            passthrough = {n: rec[c] for c, n in self.passthrough.items()}
             for k in todo:
                 sample = k if self.samples or self.as_list else None
                 rows.append(Row(rid, passthrough, sample_index=sample, num_samples=n))
@@ -261,9 +236,13 @@ class Preparer:
         if not self.n_column or rec.get("n") is None:
             return self.cfg.n, None
         v = rec["n"]
-        if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v) or v < 1:
+        try:
+            n = row_number("n", v, integer=True)
+        except ValueError:
+            n = 0
+        if n < 1:
             return 1, f"bad per-row n: {v!r}, not an integer >= 1"
-        return int(v), None
+        return n, None
 
     def _tokenize(self, texts: list[str], chats: list[bool]) -> list[list[int]]:
         """Chat templates already hold the model's special tokens; plain text gets them added."""

@@ -8,6 +8,8 @@ job, the labels to score (a `choice` column, else the job's `--choice`).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -20,13 +22,29 @@ from batchgen.job.tokenization import tokenize
 
 # Optional input columns that override the job's sampling defaults for their row. Without a
 # seed column, each row's seed is derived from the job's seed and the row's id (seeds.py).
-OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "seed")
+# top_logprobs: keep each generated token's N likeliest alternatives (a top_logprobs column).
+OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "seed", "top_logprobs")
+_INTEGERS = ("max_new_tokens", "seed", "top_logprobs")
 # Optional input columns that constrain their row's output (over the job's --choice etc.).
 CONSTRAINT_COLUMNS = tuple(k.value for k in ConstraintKind)
 # An optional input column of stop strings (a string or a list) that replaces --stop for its row.
 STOP_COLUMN = "stop"
 
+log = logging.getLogger(__name__)
+
 Labels = tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]  # labels and their token ids
+
+
+def warn_option_columns(columns: Collection[str]) -> None:
+    """Log once which input columns act as per-row options: a data column that happens to be
+    named `choice`, `stop` or `n` would otherwise change its rows' outputs silently."""
+    used = [c for c in (*OVERRIDE_COLUMNS, *CONSTRAINT_COLUMNS, STOP_COLUMN, "n") if c in columns]
+    if used:
+        log.warning(
+            "input column(s) %s set their rows' options (docs/jobs.md, per-row columns); "
+            "rename any that are plain data",
+            ", ".join(map(repr, used)),
+        )
 
 
 def job_constraint(cfg: RunConfig) -> Constraint | None:
@@ -111,9 +129,7 @@ class RowOptions:
         values = {c: rec[c] for c in self.overrides if rec.get(c) is not None}
         try:
             for c, v in values.items():
-                if isinstance(v, bool) or not isinstance(v, int | float):
-                    raise ValueError(f"{c} is {v!r}, not a number")
-                values[c] = int(v) if c in ("max_new_tokens", "seed") else float(v)
+                values[c] = row_number(c, v, integer=c in _INTEGERS)
             if sample and "seed" in values:  # a row's explicit seed is its sample 0's
                 values["seed"] = row_seed(values["seed"], row_id, sample)
             values.setdefault("seed", row_seed(self.cfg.seed, row_id, sample))
@@ -147,6 +163,20 @@ class RowOptions:
             if not x:
                 raise ConfigError(f"choice: the label {label!r} tokenizes to no tokens")
         return tuple(tuple(x) for x in ids)
+
+
+def row_number(name: str, v: Any, integer: bool) -> int | float:
+    """A row's numeric option: a finite number, and a whole one where an integer is meant
+    (max_new_tokens 2.7 is not 2). ValueError naming the value."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"{name} is {v!r}, not a number")
+    if not math.isfinite(v):
+        raise ValueError(f"{name} is {v!r}, not a finite number")
+    if integer:
+        if v != int(v):
+            raise ValueError(f"{name} is {v!r}, not an integer")
+        return int(v)
+    return float(v)
 
 
 def _parse_labels(value: Any) -> tuple[str, ...]:

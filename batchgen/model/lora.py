@@ -31,6 +31,7 @@ import torch
 from batchgen.errors import ModelLoadError
 from batchgen.model.checkpoint_names import weight_slot
 from batchgen.model.config import Family, ModelConfig
+from batchgen.model.quiet_import import quiet_torchao
 from batchgen.model.tensor_parallel import SINGLE, TPShard
 
 CONFIG_FILE = "adapter_config.json"
@@ -125,7 +126,8 @@ def _weights_file(path: Path) -> Path:
 def _read_config(path: Path):
     if not (path / CONFIG_FILE).is_file():
         raise LoraError(f"LoRA adapter {path} has no {CONFIG_FILE}")
-    from peft import LoraConfig, PeftConfig
+    with quiet_torchao():  # peft imports torchao where it is installed
+        from peft import LoraConfig, PeftConfig
 
     try:
         config = PeftConfig.from_pretrained(str(path))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchgen.model.quiet_import import quiet_torchao
 from batchgen.quant.scheme import QuantMethod, QuantScheme
 
 
@@ -14,7 +15,8 @@ def quantize_linears(
     parent: nn.Module, names: tuple[str, ...], scheme: QuantScheme, device: torch.device
 ) -> None:
     """Quantize the Linear submodules `names` of parent in place (parent is on device)."""
-    from optimum.quanto import freeze, qfloat8, qint4, qint8, quantize
+    with quiet_torchao():  # optimum-quanto imports torchao where it is installed
+        from optimum.quanto import freeze, qfloat8, qint4, qint8, quantize
 
     qtype = {QuantMethod.INT8: qint8, QuantMethod.INT4: qint4, QuantMethod.FP8: qfloat8}
     quantize(parent, weights=qtype[scheme.method], include=list(names))

@@ -140,9 +140,10 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
                 yield dataclasses.replace(r, index=n)
                 n += 1
 
-    def flush() -> None:
-        """The finished rows into a part file, and the step timeline so far."""
-        buffer.flush()
+    def flush(final: bool = False) -> None:
+        """The finished rows into a part file (final: the job's last, an empty one if it has
+        no rows), and the step timeline so far."""
+        buffer.flush(final=final)
         if len(stats.timeline):
             write_atomic(out.path, STEPS_FILE, stats.timeline.write)
 
@@ -176,7 +177,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
             watchdog.arm_fatal()  # the flush below gets seconds, not forever
             raise
         finally:
-            flush()  # on a signal too: every finished row is kept
+            flush(final=complete)  # on a signal too: every finished row is kept
             progress.close()
             gpu = nvml.stop() if nvml is not None else None
             stats.finish(complete, peak_memory_bytes(device), llm.engine.kv_pool, gpu)
@@ -232,7 +233,9 @@ def _write_openai_results(out: OutputDir, job: Job) -> None:
         return tokenizer.decode([t])
 
     model = str(job.spec.model_dir)
-    n = write_results(out.path, source.requests, out.read_all(), model, token_text)
+    n = write_results(
+        out.path, source.requests, out.read_all(), model, token_text, eos_ids=job.spec.eos_ids
+    )
     log.info("wrote %d OpenAI batch output lines to %s", n, os.path.join(out.path, RESULTS_FILE))
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -33,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.data.atomic import write_atomic
+from batchgen.data.atomic import TMP_PREFIX, write_atomic
 from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE
 from batchgen.errors import MergeError
@@ -47,6 +48,9 @@ from batchgen.scaleout.shard_report import (
 )
 
 MERGED_FILE = "merged.parquet"
+# write_atomic's temp names of a merge's files: left behind by a merge killed mid-write.
+_TEMP_NAMES = "|".join(map(re.escape, (MERGED_FILE, STATS_FILE, SUCCESS_FILE)))
+_TMP_RE = re.compile(rf"{re.escape(TMP_PREFIX)}({_TEMP_NAMES})\.\w+")
 
 
 def check(reports: list[ShardReport]) -> list[str]:
@@ -96,6 +100,7 @@ def merge(out: str | os.PathLike[str], write_data: bool = True) -> MergeSummary:
     root = Path(out)
     reports = scan(root)
     (root / SUCCESS_FILE).unlink(missing_ok=True)  # a new merge makes an old one stale
+    _remove_temp_files(root)
     problems = check(reports)
     if problems:
         todo = sorted({r.shard.index for r in reports if r.state is not ShardState.COMPLETE})
@@ -176,6 +181,12 @@ def _merge_parts(reports: list[ShardReport], f: BinaryIO | None) -> None:
     finally:
         if writer is not None:
             writer.close()
+
+
+def _remove_temp_files(root: Path) -> None:
+    for p in root.iterdir():
+        if _TMP_RE.fullmatch(p.name) and p.is_file():
+            p.unlink()
 
 
 def _json(obj: Any) -> bytes:

@@ -19,6 +19,7 @@ from batchgen.stats.latency import Latencies
 from batchgen.stats.nvml import gpu_rows
 from batchgen.stats.peaks import Peaks
 from batchgen.stats.roofline import ModelCost, Roofline
+from batchgen.stats.startup import process_age_s
 from batchgen.stats.steps import StepRecorder
 
 
@@ -83,11 +84,12 @@ class RunStats:
     complete: bool = False
     started: float = field(default_factory=time.perf_counter)
     started_unix: float = field(default_factory=time.time)  # to line shards up in a merge
-    wall_s: float = 0.0
     latencies: Latencies = field(default_factory=Latencies)
     roofline: Roofline | None = None  # once the model is loaded
     peaks: Peaks | None = None
     timeline: StepRecorder | None = None
+    wall_s: float = 0.0  # the job: from its statistics' start (after start-up) to its end
+    startup_s: float | None = field(default_factory=process_age_s)  # the process before that
 
     def __post_init__(self) -> None:
         self.timeline = StepRecorder(self.started)
@@ -198,6 +200,9 @@ class RunStats:
             decode_live_share=self.decode_live_share,
         )
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        # the whole command as the user waits for it, and the engine's own share of the job
+        d["total_wall_s"] = self.elapsed + (self.startup_s or 0.0)
+        d["engine_s"] = self.prefill_s + self.decode_s
         if self.info is not None:
             d.update(self.info.to_dict())
             if self.info.tensor_parallel_size > 1:
@@ -219,7 +224,8 @@ class RunStats:
         cached = f"{self.cached_prompt_tokens} from the prefix cache"
         rows = [
             ("rows", done),
-            ("wall time", f"{self.elapsed:.2f} s"),
+            ("wall time", f"{self.elapsed:.2f} s job + {self.startup_s or 0:.2f} s start-up"),
+            ("engine steps", f"{d['engine_s']:.2f} s"),
             ("rows/s", f"{d['rows_per_s']:.2f}"),
             ("prompt tokens/s", f"{d['prompt_tokens_per_s']:.1f}"),
             ("output tokens/s", f"{d['output_tokens_per_s']:.1f}"),
