@@ -10,9 +10,12 @@ engine does the same work):
 
 1. every transformers baseline of scripts/hf_baseline.py (`generate` in input order,
    `generate` on rows sorted by length, the continuous batching manager) runs once at each
-   batch size of --baselines (default 8, 16 and 32 for each), and the fastest is the baseline;
-2. then `batchgen run` and that baseline alternate, A B A B, --pairs times: the machine is
-   shared, so the headline is the ratio of the medians, with each pair's ratio beside it.
+   batch size of --baselines (default 8, 16 and 32 for each), and so does CTranslate2
+   (scripts/ct2_baseline.py, `ct2:B`; by default at 16, 32 and 64 when it is installed,
+   converted once before anything is timed); the fastest of each engine is its baseline;
+2. then `batchgen run` and those baselines alternate, A B A B (A B C with CTranslate2),
+   --pairs times: the machine is shared, so each headline is a ratio of the medians, with
+   each pair's ratio beside it.
 
 Every run is a fresh process (`batchgen run` via its CLI; the baseline via its script),
 timed from start to exit, peak RSS from wait4. Outputs are compared token for token with
@@ -28,10 +31,10 @@ the latency/throughput trade-off of the batch size.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
-import random
 import statistics
 import subprocess
 import sys
@@ -47,43 +50,12 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import bench_models  # noqa: E402
+from bench_report import markdown, plot_sweep, sweep_markdown  # noqa: E402
+from bench_workloads import WORKLOADS, make_workload  # noqa: E402
 
-WORKLOADS = ("mixed", "labeling", "long-tail")
 HF_MODES = ("input", "sorted", "cb")
-
-
-def _words(rng: random.Random, n: int, vocab: int) -> str:
-    return " ".join(f"t{rng.randrange(2, vocab)}" for _ in range(n))
-
-
-def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
-    return max(lo, min(hi, round(rng.lognormvariate(0.0, sigma) * median)))
-
-
-def make_workload(name: str, n: int, vocab: int, seed: int = 0) -> dict[str, list]:
-    """One word = one token with bench_models' word tokenizer."""
-    rng = random.Random(seed)
-    prompts, news = [], []
-    if name == "mixed":  # 8-400 words (median ~50), 4-128 new tokens (median ~27)
-        for _ in range(n):
-            prompts.append(_words(rng, _lognormal(rng, 50, 0.9, 8, 400), vocab))
-            news.append(_lognormal(rng, 27, 0.8, 4, 128))
-    elif name == "labeling":  # a ~500-token shared instruction + a short row, 1-4 new tokens
-        instruction = _words(rng, 500, vocab)
-        for _ in range(n):
-            prompts.append(f"{instruction} {_words(rng, rng.randint(10, 60), vocab)}")
-            news.append(rng.randint(1, 4))
-    elif name == "long-tail":  # most rows short; 1 in 20 a 1000-token prompt, 256 new tokens
-        for _ in range(n):
-            if rng.random() < 0.05:
-                prompts.append(_words(rng, 1000, vocab))
-                news.append(256)
-            else:
-                prompts.append(_words(rng, rng.randint(10, 80), vocab))
-                news.append(rng.randint(8, 64))
-    else:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    return {"id": list(range(n)), "prompt": prompts, "max_new_tokens": news}
+CT2 = "ct2"  # --baselines mode of scripts/ct2_baseline.py
+ENGINE_NAMES = {"hf": "transformers", CT2: "CTranslate2"}
 
 
 # Linux's ru_maxrss of a child counts the memory of the process it was forked from, so
@@ -158,30 +130,28 @@ def hf_cmd(a, model: Path, data: Path, out: Path, mode: str, batch: int) -> list
     return cmd + (["--threads", str(a.threads)] if a.threads else [])
 
 
+def ct2_cmd(a, model: Path, data: Path | None, out: Path | None, batch: int) -> list[str]:
+    """With data and out None: convert the checkpoint (once; untimed, before any run)."""
+    cmd = [sys.executable, str(HERE / "ct2_baseline.py"), str(model)]
+    cmd += ["--convert-only"] if data is None else [str(data), str(out), "--batch-size", str(batch)]
+    cmd += ["--compute-type", a.dtype, "--device", a.device]
+    return cmd + (["--threads", str(a.threads)] if a.threads else [])
+
+
+def baseline_cmd(a, model: Path, data: Path, out: Path, mode: str, batch: int) -> list[str]:
+    if mode == CT2:
+        return ct2_cmd(a, model, data, out, batch)
+    return hf_cmd(a, model, data, out, mode, batch)
+
+
 def token_ids(path: Path) -> dict[int, list[int]]:
     t = pq.read_table(path, columns=["id", "token_ids"])
     return dict(zip(t.column("id").to_pylist(), t.column("token_ids").to_pylist(), strict=True))
 
 
-def floor_seconds(model: Path, work: dict[str, list], matmul_flops: float) -> float:
-    """The job's matmul FLOPs (every prompt and output token through the blocks, the LM
-    head for output tokens only, attention over each token's context) at the measured rate."""
+def bench_workload(a, name: str, model: Path, root: Path, matmul_flops: float) -> dict:
     import roofline
 
-    from batchgen.model.hf_config import config_from_hf, read_hf_config
-
-    cfg = config_from_hf(read_hf_config(model))
-    cost = roofline.ModelCost.from_config(cfg, 4)
-    flops = 0.0
-    for p, n in zip(work["prompt"], work["max_new_tokens"], strict=True):
-        L = len(p.split())
-        ctx = L * (L + 1) / 2 + sum(L + i for i in range(n))  # keys each query attends to
-        flops += 2 * cost.layer_params * (L + n) + 2 * cost.head_params * n
-        flops += 4 * cost.attn_width * ctx
-    return flops / matmul_flops
-
-
-def bench_workload(a, name: str, model: Path, root: Path, matmul_flops: float) -> dict:
     vocab = bench_models.SHAPES[a.model].config["vocab_size"]
     work = make_workload(name, a.rows, vocab)
     data = root / f"{name}.parquet"
@@ -198,37 +168,50 @@ def bench_workload(a, name: str, model: Path, root: Path, matmul_flops: float) -
         runs.append(r)
         return r
 
-    def run_hf(mode: str, b: int, k: int) -> dict:
-        out = root / f"{name}-hf-{mode}-{b}.parquet"
-        r = timed(hf_cmd(a, model, data, out, mode, b), logs / f"{name}-hf-{mode}-{b}-{k}.log")
-        r.update(engine=f"hf-{mode}", batch_size=b, ids=token_ids(out))
+    def run_base(mode: str, b: int, k: int) -> dict:
+        engine = CT2 if mode == CT2 else f"hf-{mode}"
+        out = root / f"{name}-{engine}-{b}.parquet"
+        cmd = baseline_cmd(a, model, data, out, mode, b)
+        r = timed(cmd, logs / f"{name}-{engine}-{b}-{k}.log")
+        r.update(engine=engine, mode=mode, batch_size=b, ids=token_ids(out))
         runs.append(r)
         return r
 
-    explore = [run_hf(m, int(b), 0) for m, b in (x.split(":") for x in a.baselines.split(","))]
-    best = min(explore, key=lambda r: r["wall_s"])
-    bg, hf = [], [best]
+    best: dict[str, dict] = {}  # engine family ("hf", "ct2") -> its fastest exploration run
+    for mode, b in a.baselines:
+        r = run_base(mode, b, 0)
+        fam = CT2 if mode == CT2 else "hf"
+        if fam not in best or r["wall_s"] < best[fam]["wall_s"]:
+            best[fam] = r
+    bg, peers = [], {fam: [r] for fam, r in best.items()}
     for k in range(a.pairs):
         bg.append(run_batchgen(k))
-        if k:  # the exploration run of the best baseline is the first B
-            hf.append(run_hf(best["engine"].removeprefix("hf-"), best["batch_size"], k))
+        for fam, r in best.items() if k else ():  # each exploration run is its first B
+            peers[fam].append(run_base(r["mode"], r["batch_size"], k))
     ref = bg[0]["ids"]
     for r in runs:
         r["rows_differing"] = sum(r["ids"].get(i) != ids for i, ids in ref.items())
         del r["ids"]
     bg_med = statistics.median(r["wall_s"] for r in bg)
-    hf_med = statistics.median(r["wall_s"] for r in hf)
-    floor = floor_seconds(model, work, matmul_flops)
+    vs = [
+        {
+            "engine": ENGINE_NAMES[fam],
+            "baseline": f"{hs[0]['engine']} batch {hs[0]['batch_size']}",
+            "baseline_median_s": statistics.median(h["wall_s"] for h in hs),
+            "speedup": statistics.median(h["wall_s"] for h in hs) / bg_med,
+            "pair_speedups": [h["wall_s"] / b["wall_s"] for b, h in zip(bg, hs, strict=False)],
+        }
+        for fam, hs in peers.items()
+    ]
+    floor = roofline.job_floor_seconds(model, work["prompt"], work["max_new_tokens"], matmul_flops)
     return {
         "workload": name,
         "rows": a.rows,
         "prompt_tokens": sum(len(p.split()) for p in work["prompt"]),
         "output_tokens": sum(work["max_new_tokens"]),
-        "baseline": f"{best['engine']} batch {best['batch_size']}",
+        **min(vs, key=lambda p: p["baseline_median_s"]),  # the fastest engine's; all in peers
+        "peers": vs,
         "batchgen_median_s": bg_med,
-        "baseline_median_s": hf_med,
-        "speedup": hf_med / bg_med,
-        "pair_speedups": [h["wall_s"] / b["wall_s"] for b, h in zip(bg, hf, strict=False)],
         "floor_s": floor,
         "roofline_share": floor / bg_med,
         "runs": runs,
@@ -256,81 +239,6 @@ def sweep_workload(a, name: str, model: Path, root: Path) -> dict:
     return {"workload": name, "rows": a.rows, "sweep": points, "png": str(png)}
 
 
-def plot_sweep(points: list[dict], path: Path, title: str) -> None:
-    """TPOT and TTFT (p50 solid, p99 dashed) against output tokens/s, each point labelled
-    with its max_num_seqs."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(9, 3.6), dpi=80, layout="constrained")
-    fig.suptitle(title)
-    x = [p["out_tok_s"] for p in points]
-    for i, key in enumerate(("tpot", "ttft")):
-        ax = fig.add_subplot(1, 2, i + 1)
-        for q, style in (("p50", "-o"), ("p99", "--o")):
-            ax.plot(x, [p[f"{key}_{q}_s"] * 1e3 for p in points], style, label=q)
-        for p in points:
-            ax.annotate(str(p["max_num_seqs"]), (p["out_tok_s"], p[f"{key}_p50_s"] * 1e3))
-        ax.set(xlabel="output tokens/s", ylabel=f"{key.upper()} (ms)", yscale="log")
-        ax.set_title(f"{key.upper()} against throughput (labels: --max-num-seqs)")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize="small")
-    fig.savefig(path)
-
-
-def sweep_markdown(report: dict) -> str:
-    lines = [f"## {report['date']} · {report['machine']}", "", f"`{report['command']}`", ""]
-    for w in report["workloads"]:
-        lines += [
-            f"### {w['workload']}: {w['rows']} rows ({w['png']})",
-            "",
-            "| max_num_seqs | wall s | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms |",
-            "|---|---|---|---|---|",
-        ]
-        for p in w["sweep"]:
-            lines.append(
-                f"| {p['max_num_seqs']} | {p['wall_s']:.1f} | {p['out_tok_s']:.1f} "
-                f"| {p['ttft_p50_s'] * 1e3:.0f} / {p['ttft_p99_s'] * 1e3:.0f} "
-                f"| {p['tpot_p50_s'] * 1e3:.1f} / {p['tpot_p99_s'] * 1e3:.1f} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
-
-
-def markdown(report: dict) -> str:
-    lines = [f"## {report['date']} · {report['machine']}", "", f"`{report['command']}`", ""]
-    for w in report["workloads"]:
-        s = next(r for r in w["runs"] if r["engine"] == "batchgen")["stats"]
-        lines += [
-            f"### {w['workload']}: {w['rows']} rows, {w['prompt_tokens']} prompt tokens, "
-            f"{w['output_tokens']} output tokens",
-            "",
-            "| run | wall s | peak RSS MiB | rows ≠ batchgen |",
-            "|---|---|---|---|",
-        ]
-        for r in w["runs"]:
-            label = r["engine"] + (f" batch {r['batch_size']}" if "batch_size" in r else "")
-            lines.append(
-                f"| {label} | {r['wall_s']:.1f} | {r['peak_rss_bytes'] / 2**20:.0f} "
-                f"| {r['rows_differing']} |"
-            )
-        lines += [
-            "",
-            f"**batchgen {w['batchgen_median_s']:.1f} s vs best baseline ({w['baseline']}) "
-            f"{w['baseline_median_s']:.1f} s: {w['speedup']:.2f}x** (medians; pairs "
-            + ", ".join(f"{x:.2f}x" for x in w["pair_speedups"])
-            + f"). Floor {w['floor_s']:.1f} s: batchgen at {w['roofline_share']:.0%} of it.",
-            "",
-            f"batchgen phases (first run): load {s['load_s']:.1f} s, prefill steps "
-            f"{s['prefill_s']:.1f} s, decode steps {s['decode_s']:.1f} s, compile "
-            f"{s['compile_s']:.1f} s; prompt tokens computed / real {s['prompt_compute_ratio']:.2f}"
-            f" (prefix cache hit rate {s.get('prefix_cache_hit_rate', 0):.0%}); decode rows live "
-            f"{s['decode_live_share']:.2f}; {s['steps']} steps, {s['preemptions']} preemptions; "
-            f"KV pool {s.get('kv_cache_bytes', 0) / 2**20:.0f} MiB.",
-            "",
-        ]
-    return "\n".join(lines)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="mixed", help=f"comma-separated: {', '.join(WORKLOADS)}")
@@ -339,8 +247,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=2, help="batchgen/baseline pairs (A B A B)")
     p.add_argument(
         "--baselines",
-        default=",".join(f"{m}:{b}" for m in HF_MODES for b in (8, 16, 32)),
-        help="transformers runs to try, MODE:BATCH comma-separated; the fastest is the baseline",
+        default=None,
+        help=f"baseline runs to try, MODE:BATCH comma-separated, MODE one of {', '.join(HF_MODES)}"
+        f" (transformers) or {CT2} (CTranslate2); the fastest of each engine is its baseline "
+        f"(default: each transformers mode at 8, 16 and 32, and {CT2} at 16, 32 and 64 when "
+        "ctranslate2 is installed)",
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -356,7 +267,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         "against p50/p99 TPOT and TTFT, printed and plotted",
     )
     p.add_argument("--sweep-png", type=Path, default=None, help="the sweep's plot (one workload)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    has_ct2 = importlib.util.find_spec("ctranslate2") is not None
+    if a.baselines is None:
+        runs = [f"{m}:{b}" for m in HF_MODES for b in (8, 16, 32)]
+        a.baselines = ",".join(runs + ([f"{CT2}:{b}" for b in (16, 32, 64)] if has_ct2 else []))
+    a.baselines = [parse_baseline(p, x) for x in a.baselines.split(",")]
+    if not has_ct2 and any(m == CT2 for m, _ in a.baselines):
+        p.error(f"--baselines {CT2}:B needs CTranslate2: pip install ctranslate2")
+    return a
+
+
+def parse_baseline(p: argparse.ArgumentParser, entry: str) -> tuple[str, int]:
+    mode, _, batch = entry.strip().partition(":")
+    if mode not in (*HF_MODES, CT2) or not batch.isdigit() or int(batch) < 1:
+        p.error(
+            f"--baselines: bad entry {entry!r}; want MODE:BATCH, MODE one of "
+            f"{', '.join((*HF_MODES, CT2))}, e.g. sorted:16 or {CT2}:64"
+        )
+    return mode, int(batch)
 
 
 def main(argv=None) -> dict:
@@ -378,6 +307,8 @@ def main(argv=None) -> dict:
         "matmul_flops": ceilings.matmul_flops if ceilings else None,
         "workloads": [],
     }
+    if not sweeping and any(m == CT2 for m, _ in a.baselines):
+        subprocess.run(ct2_cmd(a, model, None, None, 0), check=True, stdout=subprocess.DEVNULL)
     for name in a.workload.split(","):
         if sweeping:
             report["workloads"].append(sweep_workload(a, name, model, a.workdir))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,7 +32,15 @@ import torch
 from batchgen.stats.probe import Ceilings, measure
 from batchgen.stats.roofline import ModelCost
 
-__all__ = ["Bound", "Ceilings", "ModelCost", "decode_bound", "measure", "prefill_bound"]
+__all__ = [
+    "Bound",
+    "Ceilings",
+    "ModelCost",
+    "decode_bound",
+    "job_floor_seconds",
+    "measure",
+    "prefill_bound",
+]
 
 
 @dataclass(slots=True)
@@ -89,6 +98,24 @@ def prefill_bound(
         nbytes = cost.weight_bytes + sum(lens) * cost.kv_bytes_per_token  # weights in, KV out
         bound.add(nbytes, flops, c, sum(lens))
     return bound
+
+
+def job_floor_seconds(
+    model_dir: Path, prompts: Sequence[str], news: Sequence[int], matmul_flops: float
+) -> float:
+    """A whole job's matmul FLOPs (every prompt and output token through the blocks, the LM
+    head for output tokens only, attention over each token's context) at the measured rate.
+    Prompts are bench_models' word prompts: one word, one token."""
+    from batchgen.model.hf_config import config_from_hf, read_hf_config
+
+    cost = ModelCost.from_config(config_from_hf(read_hf_config(model_dir)), 4)
+    flops = 0.0
+    for p, n in zip(prompts, news, strict=True):
+        L = len(p.split())
+        ctx = L * (L + 1) / 2 + sum(L + i for i in range(n))  # keys each query attends to
+        flops += 2 * cost.layer_params * (L + n) + 2 * cost.head_params * n
+        flops += 4 * cost.attn_width * ctx
+    return flops / matmul_flops
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """The benchmark scripts on tiny models, run as whole processes the way they are run by hand
 (tests import nothing from scripts/): scripts/bench.py end to end (`batchgen run` and the
 transformers baseline): the report has its fields, the workloads their shapes, and greedy
-float32 batchgen produced exactly the baseline's tokens; bench_compile eager; quant_fidelity's
+float32 batchgen produced exactly the baseline's tokens, CTranslate2's too where it is
+installed, and --baselines it cannot run are refused; bench_compile eager; quant_fidelity's
 float reference agrees with itself and its int8 row is reported."""
 
 import json
@@ -63,7 +64,7 @@ def test_bench_report_on_tiny_model(tmp_path):
             assert all(ws[:500] == words[0][:500] for ws in words)
             assert all(510 <= n <= 560 for n in lens) and all(1 <= n <= 4 for n in news)
         assert w["prompt_tokens"] == sum(lens) and w["output_tokens"] == sum(news)
-        assert w["baseline"] == "hf-sorted batch 4"
+        assert w["baseline"] == "hf-sorted batch 4" and len(w["peers"]) == 1
         assert w["batchgen_median_s"] > 0 and w["baseline_median_s"] > 0
         assert w["speedup"] > 0 and len(w["pair_speedups"]) == 1 and w["pair_speedups"][0] > 0
         assert w["floor_s"] > 0 and w["roofline_share"] > 0
@@ -78,8 +79,67 @@ def test_bench_report_on_tiny_model(tmp_path):
         assert stats["output_tokens"] == w["output_tokens"]
         assert stats["decode_steps"] > 0 and stats["decode_s"] > 0
     assert "### mixed: 6 rows" in r.stdout and "### labeling: 6 rows" in r.stdout
-    assert "| hf-sorted batch 4 |" in r.stdout and "best baseline (hf-sorted batch 4)" in r.stdout
+    assert "| hf-sorted batch 4 |" in r.stdout
+    assert "best transformers baseline (hf-sorted batch 4)" in r.stdout
     assert md.read_text() in r.stdout  # printed, and appended to --markdown
+
+
+@pytest.mark.slow  # the conversion and three whole processes: ~30 s
+def test_bench_ct2_baseline_on_tiny_model(tmp_path):
+    pytest.importorskip("ctranslate2")
+    out, work = tmp_path / "bench.json", tmp_path / "work"
+    cache = tmp_path / "models"
+    r = _script(
+        "bench.py",
+        "--model",
+        "tiny-llama",
+        "--rows",
+        "6",
+        "--pairs",
+        "1",
+        "--baselines",
+        "ct2:4",
+        "--workload",
+        "mixed",
+        "--workdir",
+        work,
+        "--threads",
+        "1",
+        "--out",
+        out,
+        env={"BATCHGEN_BENCH_CACHE": str(cache), "BATCHGEN_NO_PEAK_PROBE": "1"},
+    )
+    (w,) = json.loads(out.read_text())["workloads"]
+    assert [x["engine"] for x in w["runs"]] == ["ct2", "batchgen"]
+    ct2 = w["runs"][0]
+    assert ct2["batch_size"] == 4 and ct2["wall_s"] > 0 and ct2["peak_rss_bytes"] > 0
+    # greedy float32, exactly max_new_tokens each: CTranslate2's tokens are batchgen's
+    assert ct2["rows_differing"] == 0
+    ids = pq.read_table(work / "mixed-ct2-4.parquet").to_pydict()
+    news = pq.read_table(work / "mixed.parquet").column("max_new_tokens").to_pylist()
+    assert ids["id"] == list(range(6)) and [len(t) for t in ids["token_ids"]] == news
+    (peer,) = w["peers"]
+    assert peer["engine"] == "CTranslate2" and peer["baseline"] == w["baseline"] == "ct2 batch 4"
+    assert peer["speedup"] == w["speedup"] > 0
+    assert "best CTranslate2 baseline (ct2 batch 4)" in r.stdout
+    # converted once, beside the checkpoint, before the timed run
+    assert (cache / "tiny-llama-float32-ct2-float32" / "model.bin").is_file()
+
+
+@pytest.mark.parametrize(
+    ("baselines", "message"),
+    [("ct2:4", "needs CTranslate2: pip install ctranslate2"), ("fast:4", "bad entry 'fast:4'")],
+)
+def test_bench_rejects_baselines_it_cannot_run(tmp_path, baselines, message):
+    # sys.modules[name] = None is how find_spec sees a package that is not installed
+    hide = (
+        "import runpy, sys; sys.modules['ctranslate2'] = None; sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    cmd = [sys.executable, "-c", hide, str(SCRIPTS / "bench.py"), "--baselines", baselines]
+    r = subprocess.run([*cmd, "--workdir", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir())  # refused before any model is built or run
 
 
 def test_bench_compile_eager_on_tiny_model(model, tmp_path):
