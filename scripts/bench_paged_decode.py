@@ -26,24 +26,12 @@ import torch
 from batchgen.model.attention import decode_attention, decode_mask
 from batchgen.model.kv_cache import PagedKVCache
 from batchgen.model.paged_flex import flex_decode_attention, list_width, paged_block_mask
+from batchgen.stats.probe import call_seconds
 
 
 def _time(fn: Callable[[], torch.Tensor], device: torch.device, reps: int) -> float:
     """Median seconds of reps calls (after the caller's warm-up)."""
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(call_seconds(fn, device, reps))
 
 
 def _sync(device: torch.device) -> None:

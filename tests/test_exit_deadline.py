@@ -21,7 +21,7 @@ mode, marker = sys.argv[1], Path(sys.argv[2])
 def step(self, plan, bitmask=None):
     marker.write_text("busy")
     if mode == "fatal":
-        def flush(self):
+        def flush(self, final=False):
             time.sleep(600)
         records.PartBuffer.flush = flush
         raise MemoryError("a fake allocation failure")

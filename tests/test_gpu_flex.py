@@ -85,7 +85,7 @@ def test_compiled_flex_decode_is_one_cuda_graph_with_no_recompiles(dirs, monkeyp
     llm = LLM(dirs["llama"], dtype="float32", device="cuda", compile=True, engine=engine)
     assert llm.runner.attention is DecodeBackend.FLEX
     assert [c.token_ids for c in llm.generate(rows, params)] == want
-    assert llm.runner.shapes == {("decode", 4, 0, True, False)}
+    assert llm.runner.shapes == {("decode", 4, 0, True, False, False)}  # greedy, no mask or top
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert counters["stats"]["unique_graphs"] == 1
     graphs = counters["stats"]["unique_graphs"]

@@ -66,6 +66,17 @@ def _gone(pid: int, within: float) -> bool:
     return False
 
 
+def _mid_job(model, job, tmp_path):
+    """A two-rank `batchgen run` process with a part written: (out, its args, the process,
+    rank 1's pid)."""
+    out = tmp_path / "out"
+    args = ("run", job[0], "-o", out, "--model", model, *FAST, *FLAGS, "-tp", 2)
+    proc = start_cli(*args)
+    wait_for_part(out, proc)
+    (follower,) = _followers(proc.pid)
+    return out, args, proc, follower
+
+
 def _complete(out, clean):
     """Every row once, as the one-process run wrote it (>= 90%: an all-reduce may move a
     near-tie, tests/test_tensor_parallel_ranks.py checks those)."""
@@ -88,12 +99,8 @@ def test_two_ranks_from_the_command_line(model, job, tmp_path):
 
 
 def test_a_killed_rank_ends_the_job_and_the_rerun_completes(model, job, tmp_path):
-    src, clean, _ = job
-    out = tmp_path / "out"
-    args = ("run", src, "-o", out, "--model", model, *FAST, *FLAGS, "-tp", 2)
-    proc = start_cli(*args)
-    wait_for_part(out, proc)
-    (follower,) = _followers(proc.pid)
+    clean = job[1]
+    out, args, proc, follower = _mid_job(model, job, tmp_path)
     os.kill(follower, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=90)  # bounded: a hang fails here
     assert proc.returncode == 1
@@ -108,12 +115,8 @@ def test_a_killed_rank_ends_the_job_and_the_rerun_completes(model, job, tmp_path
 
 
 def test_a_killed_rank_0_takes_its_ranks_with_it(model, job, tmp_path):
-    src, clean, _ = job
-    out = tmp_path / "out"
-    args = ("run", src, "-o", out, "--model", model, *FAST, *FLAGS, "-tp", 2)
-    proc = start_cli(*args)
-    wait_for_part(out, proc)
-    (follower,) = _followers(proc.pid)
+    clean = job[1]
+    out, args, proc, follower = _mid_job(model, job, tmp_path)
     proc.kill()
     proc.communicate(timeout=60)
     assert _gone(follower, within=10), "rank 1 outlived rank 0"
@@ -124,12 +127,8 @@ def test_a_killed_rank_0_takes_its_ranks_with_it(model, job, tmp_path):
 
 @pytest.mark.parametrize("target", ["rank 0", pytest.param("rank 1", marks=pytest.mark.slow)])
 def test_sigterm_to_any_rank_stops_the_job_cleanly(model, job, tmp_path, target):
-    src, clean, _ = job
-    out = tmp_path / "out"
-    args = ("run", src, "-o", out, "--model", model, *FAST, *FLAGS, "-tp", 2)
-    proc = start_cli(*args)
-    wait_for_part(out, proc)
-    (follower,) = _followers(proc.pid)
+    clean = job[1]
+    out, args, proc, follower = _mid_job(model, job, tmp_path)
     os.kill(proc.pid if target == "rank 0" else follower, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=90)
     assert proc.returncode == 143, stderr

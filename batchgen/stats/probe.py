@@ -15,10 +15,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 
-def _timed(fn: Callable[[], None], device: torch.device, reps: int, warmup: int = 1) -> float:
-    """Fastest of reps timed calls of fn, after warmup calls."""
-    for _ in range(warmup):
-        fn()
+def call_seconds(fn: Callable[[], object], device: torch.device, reps: int) -> list[float]:
+    """Seconds of each of reps calls of fn (CUDA: by events, so the GPU's time)."""
     times = []
     for _ in range(reps):
         if device.type == "cuda":
@@ -32,7 +30,14 @@ def _timed(fn: Callable[[], None], device: torch.device, reps: int, warmup: int 
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
+
+
+def _timed(fn: Callable[[], None], device: torch.device, reps: int, warmup: int = 1) -> float:
+    """Fastest of reps timed calls of fn, after warmup calls."""
+    for _ in range(warmup):
+        fn()
+    return min(call_seconds(fn, device, reps))
 
 
 def _copy_seconds(n: int, device: torch.device, reps: int) -> float:
