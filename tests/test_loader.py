@@ -248,3 +248,18 @@ def test_half_precision_load_dtype_honoured(dtype, family, tiny_dirs):
     assert all(len(o.token_ids) == 10 for o in outs)
     assert all(0 <= t < model.cfg.vocab_size for o in outs for t in o.token_ids)
     assert all(torch.isfinite(torch.tensor(o.logprobs)).all() for o in outs)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cpu_lm_head_is_column_major_unless_tied(tmp_path, tied):
+    """On the CPU in float32 an untied LM head is stored column-major (transformer.LMHead's
+    faster mm) with the same logits as nn.Linear's; a tied one stays the embedding's rows."""
+    d = save_tiny_model("llama", tmp_path / "m", tie_word_embeddings=tied)
+    model = load_model(d, torch.float32, "cpu")
+    w = model.lm_head.weight
+    assert (w.stride(0) == 1) is not tied and (w is model.embed.weight) is tied
+    x = torch.randn(5, w.shape[1])
+    torch.testing.assert_close(model.lm_head(x), torch.nn.functional.linear(x, w.contiguous()))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d)
+    torch.testing.assert_close(w, hf.lm_head.weight.detach())
+    assert load_model(d, torch.bfloat16, "cpu").lm_head.weight.is_contiguous()

@@ -181,6 +181,10 @@ def load_model(
     sd = load_state_dict(cfg, _checkpoint_files(path, allow_pickle), dtype, device, tp, shapes)
     if cfg.tie_embeddings or "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["embed.weight"]
+    elif device.type == "cpu" and dtype == torch.float32:
+        # column-major, for the CPU's faster x @ W^T (transformer.LMHead); the row-major copy is
+        # freed here. A head tied to the embedding stays row-major: the lookup reads rows.
+        sd["lm_head.weight"] = sd["lm_head.weight"].t().contiguous().t()
     expected = set(model.state_dict())
     missing, unexpected = expected - set(sd), set(sd) - expected
     if missing or unexpected:
