@@ -14,8 +14,8 @@ from batchgen.job.config import RunConfig
 from batchgen.job.ids import check_unique_ids
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.prepare import Preparer
-from batchgen.model.memory import check_allocation, weight_bytes
-from batchgen.model.tensor_parallel import TPShard, local_config
+from batchgen.model.memory import check_allocation
+from batchgen.model.tensor_parallel import TPShard, local_config, weight_bytes
 
 
 @dataclass(slots=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 
 from batchgen.errors import ConfigError
-from batchgen.model.config import ModelConfig
 
 
 class AllocationTooLarge(ConfigError):
@@ -31,12 +30,6 @@ def check_allocation(nbytes: int, what: str, setting: str, device="cpu") -> None
         f"{what} needs {format_bytes(nbytes)}, but {device} has {format_bytes(free)} free; "
         f"lower {setting}"
     )
-
-
-def weight_bytes(cfg: ModelConfig, dtype_bytes: int, ranks: int = 1) -> int:
-    """A lower bound of one rank's weight bytes from a model config's sizes (the parameters
-    split evenly over the ranks), to check before anything is built from the config."""
-    return cfg.num_params * dtype_bytes // ranks
 
 
 def available_bytes(device="cpu") -> int | None:

@@ -156,9 +156,6 @@ def row_parallel_copies(n_in: int, tp: TPShard, bias: bool) -> tuple[Copy, ...]:
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int, size: int = 1) -> int:
-    """Bytes of the parameters one of `size` ranks holds (unquantized; tied embeddings once)."""
-    local = local_config(cfg, TPShard(0, size))
-    vocab = local.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
-    attn = cfg.dim * local.qkv_dim + local.n_heads * cfg.head_dim * cfg.dim
-    mlp = (3 if cfg.gated_mlp else 2) * cfg.dim * local.intermediate_size
-    return (vocab + cfg.n_layers * (attn + mlp)) * dtype_bytes
+    """Bytes of the parameters one of `size` ranks holds, from the config alone (unquantized;
+    tied embeddings once; norms left out)."""
+    return local_config(cfg, TPShard(0, size)).num_params * dtype_bytes
