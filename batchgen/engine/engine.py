@@ -78,11 +78,12 @@ class Engine:
         longest = max(longest, self.job_longest)
         longest = min(longest, self.runner.max_positions)
         free = self.runner.free_device_bytes()
-        blocks = self.config.pool_blocks(longest, free, self.runner.kv_bytes_per_block())
+        block_bytes = self.runner.kv_bytes_per_block()
+        blocks = self.config.pool_blocks(longest, free, block_bytes)
         if free is None and self.config.kv_cache_tokens is None:  # sized from the job: checked
             ranks = self.runner.host_ranks  # tensor-parallel ranks sharing this memory
             check_allocation(
-                blocks * self.runner.kv_bytes_per_block() * ranks,
+                blocks * block_bytes * ranks,
                 f"the KV cache sized from the job ({longest} tokens, its longest row, x "
                 f"--max-num-seqs {self.config.max_num_seqs}"
                 + (f", x {ranks} ranks' shares" if ranks > 1 else "")
@@ -92,7 +93,7 @@ class Engine:
             )
         self.runner.allocate(blocks)
         bs = self.config.block_size
-        self.kv_pool = KVPool(blocks, bs, blocks * self.runner.kv_bytes_per_block())
+        self.kv_pool = KVPool(blocks, bs, blocks * block_bytes)
         pool = BlockPool(blocks, bs, self.config.prefix_caching)
         return Scheduler(
             pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.eos_ids

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -112,7 +112,7 @@ class Ranks:
             if proc.poll() is not None:
                 raise RankFailed(self._why(rank, proc))
 
-    def _raise_failed(self, settle: float = 5.0) -> None:
+    def _raise_failed(self, settle: float = 5.0) -> NoReturn:
         """A rank's pipe or collective failed: name the rank that exited (waiting up to
         `settle` seconds for it to be seen)."""
         deadline = time.monotonic() + settle
@@ -126,11 +126,8 @@ class Ranks:
         """A collective that fails because a rank died becomes RankFailed."""
         try:
             yield
-        except (RuntimeError, dist.DistError) as e:
-            if isinstance(e, RankFailed):
-                raise
+        except (RuntimeError, dist.DistError):
             self._raise_failed()
-            raise  # pragma: no cover - _raise_failed always raises
 
     def _why(self, rank: int, proc: subprocess.Popen) -> str:
         code = proc.returncode

@@ -72,31 +72,30 @@ def plan_workers(cfg: RunConfig) -> list[dict[str, str]]:
 
 def describe_workers(cfg: RunConfig) -> str:
     """What `batchgen run` would start (--dry-run): each worker's shard, GPUs and ranks."""
+    tp = cfg.tensor_parallel_size
     if cfg.workers == 1:  # one process over the whole input
-        tp = cfg.tensor_parallel_size
-        devices = (
-            [f"cuda:{r}" for r in range(tp)] if cfg.device.startswith("cuda") else ["cpu"] * tp
-        )
+        cuda = cfg.device.startswith("cuda")
         if cfg.device == "auto":
             import torch
 
-            devices = [f"cuda:{r}" if torch.cuda.is_available() else "cpu" for r in range(tp)]
-        ranks = ", ".join(f"rank {r} on {d}" for r, d in enumerate(devices))
-        return f"one process -> {cfg.output_dir}; {ranks}"
+            cuda = torch.cuda.is_available()
+        devices = [f"cuda:{r}" for r in range(tp)] if cuda else ["cpu"] * tp
+        return f"one process -> {cfg.output_dir}; {_ranks(devices)}"
     envs = plan_workers(cfg)
-    n, tp = len(envs), cfg.tensor_parallel_size
     lines = []
     for i, env in enumerate(envs):
         gpus = env["CUDA_VISIBLE_DEVICES"]
         where = f"GPUs {gpus}" if gpus else f"CPU, {env['OMP_NUM_THREADS']} threads"
-        ranks = ""
         if tp > 1:
             devices = [f"GPU {g}" for g in gpus.split(",")] if gpus else ["cpu"] * tp
-            ranks = "; " + ", ".join(f"rank {r} on {d}" for r, d in enumerate(devices))
-        lines.append(
-            f"worker {i}: shard {i}/{n} -> {cfg.output}/{Shard(i, n).dirname}, {where}{ranks}"
-        )
+            where += f"; {_ranks(devices)}"
+        shard = Shard(i, len(envs))
+        lines.append(f"worker {i}: shard {shard} -> {cfg.output}/{shard.dirname}, {where}")
     return "\n".join(lines)
+
+
+def _ranks(devices: list[str]) -> str:
+    return ", ".join(f"rank {r} on {d}" for r, d in enumerate(devices))
 
 
 def _job_spec(cfg: RunConfig) -> dict:
