@@ -1,9 +1,14 @@
 """The benchmark's workloads: Parquet rows of `id`, `prompt`, `max_new_tokens` in the shapes
-batch jobs have (scripts/bench.py, bench_tp.py, profile_engine.py, bench_constraints.py)."""
+batch jobs have (scripts/bench.py, bench_tp.py, profile_engine.py, bench_constraints.py), and
+the file a baseline writes back (`write_baseline_output`: `id`, `token_ids`, `text`)."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 WORKLOADS = ("mixed", "labeling", "long-tail")
 
@@ -40,3 +45,15 @@ def make_workload(name: str, n: int, vocab: int, seed: int = 0) -> dict[str, lis
     else:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     return {"id": list(range(n)), "prompt": prompts, "max_new_tokens": news}
+
+
+def write_baseline_output(path: str | Path, ids: pa.Array, tokens: list[list[int]], tok) -> None:
+    """A baseline's results: each row's id, generated token ids and their text (tok decodes)."""
+    table = pa.table(
+        {
+            "id": ids,
+            "token_ids": pa.array(tokens, pa.list_(pa.int64())),
+            "text": tok.batch_decode(tokens, skip_special_tokens=True),
+        }
+    )
+    pq.write_table(table, path)

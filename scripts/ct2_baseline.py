@@ -29,8 +29,8 @@ import shutil
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
+from bench_workloads import write_baseline_output
 
 COMPUTE_TYPES = ("float32", "float16", "bfloat16", "int8", "int8_float32")
 
@@ -111,16 +111,7 @@ def main() -> None:
     ]
     out = generate(gen, prompts, table.column("max_new_tokens").to_pylist(), a.batch_size)
     ids = [out[i] for i in range(len(prompts))]
-    pq.write_table(
-        pa.table(
-            {
-                "id": table.column("id"),
-                "token_ids": pa.array(ids, pa.list_(pa.int64())),
-                "text": tok.batch_decode(ids, skip_special_tokens=True),
-            }
-        ),
-        a.output,
-    )
+    write_baseline_output(a.output, table.column("id"), ids, tok)
     print(f"ct2 batch {a.batch_size}: {len(ids)} rows in {time.perf_counter() - t0:.1f} s")
 
 

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import transformers
+from bench_workloads import write_baseline_output
 
 
 def load(model_dir: str, dtype: str = "float32", device: str = "cpu"):
@@ -152,16 +153,7 @@ def main() -> None:
             order.sort(key=lambda i: len(prompts[i]))
         out = chunked(model, prompts, news, order, a.batch_size, pad)
     ids = [out[i] for i in range(len(prompts))]
-    pq.write_table(
-        pa.table(
-            {
-                "id": table.column("id"),
-                "token_ids": pa.array(ids, pa.list_(pa.int64())),
-                "text": tok.batch_decode(ids, skip_special_tokens=True),
-            }
-        ),
-        a.output,
-    )
+    write_baseline_output(a.output, table.column("id"), ids, tok)
     print(f"{a.mode} batch {a.batch_size}: {len(ids)} rows in {time.perf_counter() - t0:.1f} s")
 
 

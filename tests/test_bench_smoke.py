@@ -25,32 +25,28 @@ def _script(name: str, *args, env: dict | None = None) -> subprocess.CompletedPr
     return r
 
 
+def _tiny_bench(name: str, tmp_path: Path, *args) -> tuple[subprocess.CompletedProcess, dict]:
+    """`scripts/NAME` on the tiny Llama: 6 rows, one thread, work under tmp_path/work, models
+    cached under tmp_path/models; the process and its JSON report."""
+    out = tmp_path / "report.json"
+    r = _script(
+        name,
+        *("--model", "tiny-llama", "--rows", 6, "--threads", 1),
+        *("--workdir", tmp_path / "work", "--out", out, *args),
+        env={"BATCHGEN_BENCH_CACHE": str(tmp_path / "models"), "BATCHGEN_NO_PEAK_PROBE": "1"},
+    )
+    return r, json.loads(out.read_text())
+
+
 @pytest.mark.slow  # four whole processes (each imports torch and transformers): ~50 s
 def test_bench_report_on_tiny_model(tmp_path):
-    out, md, work = tmp_path / "bench.json", tmp_path / "bench.md", tmp_path / "work"
-    r = _script(
+    md, work = tmp_path / "bench.md", tmp_path / "work"
+    r, report = _tiny_bench(
         "bench.py",
-        "--model",
-        "tiny-llama",
-        "--rows",
-        "6",
-        "--pairs",
-        "1",
-        "--baselines",
-        "sorted:4",
-        "--workload",
-        "mixed,labeling",
-        "--workdir",
-        work,
-        "--threads",
-        "1",
-        "--out",
-        out,
-        "--markdown",
-        md,
-        env={"BATCHGEN_BENCH_CACHE": str(tmp_path / "models")},
+        tmp_path,
+        *("--pairs", 1, "--baselines", "sorted:4", "--workload", "mixed,labeling"),
+        *("--markdown", md),
     )
-    report = json.loads(out.read_text())
     assert report["model"] == "tiny-llama" and report["matmul_flops"] > 0
     assert [w["workload"] for w in report["workloads"]] == ["mixed", "labeling"]
     for w in report["workloads"]:
@@ -87,29 +83,11 @@ def test_bench_report_on_tiny_model(tmp_path):
 @pytest.mark.slow  # the conversion and three whole processes: ~30 s
 def test_bench_ct2_baseline_on_tiny_model(tmp_path):
     pytest.importorskip("ctranslate2")
-    out, work = tmp_path / "bench.json", tmp_path / "work"
-    cache = tmp_path / "models"
-    r = _script(
-        "bench.py",
-        "--model",
-        "tiny-llama",
-        "--rows",
-        "6",
-        "--pairs",
-        "1",
-        "--baselines",
-        "ct2:4",
-        "--workload",
-        "mixed",
-        "--workdir",
-        work,
-        "--threads",
-        "1",
-        "--out",
-        out,
-        env={"BATCHGEN_BENCH_CACHE": str(cache), "BATCHGEN_NO_PEAK_PROBE": "1"},
+    work, cache = tmp_path / "work", tmp_path / "models"
+    r, report = _tiny_bench(
+        "bench.py", tmp_path, "--pairs", 1, "--baselines", "ct2:4", "--workload", "mixed"
     )
-    (w,) = json.loads(out.read_text())["workloads"]
+    (w,) = report["workloads"]
     assert [x["engine"] for x in w["runs"]] == ["ct2", "batchgen"]
     ct2 = w["runs"][0]
     assert ct2["batch_size"] == 4 and ct2["wall_s"] > 0 and ct2["peak_rss_bytes"] > 0
@@ -199,22 +177,7 @@ def test_quant_fidelity_on_tiny_model(model, tmp_path):
 
 @pytest.mark.slow  # two TP=1 and two TP=2 whole runs: ~40 s
 def test_bench_tp_on_tiny_model(tmp_path):
-    out = tmp_path / "tp.json"
-    r = _script(
-        "bench_tp.py",
-        "--model",
-        "tiny-llama",
-        "--rows",
-        "6",
-        "--workdir",
-        tmp_path / "work",
-        "--threads",
-        "1",
-        "--out",
-        out,
-        env={"BATCHGEN_BENCH_CACHE": str(tmp_path / "models"), "BATCHGEN_NO_PEAK_PROBE": "1"},
-    )
-    report = json.loads(out.read_text())
+    r, report = _tiny_bench("bench_tp.py", tmp_path)
     assert [x["tp"] for x in report["runs"]] == [1, 2, 1, 2]
     one, two = report["runs"][:2]
     assert one["collective_share"] is None and 0 < two["collective_share"] < 1
@@ -227,28 +190,18 @@ def test_bench_tp_on_tiny_model(tmp_path):
 
 @pytest.mark.slow  # two whole `batchgen run` processes: ~20 s
 def test_bench_sweep_over_max_num_seqs_on_tiny_model(tmp_path):
-    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    r = _script(
+    png = tmp_path / "sweep.png"
+    r, report = _tiny_bench(
         "bench.py",
-        "--model",
-        "tiny-llama",
-        "--rows",
-        "6",
+        tmp_path,
         "--workload",
         "mixed",
         "--sweep-max-num-seqs",
         "1,4",
         "--sweep-png",
         png,
-        "--workdir",
-        tmp_path / "work",
-        "--threads",
-        "1",
-        "--out",
-        out,
-        env={"BATCHGEN_BENCH_CACHE": str(tmp_path / "models"), "BATCHGEN_NO_PEAK_PROBE": "1"},
     )
-    (w,) = json.loads(out.read_text())["workloads"]
+    (w,) = report["workloads"]
     assert [p["max_num_seqs"] for p in w["sweep"]] == [1, 4]
     for p in w["sweep"]:
         assert p["out_tok_s"] > 0 and p["wall_s"] > 0
