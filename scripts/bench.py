@@ -78,6 +78,7 @@ def timed(cmd: list[str], log: Path) -> dict:
             stderr=subprocess.STDOUT,
         )
     wall = time.perf_counter() - t0
+    print(f"[bench] {log.stem}: exit {code} after {wall:.1f} s", flush=True)  # progress
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {code}; log: {log}\n{log.read_text()[-2000:]}")
     return {"wall_s": wall, "peak_rss_bytes": int(rss.read_text()) * 1024}

@@ -116,9 +116,12 @@ selected setup && step "environment + offline install" 45 "$OUT/setup.log" bash 
 
 # ---------------------------------------------------------------- 2. GPU-marked tests
 PYTEST_TIMEOUT=()
-"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT=(--timeout=100)
-selected tests && step "pytest -m gpu" 130 "$OUT/tests.log" \
-    "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" tests/test_gpu.py tests/test_quant.py
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_TIMEOUT=(--timeout="${GPU_CHECK_TEST_TIMEOUT:-100}")
+# BATCHGEN_INSTAFAIL: each failure's traceback is printed when it happens (tests/conftest.py),
+# so a step cut by its limit still shows why its failed tests failed.
+selected tests && BATCHGEN_INSTAFAIL=1 step "pytest -m gpu" "${GPU_CHECK_TESTS_S:-130}" "$OUT/tests.log" \
+    "$PY" -m pytest -m gpu -v -rA --tb=short -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" \
+    ${GPU_CHECK_TESTS:-tests/test_gpu.py tests/test_quant.py}
 
 # ---------------------------------------------------------------- 2b. tensor parallel
 # TP=2 over NCCL, compiled (the CUDA graphs capture the all-reduces): only on 2+ GPUs.
@@ -147,10 +150,20 @@ selected flex && step "decode attention gather vs flex" 60 "$OUT/flex.log" \
 # The engine against the best transformers baseline on a 0.5B shape (Qwen2.5-0.5B's, random
 # weights), bf16: the mixed workload of 256 rows; baseline: sorted generate at batch 32; one
 # A B pair (the device time is short: setup 45 + tests 130 + flex 160 + bench 170 = 505 s).
-selected bench && step "bench qwen-0.5b mixed" 170 "$OUT/bench.log" \
+selected bench && TORCH_LOGS="${TORCH_LOGS:-recompiles}" step "bench qwen-0.5b mixed" "${GPU_CHECK_BENCH_S:-170}" "$OUT/bench.log" \
     "$PY" scripts/bench.py --model qwen-0.5b --dtype bfloat16 --device cuda --workload mixed \
     --rows 256 --pairs 1 --baselines sorted:32 --workdir "$TMP/bench" \
     --out "$OUT/bench.json" --markdown "$TMP/bench.md"
+# What each benchmark process printed (recompiles with their times, TORCH_LOGS below), kept
+# even when the step ran out of time: the work folder is deleted at the end.
+if selected bench; then
+    for f in "$TMP"/bench/logs/*.log; do
+        [ -f "$f" ] || continue
+        echo "=== $(basename "$f"): recompiles, then its last lines"
+        grep -E "Recompiling function|recompil" "$f" | head -n 40
+        tail -n 15 "$f"
+    done >>"$OUT/bench.log" 2>&1
+fi
 
 # ---------------------------------------------------------------- summary
 {

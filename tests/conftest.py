@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,13 @@ def one_kv_head(tmp_path_factory) -> Path:
 def window_dir(tmp_path_factory) -> Path:
     """Mistral with a 4-token sliding window, so short rows exercise the window masks."""
     return save_tiny_model("mistral", tmp_path_factory.mktemp("sw") / "m", sliding_window=4)
+
+
+def pytest_runtest_logreport(report) -> None:
+    """With BATCHGEN_INSTAFAIL=1 (scripts/gpu_check.sh), a failure's traceback is printed when
+    it happens: a run stopped by its time limit never reaches pytest's closing summary."""
+    if report.failed and os.environ.get("BATCHGEN_INSTAFAIL"):
+        print(f"\n{report.nodeid} ({report.when}) FAILED:\n{report.longreprtext}", flush=True)
 
 
 def pytest_collection_modifyitems(config, items):
