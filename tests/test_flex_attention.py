@@ -233,3 +233,19 @@ def test_decode_micro_benchmark_runs_and_both_paths_agree(tmp_path):
             and x["kv_bytes"] == x["rows"] * 64 * 2 * 16 * 2 * 4
         )
         assert x["max_abs_diff"] < 1e-4
+
+
+def test_flex_pool_stays_within_int32_indexing(model, monkeypatch):
+    """Flex reads a layer's pool as one sequence: its K stays under 2**31 elements (past
+    that the CUDA decoding kernel, indexed in int64, fails to compile), whatever sizes it."""
+    monkeypatch.setenv(DECODE_ATTENTION_ENV, "gather")
+    assert LLM(model, dtype="float32", device="cpu").runner.max_pool_blocks() is None
+    monkeypatch.setenv(DECODE_ATTENTION_ENV, "flex")
+    engine = EngineConfig(max_num_seqs=4, block_size=16, kv_cache_tokens=4096)
+    llm = LLM(model, dtype="float32", device="cpu", engine=engine)
+    cfg = llm.model.cfg
+    per_block = 16 * cfg.n_kv_heads * cfg.head_dim
+    assert llm.runner.max_pool_blocks() == (2**31 - 1) // per_block
+    monkeypatch.setattr(type(llm.runner), "max_pool_blocks", lambda self: 40)
+    llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))  # the pool is sized here
+    assert llm.model.kv_caches[0].num_blocks == 40  # capped below the flag's 256 blocks

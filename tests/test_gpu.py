@@ -274,9 +274,14 @@ def test_scores_in_float32_on_cuda_equal_transformers(model_dir):
     assert all(c.cached_tokens == 2 * 16 for c in got)
 
 
+# torchao first: it is the default backend, so a timeout cuts quanto first. quanto int4 in
+# bf16 is refused on CUDA (its tinygemm tensor fails to compile; tests/test_quant.py).
 QUANT_PATHS = [
-    (b, m) for b in ("torchao", "quanto") for m in ("int8", "int4", "fp8")
-]  # torchao first: it is the default backend, so a timeout cuts quanto first
+    (b, m)
+    for b in ("torchao", "quanto")
+    for m in ("int8", "int4", "fp8")
+    if (b, m) != ("quanto", "int4")
+]
 
 
 @pytest.mark.parametrize(("backend", "method"), QUANT_PATHS)

@@ -102,6 +102,10 @@ def test_unavailable_combination_names_the_available_ones():
     msg = str(e.value)
     assert "quanto" in msg and "bfloat16" in msg and "torchao int4" in msg
     assert "quanto int4 (float32/float16 only)" in available("cpu")
+    # the same on CUDA: measured failing to compile on an H200
+    with pytest.raises(QuantUnavailableError, match="torchao int4"):
+        make_scheme("int4", "quanto", "cuda", torch.bfloat16)
+    assert "quanto int4 (float32/float16 only)" in available("cuda")
 
 
 def test_int4_picks_per_layer_the_largest_group_size_that_divides(tiny_dirs):
@@ -261,21 +265,25 @@ def test_gpu_quantized_decode_keeps_cuda_graphs(wide_dir):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("backend", "method"),
-    [("quanto", "int4"), ("torchao", "fp8"), ("torchao", "int4"), ("torchao", "int8")],
+    ("backend", "method"), [("torchao", "fp8"), ("torchao", "int4"), ("torchao", "int8")]
 )
 def test_gpu_bf16_logits_close_to_float(wide_dir, backend, method):
-    """bf16 on CUDA: quanto int4 (bf16, groups of 128: its tinygemm kernel), torchao fp8,
-    and torchao int4/int8, within the CPU bounds plus bf16 rounding."""
-    tokens = torch.randint(2, 500, (4, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    """bf16 on CUDA: torchao fp8, int4 and int8 as close to the float logits as the same
+    scheme in float32 on the CPU, plus bf16 rounding. (This 128-wide model's int4 error is
+    0.149 in float32 on the CPU and 0.151 in bf16 on an H200, both backends alike: above
+    BOUNDS' 0.12, which the smaller families meet, so the CPU figure is the reference.)"""
+    tokens = torch.randint(2, 500, (4, 16), generator=torch.Generator().manual_seed(0))
+    cpu_ref = logits(load_model(wide_dir, torch.float32, "cpu"), tokens)
+    cpu = load_model(wide_dir, torch.float32, "cpu")
+    quantize_model(cpu, make_scheme(method, backend, "cpu", torch.float32), "cpu")
+    cpu_err = rel_err(logits(cpu, tokens), cpu_ref)
+    tokens = tokens.cuda()
     ref = logits(load_model(wide_dir, torch.bfloat16, "cuda"), tokens).float()
     model = load_model(wide_dir, torch.bfloat16, "cpu")
     scheme = quantize_model(model, make_scheme(method, backend, "cuda", torch.bfloat16), "cuda")
-    print(scheme.to_dict())
-    if (backend, method) == ("quanto", "int4"):  # bf16, group 128, SM80+: the tinygemm kernel
-        assert scheme.weight_format == "TinyGemmWeightQBitsTensor", scheme
+    print(scheme.to_dict(), cpu_err)
     err = rel_err(logits(model, tokens).float(), ref)
-    assert err <= BOUNDS[method] + 0.02, f"{backend} {method}: {err:.4f}"
+    assert err <= cpu_err + 0.02, f"{backend} {method}: {err:.4f} (CPU float32 {cpu_err:.4f})"
 
 
 @pytest.mark.gpu
@@ -292,6 +300,7 @@ def test_gpu_quantizing_never_holds_the_float_model(tmp_path):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     llm = LLM(path, dtype="bfloat16", device="cuda", compile=False, engine=ENGINE, quantize="int8")
-    kv = sum(c.k.numel() * c.k.element_size() * 2 for c in llm.model.kv_caches)
+    # the KV pool is allocated at the first step (none has run): any held so far counts off
+    kv = sum(c.k.numel() * c.k.element_size() * 2 for c in llm.model.kv_caches if c is not None)
     peak = torch.cuda.max_memory_allocated() - base - kv
     assert peak < float_bytes, (peak, float_bytes)

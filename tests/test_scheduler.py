@@ -579,6 +579,10 @@ def test_engine_config_validation_and_pool_sizing():
     assert cfg.pool_blocks(longest_row=40, free_bytes=None, bytes_per_block=1) == 1 + 4 * 3
     assert EngineConfig(kv_cache_tokens=100).pool_blocks(40, None, 1) == 7  # the flag wins
     assert cfg.pool_blocks(40, free_bytes=1000, bytes_per_block=10) == 80  # 80% of free
+    # the attention kernel's bound (flex's int32 indexing) caps every way of sizing it
+    assert cfg.pool_blocks(40, free_bytes=1000, bytes_per_block=10, max_blocks=50) == 50
+    assert EngineConfig(kv_cache_tokens=100).pool_blocks(40, None, 1, max_blocks=3) == 3
+    assert cfg.pool_blocks(40, None, 1, max_blocks=100) == 1 + 4 * 3
     gpu = EngineConfig.for_device("cuda", max_num_seqs=None, block_size=8)
     assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.block_size) == (256, 8192, 8)
     assert EngineConfig.for_device("cpu") == EngineConfig()

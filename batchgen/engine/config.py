@@ -39,15 +39,24 @@ class EngineConfig:
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
-    def pool_blocks(self, longest_row: int, free_bytes: int | None, bytes_per_block: int) -> int:
+    def pool_blocks(
+        self,
+        longest_row: int,
+        free_bytes: int | None,
+        bytes_per_block: int,
+        max_blocks: int | None = None,
+    ) -> int:
         """Blocks in the KV pool, the scratch block included.
 
         The flag wins. On a GPU (free_bytes given): a share of the free memory. On the CPU:
         what the job needs, its longest row (prompt + max_new_tokens) at full concurrency,
-        so memory follows the work instead of a fixed size."""
+        so memory follows the work instead of a fixed size. max_blocks: the most the
+        attention kernel can address (`ModelRunner.max_pool_blocks`), a bound on all three."""
         bs = self.block_size
         if self.kv_cache_tokens is not None:
-            return -(-self.kv_cache_tokens // bs)
-        if free_bytes is not None:
-            return max(2, int(free_bytes * self.gpu_memory_utilization) // bytes_per_block)
-        return 1 + self.max_num_seqs * -(-longest_row // bs)
+            blocks = -(-self.kv_cache_tokens // bs)
+        elif free_bytes is not None:
+            blocks = max(2, int(free_bytes * self.gpu_memory_utilization) // bytes_per_block)
+        else:
+            blocks = 1 + self.max_num_seqs * -(-longest_row // bs)
+        return blocks if max_blocks is None else min(blocks, max_blocks)

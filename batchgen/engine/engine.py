@@ -79,7 +79,7 @@ class Engine:
         longest = min(longest, self.runner.max_positions)
         free = self.runner.free_device_bytes()
         block_bytes = self.runner.kv_bytes_per_block()
-        blocks = self.config.pool_blocks(longest, free, block_bytes)
+        blocks = self.config.pool_blocks(longest, free, block_bytes, self.runner.max_pool_blocks())
         if free is None and self.config.kv_cache_tokens is None:  # sized from the job: checked
             ranks = self.runner.host_ranks  # tensor-parallel ranks sharing this memory
             check_allocation(

@@ -121,6 +121,19 @@ class ModelRunner:
     # CPU share its memory (RankedRunner sets it), so a pool sized from the job is checked x it.
     host_ranks: int = 1
 
+    def max_pool_blocks(self) -> int | None:
+        """The most blocks the pool may hold for this runner's attention. FlexAttention reads
+        each layer's pool as one sequence, and once a layer's K holds 2**31 elements or more,
+        inductor indexes the CUDA decoding kernel in int64, which its template fails to
+        compile ("Ternary expression with dynamic condition has inconsistent types int64 and
+        int32": torch 2.11 on an H200, where a tiny model's pool from 80% of free memory held
+        219M tokens). Real models stay far below (Llama 3 8B: 0.8M tokens in 100 GB); small
+        ones on large GPUs are capped here. None: no bound (the gather path)."""
+        if self.attention is not DecodeBackend.FLEX:
+            return None
+        cfg = self.model.cfg
+        return (2**31 - 1) // (self.block_size * cfg.n_kv_heads * cfg.head_dim)
+
     def kv_bytes_per_block(self) -> int:
         """KV bytes of one block on this rank (its KV heads)."""
         cfg = self.model.cfg

@@ -25,16 +25,21 @@ TARGETS = ("attn.wqkv", "attn.wo", "mlp.w_in", "mlp.w_out")
 _ANY = None  # any model dtype
 # (backend, method) -> {device type: dtypes the compiled path runs with, or _ANY}.
 # CPU entries are measured: float32 in tests/test_quant.py, float16 and bfloat16 on a small
-# compiled module. CUDA entries follow the libraries' kernels and stay unmeasured until
-# scripts/gpu_check.sh runs the gpu-marked tests.
+# compiled module. CUDA, measured on an H200 (scripts/gpu_check.sh, bf16, compiled decode):
+# torchao int8/int4/fp8 and quanto int8; the other CUDA entries follow the libraries' kernels.
 SUPPORT: dict[tuple[QuantBackend, QuantMethod], dict[str, tuple[torch.dtype, ...] | None]] = {
     (QuantBackend.TORCHAO, QuantMethod.INT8): {"cpu": _ANY, "cuda": _ANY},
     # CPU: tinygemm CPU kernel (Int4OpaqueTensor); CUDA: tinygemm tile-packed, bf16 only.
     (QuantBackend.TORCHAO, QuantMethod.INT4): {"cpu": _ANY, "cuda": (torch.bfloat16,)},
     (QuantBackend.TORCHAO, QuantMethod.FP8): {"cpu": _ANY, "cuda": _ANY},
     (QuantBackend.QUANTO, QuantMethod.INT8): {"cpu": _ANY, "cuda": _ANY},
-    # On CPU, bf16 int4 selects quanto's tinygemm tensor, which fails under torch.compile.
-    (QuantBackend.QUANTO, QuantMethod.INT4): {"cpu": (torch.float32, torch.float16), "cuda": _ANY},
+    # bf16 int4 selects quanto's tinygemm tensor, which fails under torch.compile: on the CPU,
+    # and on an H200 (torch 2.11, quanto 0.2.7: "TinyGemmWeightQBitsTensor object has no
+    # attribute _scale" while inductor compiles the decode graph).
+    (QuantBackend.QUANTO, QuantMethod.INT4): {
+        "cpu": (torch.float32, torch.float16),
+        "cuda": (torch.float32, torch.float16),
+    },
     (QuantBackend.QUANTO, QuantMethod.FP8): {"cpu": _ANY, "cuda": _ANY},
 }
 
