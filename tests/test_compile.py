@@ -1,10 +1,10 @@
 """Compiled decoding: compiled == eager, and no recompilation in steady state.
 
-Decode-only steps run through one torch.compile'd graph per (batch, table width,
-greedy-only) shape, the batch padded to a power of two. A warm-up pass compiles the
-workload's shapes; the same workload again compiles nothing. Compiling costs seconds a
-shape on the CPU, so the test is marked slow; the inductor FX cache in /tmp makes reruns
-faster.
+Decode-only steps run through torch.compile'd graphs, the batch padded to a power of two:
+one graph for every batch of 2 and more (the batch axis symbolic, engine/compiled_step.py)
+and one for a batch of 1, per variant (greedy-only or not, ...). A warm-up pass compiles
+the workload's shapes; the same workload again compiles nothing. Compiling costs seconds on
+the CPU, so the test is marked slow; the inductor FX cache in /tmp makes reruns faster.
 """
 
 import pytest
@@ -13,6 +13,7 @@ import torch._dynamo
 from torch._dynamo.callback import callback_handler
 from torch._dynamo.utils import counters
 
+from batchgen.engine.compiled_step import CompiledStep, batch_tensors
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import FinishReason, Request, SamplingParams
 from batchgen.engine.step_inputs import next_pow2
@@ -100,8 +101,11 @@ def test_compiled_equals_eager_and_steady_state_compiles_nothing(tiny_dirs):
     assert first == want
     shapes = set(llm.runner.shapes)
     assert shapes and all(k[0] == "decode" and k[2] == 1 for k in shapes)
-    # really compiled: one dynamo graph per shape, not a silent eager fallback
-    assert _snapshot()["unique_graphs"] - before["unique_graphs"] == len(shapes)
+    # really compiled, not a silent eager fallback: one dynamo graph per variant and batch
+    # class (1, or 2 and more: symbolic), however many padded batch sizes ran
+    graphs = {(k[3:], k[1] == 1) for k in shapes}
+    assert len(shapes) > len(graphs)
+    assert _snapshot()["unique_graphs"] - before["unique_graphs"] == len(graphs)
     decode_only = [r for r in warm if r.decode_rows and not r.prefill]
     assert decode_only
     for r in decode_only:  # the batch padded to a power of two with scratch rows
@@ -120,3 +124,56 @@ def test_compiled_equals_eager_and_steady_state_compiles_nothing(tiny_dirs):
     assert llm.runner.shapes == shapes
     assert all(r.compile_seconds == 0 for r in again)
     assert sum(r.seconds for r in again if not r.prefill) > 0  # timed as model time
+
+
+def _plus_row_index(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + torch.arange(x.shape[0])
+
+
+def _plus_eight(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.arange(8)  # pins the batch to 8: it cannot be symbolic
+
+
+def test_one_graph_serves_every_batch_size_of_two_and_more():
+    step = CompiledStep(_plus_row_index, torch.device("cpu"))
+    with CompileEvents() as events:
+        for b in (8, 2, 4, 8, 2):
+            assert step(torch.ones(b, dtype=torch.long)).tolist() == [2 + i for i in range(b)]
+    assert events.n == 1 and step.dynamic
+    with CompileEvents() as events:
+        assert step(torch.ones(1, dtype=torch.long)).tolist() == [2]  # 1: a graph of its own
+        step(torch.ones(1, dtype=torch.long))
+    assert events.n == 1
+
+
+def test_a_batch_that_cannot_be_symbolic_falls_back_to_a_graph_per_size(caplog):
+    step = CompiledStep(_plus_eight, torch.device("cpu"))
+    x = torch.zeros(8, dtype=torch.long)
+    with caplog.at_level("WARNING", logger="batchgen.engine.compiled_step"):
+        assert step(x).tolist() == list(range(8))  # this step ran eagerly
+    assert not step.dynamic
+    assert "one graph per batch size" in caplog.text
+    with CompileEvents() as events:
+        for _ in range(3):
+            assert step(torch.zeros(8, dtype=torch.long)).tolist() == list(range(8))
+    assert events.n == 1  # compiled once, statically, then reused
+
+
+def test_batch_tensors_are_the_per_row_inputs():
+    """The marked tensors: plain inputs, SamplingTensors' fields, a flex mask's per-row
+    tensors and its mask_mod's tables and lengths; not the pool-sized `logical` map."""
+    from batchgen.engine.sampler import SamplingTensors
+    from batchgen.model.kv_cache import PagedKVCache
+    from batchgen.model.paged_flex import paged_block_mask
+
+    b = 4
+    cache = PagedKVCache(8, 16, 2, 8, torch.float32, "cpu")
+    tables = torch.tensor([[1, 2], [3, 0], [4, 5], [6, 0]])
+    lens = torch.tensor([20, 5, 30, 9])
+    mask = paged_block_mask(tables, lens, None, cache, queries=2, width=8)
+    samp = SamplingTensors(torch.zeros(b), torch.zeros(b), torch.ones(b), torch.zeros(b))
+    found = list(batch_tensors((torch.zeros(b), mask, None, samp, True), b))
+    # tokens; kv_num_blocks, kv_indices; tables, lens; the 4 sampling columns
+    assert len(found) == 1 + 2 + 2 + 4
+    assert all(t.shape[0] == b for t in found)
+    assert not any(t.shape[0] == cache.num_blocks + 1 for t in found)

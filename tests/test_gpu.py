@@ -153,11 +153,14 @@ def test_decode_is_cuda_graphed_and_steady(llm):
     assert manager is not None, "no CUDA graph tree was created: decode is not CUDA-graphed"
     assert sum(len(nodes) for nodes in manager.roots.values()) >= 1, "no CUDA graph recorded"
     shapes = set(llm.runner.shapes)
-    assert {k[1] for k in shapes} == {1, 4, 8}  # one graph per padded decode batch size
+    assert {k[1] for k in shapes} == {1, 4, 8}  # the padded decode batch sizes
     # greedy; 1-block tables (flex, CUDA's decode path: lists of a fixed width, no width axis)
     width = 0 if llm.runner.attention is DecodeBackend.FLEX else 1
     assert all(k[2] == width and k[3] for k in shapes)
-    assert counters["stats"]["unique_graphs"] == len(shapes)
+    # one symbolic-batch graph for 4 and 8 (a CUDA graph recorded for each), one for 1; no
+    # fallback to a graph per size (engine/compiled_step.py)
+    assert llm.runner._decode.dynamic
+    assert counters["stats"]["unique_graphs"] == 2
     for _, reports in first:
         for r in reports:
             if r.decode_rows and not r.prefill:

@@ -88,6 +88,7 @@ def test_compiled_flex_decode_is_one_cuda_graph_with_no_recompiles(dirs, monkeyp
     assert llm.runner.shapes == {("decode", 4, 0, True, False, False)}  # greedy, no mask or top
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert counters["stats"]["unique_graphs"] == 1
+    assert llm.runner._decode.dynamic  # flex compiled with a symbolic batch, no fallback
     graphs = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         again = [c.token_ids for c in llm.generate(rows, params)]

@@ -7,11 +7,13 @@ each row's blocks in place from the paged pool; on the CPU, the rows' blocks are
 SDPA runs over the copy (measured faster there; docs/architecture.md).
 
 Eagerly, a step runs at its exact size: no padding rows, no padding tokens. Compiled
-(`compile=True`), decode-only steps, the steady state, run through one torch.compile'd graph
-per shape, CUDA graphs on a GPU: the batch padded to a power of two and the block tables to a
+(`compile=True`), decode-only steps, the steady state, run through torch.compile'd graphs,
+CUDA graphs on a GPU: the batch padded to a power of two and the block tables to a
 power-of-two width, so a job sees a bounded set of shapes (log2(max_num_seqs) + 1 batch sizes
 times a few context buckets; with flex, whose block lists have a fixed width, the batch sizes
-alone). The graph holds the forward and the sampling. Steps with prefill
+alone). The batch axis is symbolic (compiled_step.py): one compile serves every size of 2
+and more, and a GPU records one CUDA graph a size. The graph holds the forward and the
+sampling. Steps with prefill
 chunks run eagerly: their per-sequence attention has data-dependent shapes, and their large
 matmuls leave little launch overhead to save.
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from batchgen.engine.compiled_step import CompiledStep
 from batchgen.engine.sampler import SamplingColumns, SamplingTensors
 from batchgen.engine.sequence import StepPlan
 from batchgen.engine.step_inputs import StepInputs, pack_decode, pack_step
@@ -92,15 +95,9 @@ class ModelRunner:
             dynamo_config.accumulated_recompile_limit = max(
                 dynamo_config.accumulated_recompile_limit, 1024
             )
-        if compile:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs
-            # Rank 0's graph holds the forward and the sampling; the other ranks' the forward.
-            self._decode = torch.compile(
-                self._decode_step, fullgraph=True, dynamic=False, mode=mode
-            )
-            self._decode_forward = torch.compile(
-                self._decode_logits, fullgraph=True, dynamic=False, mode=mode
-            )
+        if compile:  # rank 0's graph holds the forward and the sampling; other ranks' the forward
+            self._decode = CompiledStep(self._decode_step, self.device)
+            self._decode_forward = CompiledStep(self._decode_logits, self.device)
 
     def allocate(self, num_blocks: int) -> None:
         """Allocate the paged cache once: num_blocks blocks per layer, block 0 scratch.
