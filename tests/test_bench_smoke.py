@@ -208,3 +208,16 @@ def test_bench_sweep_over_max_num_seqs_on_tiny_model(tmp_path):
         assert 0 < p["ttft_p50_s"] <= p["ttft_p99_s"] and 0 < p["tpot_p50_s"] <= p["tpot_p99_s"]
     assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size < 100_000
     assert "| max_num_seqs | wall s | out tok/s |" in r.stdout and "| 4 |" in r.stdout
+
+
+def test_linear_layouts_study_runs_and_both_ways_agree():
+    """scripts/bench_linear_layouts.py (docs/benchmarks.md's oneDNN-packed weights) on a tiny
+    shape: both ways timed, their outputs within float32 rounding."""
+    args = "--rows 2,4 --layers 1 --vocab 64 --threads 1 --reps 2"
+    script = SCRIPTS / "bench_linear_layouts.py"
+    r = subprocess.run([sys.executable, str(script), *args.split()], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| 2 ")]
+    rows += [line.split("|") for line in r.stdout.splitlines() if line.startswith("| 4 ")]
+    assert len(rows) == 2
+    assert all(float(row[7]) < 1e-4 for row in rows)  # max diff column
