@@ -180,7 +180,7 @@ def run_options(f):
             _opt("--dtype", help="auto = bfloat16 on GPU, float32 on CPU."),
             _opt(
                 "--compile/--no-compile",
-                help="torch.compile prefill and decode (decode as CUDA graphs). Default: on with a GPU, off on the CPU, where compiling costs 10-70 s a shape and measured no faster.",
+                help="torch.compile the decode steps (as CUDA graphs on a GPU; prefill runs eagerly). Default: on with a GPU, off on the CPU, where it measured no faster and compiling a job's two decode graphs takes ~50 s.",
             ),
             _opt(
                 "--lora",
