@@ -74,6 +74,9 @@ class Bound:
         return f"in {'(' if self.low_open else '['}{self.low}, {self.high}]"
 
 
+# The most samples a row may ask for (--n, an n column, an OpenAI request's n): OpenAI's bound.
+MAX_N = 128
+
 # Numeric options' ranges, checked in RunConfig and given to click as IntRange/FloatRange, so a
 # flag and a job spec value are refused alike. The sampling ones are SamplingParams' checks.
 BOUNDS = {
@@ -89,11 +92,11 @@ BOUNDS = {
             "kv_cache_tokens",
             "limit",
             "threads",
-            "n",
             "tensor_parallel_size",
         ),
         Bound(1),
     ),
+    "n": Bound(1, MAX_N),
     "temperature": Bound(0),
     "top_k": Bound(0),
     "top_p": Bound(0, 1, low_open=True),

@@ -30,11 +30,20 @@ def test_n_samples_are_distinct_and_sample_0_is_the_plain_row(tmp_path, model):
 
 
 def test_n_column_overrides_per_row_and_a_bad_n_is_an_error_record(tmp_path, model):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3), "n": [None, 3, 0]})
+    n = [None, 3, 0, 129]  # 129: over the 128 an OpenAI request may ask for
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4), "n": n})
     run_cli("run", src, "-o", tmp_path / "out", "--model", model, *SAMPLED, "--n", 2)
     got = _samples(tmp_path / "out")
-    assert sorted(got) == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0)]
+    assert sorted(got) == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0), (3, 0)]
     assert "bad per-row n" in got[(2, 0)]["error"]
+    assert "not an integer in [1, 128]" in got[(3, 0)]["error"]
+
+
+def test_n_over_128_is_refused_before_anything_loads(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(1)})
+    r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, "--n", 129, exit_code=2)
+    assert "129" in r.output and "128" in r.output
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("id_column", ["id", "key"], ids=["row-numbers", "id-column"])

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from batchgen.choices import MAX_N  # a line asking for more is an error line
+
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-MAX_N = 128  # OpenAI's bound on a request's n: a line asking for more is an error line
 
 
 class LineError(Exception):
