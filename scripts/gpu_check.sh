@@ -162,7 +162,7 @@ if selected bench; then
     for f in "$TMP"/bench/logs/*.log; do
         [ -f "$f" ] || continue
         echo "=== $(basename "$f"): recompiles, then its last lines"
-        grep -E "Recompiling function|recompil" "$f" | head -n 40
+        grep -i "recompil" "$f" | head -n 40
         tail -n 15 "$f"
     done >>"$OUT/bench.log" 2>&1
 fi

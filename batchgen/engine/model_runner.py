@@ -13,9 +13,8 @@ power-of-two width, so a job sees a bounded set of shapes (log2(max_num_seqs) + 
 times a few context buckets; with flex, whose block lists have a fixed width, the batch sizes
 alone). The batch axis is symbolic (compiled_step.py): one compile serves every size of 2
 and more, and a GPU records one CUDA graph a size. The graph holds the forward and the
-sampling. Steps with prefill
-chunks run eagerly: their per-sequence attention has data-dependent shapes, and their large
-matmuls leave little launch overhead to save.
+sampling. Steps with prefill chunks run eagerly: their per-sequence attention has
+data-dependent shapes, and their large matmuls leave little launch overhead to save.
 
 With tensor parallelism, rank 0's runner hands each step's `StepInputs` to `broadcast` (the
 other ranks' runners run `forward` on them) before running its own part; only rank 0

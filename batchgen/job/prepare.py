@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.choices import MAX_N
+from batchgen.choices import BOUNDS
 from batchgen.data import InputFormat, InputSource, PromptBuilder, default_ids
 from batchgen.data.records import RecordShape, Row
 from batchgen.data.source import DEFAULT_ID_COLUMN, decode_rows
@@ -241,8 +241,8 @@ class Preparer:
             n = row_number("n", v, integer=True)
         except ValueError:
             n = 0
-        if not 1 <= n <= MAX_N:
-            return 1, f"bad per-row n: {v!r}, not an integer in [1, {MAX_N}]"
+        if n not in BOUNDS["n"]:  # --n's own range: 1 to 128
+            return 1, f"bad per-row n: {v!r}, not an integer {BOUNDS['n']}"
         return n, None
 
     def _tokenize(self, texts: list[str], chats: list[bool]) -> list[list[int]]:
