@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--engine-args", default="", help="EngineConfig fields, k=v,k=v")
+    p.add_argument(
+        "--shapes", action="store_true", help="also the matmuls by rows per call and weight shape"
+    )
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in work["max_new_tokens"]]
     llm.generate(prompts[:4], params[:4])  # warm-up: first calls, lazy imports
     activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=a.shapes) as prof:
         t0 = time.perf_counter()
         llm.generate(prompts, params)
         wall = time.perf_counter() - t0
@@ -91,6 +94,30 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {g} | {s:.2f} | {s / wall:.1%} |")
     rest = wall - total_ops
     print(f"| Python and waiting (wall - ops) | {rest:.2f} | {rest / wall:.1%} |")
+    if a.shapes:
+        print_matmul_shapes(prof, wall)
+
+
+ROW_BUCKETS = (16, 64, 512, 1 << 62)
+
+
+def print_matmul_shapes(prof: torch.profiler.profile, wall: float) -> None:
+    """aten::mm time and rate by rows per call (bucketed) and weight shape."""
+    cells: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key != "aten::mm" or len(e.input_shapes) < 2 or len(e.input_shapes[0]) != 2:
+            continue
+        (m, k), (_, n) = e.input_shapes[0], e.input_shapes[1]
+        bucket = next(b for b in ROW_BUCKETS if m <= b)
+        cell = cells[(bucket, f"{k}x{n}")]
+        cell[0] += e.self_cpu_time_total / 1e6
+        cell[1] += 2.0 * m * k * n * e.count
+        cell[2] += e.count
+    print("\n| rows per call | weight (in x out) | s | share of wall | GFLOP/s | calls |")
+    print("|---|---|---|---|---|---|")
+    for (bucket, shape), (s, flops, n) in sorted(cells.items(), key=lambda x: -x[1][0]):
+        rows = f"<= {bucket}" if bucket < ROW_BUCKETS[-1] else f"> {ROW_BUCKETS[-2]}"
+        print(f"| {rows} | {shape} | {s:.2f} | {s / wall:.1%} | {flops / s / 1e9:.0f} | {n} |")
 
 
 if __name__ == "__main__":

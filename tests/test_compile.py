@@ -177,3 +177,25 @@ def test_batch_tensors_are_the_per_row_inputs():
     assert len(found) == 1 + 2 + 2 + 4
     assert all(t.shape[0] == b for t in found)
     assert not any(t.shape[0] == cache.num_blocks + 1 for t in found)
+
+
+def test_an_eager_job_never_imports_dynamo(model, tmp_path):
+    """torch._dynamo takes ~1 s to import: a job run without --compile must not pay it."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"prompt": "hello there"}\n')
+    code = (
+        "import sys\n"
+        "from batchgen.cli.main import main\n"
+        f"args = ['run', {str(data)!r}, '-o', {str(tmp_path / 'out')!r}, '--model', "
+        f"{str(model)!r}, '--max-new-tokens', '3', '--quiet']\n"
+        "try:\n    main(args)\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('dynamo' if 'torch._dynamo' in sys.modules else 'eager')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert (tmp_path / "out" / "_SUCCESS").exists()
+    assert out.stdout.strip().splitlines()[-1] == "eager", out.stderr[-2000:]

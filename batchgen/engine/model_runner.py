@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from batchgen.engine.compiled_step import CompiledStep
 from batchgen.engine.sampler import SamplingColumns, SamplingTensors
 from batchgen.engine.sequence import StepPlan
 from batchgen.engine.step_inputs import StepInputs, pack_decode, pack_step
@@ -95,6 +94,9 @@ class ModelRunner:
                 dynamo_config.accumulated_recompile_limit, 1024
             )
         if compile:  # rank 0's graph holds the forward and the sampling; other ranks' the forward
+            # imported here: torch._dynamo takes ~1 s to import, a tenth of a small eager job
+            from batchgen.engine.compiled_step import CompiledStep
+
             self._decode = CompiledStep(self._decode_step, self.device)
             self._decode_forward = CompiledStep(self._decode_logits, self.device)
 
