@@ -17,6 +17,7 @@ from batchgen.job.model_spec import ModelSpec
 from batchgen.model.config import ModelConfig
 from batchgen.model.loader import load_model
 from batchgen.model.lora import LoraAdapter, merge_lora
+from batchgen.model.packed_linear import can_pack, pack_linears
 from batchgen.model.tensor_parallel import SINGLE, TPShard
 from batchgen.model.tp_layers import CollectiveClock, apply_tensor_parallel
 from batchgen.model.transformer import Transformer
@@ -81,6 +82,10 @@ def load_rank_model(
     if spec.lora is not None:
         lora = merge_lora(model, spec.lora, cfg=spec.model_cfg, tp=tp)
     quant = quantize_model(model, spec.quant, device)
+    # Eager float32 on the CPU: weights packed once for oneDNN, after the LoRA merge and
+    # before the TP hooks (model/packed_linear.py).
+    if not spec.compile and not spec.quant.enabled and can_pack(device, spec.dtype):
+        pack_linears(model)
     if tp.size > 1:  # after quantizing: some backends replace the linear modules
         apply_tensor_parallel(model, tp, group, clock)
     return RankModel(model, quant, lora)
