@@ -5,17 +5,28 @@ grammar is built over its vocabulary), and `batchgen plan`'s warning."""
 import json
 import shutil
 
+import pytest
 from helpers import EAGER, assert_one_line_error, prompts, run_cli, write_parquet
+from tiny_models import save_tiny_model
 
 from batchgen.model.memory import format_bytes, host_available_bytes
 
-HUGE_SEQS = ("--max-num-seqs", 10**6, "--max-new-tokens", 1500)  # ~390 GB of KV pool
+# 64 rows (engine/config.py CPU_POOL_ROWS) of 2**24 tokens: ~280 GB of KV pool
+HUGE_ROWS = ("--max-new-tokens", 2**24 - 64)
 
 
-def test_an_automatic_cpu_kv_pool_beyond_free_memory_is_refused(tmp_path, long_model):
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory):
+    """A tiny Llama whose config allows 2**24 positions (RoPE: no weights depend on it)."""
+    root = tmp_path_factory.mktemp("long-context") / "llama"
+    return save_tiny_model("llama", root, max_position_embeddings=2**24)
+
+
+def test_an_automatic_cpu_kv_pool_beyond_free_memory_is_refused(tmp_path, long_context_model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    flags = ("--device", "cpu", "--no-compile", "--quiet", *HUGE_SEQS)
-    r = run_cli("run", src, "-o", tmp_path / "out", "--model", long_model, *flags, exit_code=2)
+    flags = ("--device", "cpu", "--no-compile", "--quiet", *HUGE_ROWS)
+    out = tmp_path / "out"
+    r = run_cli("run", src, "-o", out, "--model", long_context_model, *flags, exit_code=2)
     assert_one_line_error(r, "KV cache", "--max-num-seqs", "--kv-cache-tokens")
 
 
@@ -39,13 +50,13 @@ def test_a_huge_vocabulary_is_refused_before_any_grammar_is_built(tmp_path, mode
     assert_one_line_error(r, "weights", "vocab_size 1000000000")
 
 
-def test_plan_warns_when_the_kv_cache_exceeds_memory(tmp_path, long_model):
+def test_plan_warns_when_the_kv_cache_exceeds_memory(tmp_path, long_context_model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    r = run_cli("plan", src, "--model", long_model, *HUGE_SEQS)
+    r = run_cli("plan", src, "--model", long_context_model, *HUGE_ROWS)
     free = format_bytes(host_available_bytes())
     assert "warning: the KV cache" in r.stdout, r.stdout
     assert f"{free} free" in r.stdout
-    r = run_cli("plan", src, "--model", long_model, *HUGE_SEQS, "--json")
+    r = run_cli("plan", src, "--model", long_context_model, *HUGE_ROWS, "--json")
     assert any("KV cache" in w for w in json.loads(r.stdout)["warnings"])
-    small = run_cli("plan", src, "--model", long_model)
+    small = run_cli("plan", src, "--model", long_context_model)
     assert "warning" not in small.stdout

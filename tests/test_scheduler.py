@@ -439,7 +439,7 @@ def test_no_prefix_caching_computes_every_prompt_token():
 # --------------------------------------------------------------------------- random workloads
 
 
-def _workload(seed: int):
+def _workload(seed: int, reserve_full_rows: bool = False):
     """A random scheduler and requests with random arrival steps, lengths, limits, EOS
     positions and shared prefixes, some of them scored candidates (score_from set); the pool
     is tight enough to preempt in many seeds."""
@@ -470,12 +470,13 @@ def _workload(seed: int):
         max_num_seqs=rng.randint(1, 8),
         max_num_batched_tokens=rng.choice([1, 3, 8, 16, 64]),
         eos_ids=(EOS,),
+        reserve_full_rows=reserve_full_rows,
     )
     return sched, requests, arrivals, FakeModel(eos_at)
 
 
-def _run_workload(seed: int) -> Harness:
-    sched, requests, arrivals, model = _workload(seed)
+def _run_workload(seed: int, reserve_full_rows: bool = False) -> Harness:
+    sched, requests, arrivals, model = _workload(seed, reserve_full_rows)
     h = Harness(sched, model)
     pending = sorted(zip(arrivals, range(len(requests)), strict=True))
     step = 0
@@ -531,6 +532,32 @@ def test_random_workloads_preempt_chunk_and_hit_the_cache():
     assert scoring >= 2, scoring  # scored candidates preempted and recomputed
 
 
+def test_reserving_full_rows_never_preempts_and_still_runs_rows_together():
+    """The same workloads with admission reserving every row's full length (the CPU's pool
+    sized from the job): every invariant holds, nothing is preempted, and rows still share
+    the pool (more than one running at once in most seeds)."""
+    together = 0
+    for seed in range(30):
+        h = _run_workload(seed, reserve_full_rows=True)
+        assert h.sched.num_preemptions == 0, seed
+        together += max(len(p.scheduled) for p in h.plans) > 1
+    assert together >= 15, together  # 19 of the 30 seeds
+
+
+def test_reserving_full_rows_admits_what_fits_at_full_length():
+    # 4-token blocks, 12 usable: rows of 8 prompt + 8 new tokens take 4 blocks at full length
+    sched = _sched(num_blocks=13, max_num_seqs=8)
+    sched.reserve_full_rows = True
+    for i in range(5):
+        sched.add(_req(i, 8, max_new=8))
+    plan = sched.schedule()
+    assert len(plan.admitted) == 3  # 3 x 4 blocks; the optimistic rule admits 5 (2 blocks each)
+    optimistic = _sched(num_blocks=13, max_num_seqs=8)
+    for i in range(5):
+        optimistic.add(_req(i, 8, max_new=8))
+    assert len(optimistic.schedule().admitted) == 5
+
+
 # --------------------------------------------------------------------------- plain data
 
 
@@ -564,7 +591,7 @@ def test_plain_data_properties():
 
 
 def test_engine_config_validation_and_pool_sizing():
-    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.config import CPU_POOL_ROWS, EngineConfig
 
     for bad in (
         dict(max_num_seqs=0),
@@ -577,6 +604,10 @@ def test_engine_config_validation_and_pool_sizing():
             EngineConfig(**bad)
     cfg = EngineConfig(max_num_seqs=4, block_size=16)
     assert cfg.pool_blocks(longest_row=40, free_bytes=None, bytes_per_block=1) == 1 + 4 * 3
+    # more sequences than CPU_POOL_ROWS share a pool of that many longest rows
+    assert EngineConfig().max_num_seqs == 256 > CPU_POOL_ROWS == 64
+    assert EngineConfig().pool_blocks(40, None, 1) == 1 + CPU_POOL_ROWS * 3
+    assert EngineConfig(max_num_seqs=65).pool_blocks(40, None, 1) == 1 + 64 * 3
     assert EngineConfig(kv_cache_tokens=100).pool_blocks(40, None, 1) == 7  # the flag wins
     assert cfg.pool_blocks(40, free_bytes=1000, bytes_per_block=10) == 80  # 80% of free
     # the attention kernel's bound (flex's int32 indexing) caps every way of sizing it

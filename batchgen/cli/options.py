@@ -23,7 +23,7 @@ def _default(name: str):
 def _per_device(name: str) -> str:
     """EngineConfig's default of a knob whose RunConfig default is None, for its help."""
     cpu, gpu = (getattr(EngineConfig.for_device(d), name) for d in ("cpu", "cuda"))
-    return f"Default: {cpu} on CPU, {gpu} on GPU."
+    return f"Default: {cpu}." if cpu == gpu else f"Default: {cpu} on CPU, {gpu} on GPU."
 
 
 def _opt(*decls: str, **kw):

@@ -23,7 +23,7 @@ import torch
 
 from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.completions import Completions, error_completion, expand
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import CPU_POOL_ROWS, EngineConfig
 from batchgen.engine.constraints import (
     INCOMPLETE,
     Constrainer,
@@ -85,7 +85,7 @@ class Engine:
             check_allocation(
                 blocks * block_bytes * ranks,
                 f"the KV cache sized from the job ({longest} tokens, its longest row, x "
-                f"--max-num-seqs {self.config.max_num_seqs}"
+                f"{min(self.config.max_num_seqs, CPU_POOL_ROWS)} rows"
                 + (f", x {ranks} ranks' shares" if ranks > 1 else "")
                 + ")",
                 "--max-new-tokens or --max-num-seqs, or set --kv-cache-tokens",
@@ -95,8 +95,14 @@ class Engine:
         bs = self.config.block_size
         self.kv_pool = KVPool(blocks, bs, blocks * block_bytes)
         pool = BlockPool(blocks, bs, self.config.prefix_caching)
+        # A pool sized from the job (the CPU's) holds full rows: admission reserves them.
+        sized_from_job = free is None and self.config.kv_cache_tokens is None
         return Scheduler(
-            pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.eos_ids
+            pool,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.eos_ids,
+            reserve_full_rows=sized_from_job,
         )
 
     # no_grad, not inference_mode: quanto's int4 weights refuse inference tensors.

@@ -13,7 +13,10 @@ Each step is a plan {sequence: tokens this step} under one token budget
    decoding together have similar context lengths and the longest work starts early. On
    admission the longest run of the prompt's full blocks already in the prefix cache is
    taken instead of computed. A sequence is admitted only if, after its blocks, a
-   watermark of 1% of the pool stays free for the running sequences' growth. A waiting
+   watermark of 1% of the pool stays free for the running sequences' growth; or, with
+   `reserve_full_rows` (the CPU's pool, sized from the job), only if the pool holds every
+   running row and this one at their full length (prompt + max_new_tokens): no row is ever
+   preempted, and shorter rows fill the pool with more sequences. A waiting
    sequence whose next prompt block is being computed right now by a running one (the same
    prompt, or a shared prefix: samples of one row, candidates of a scored row, a few-shot
    preamble) waits for it, a step or a few, and then hits it instead of computing it twice;
@@ -45,12 +48,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         eos_ids: Seq[int] = (),
+        reserve_full_rows: bool = False,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.pool, self.block_size = pool, pool.block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.eos = frozenset(eos_ids)
+        self.reserve_full_rows = reserve_full_rows
         self.waiting: list[tuple[tuple, Sequence]] = []  # heap by admission order
         self.running: list[Sequence] = []  # admission order: the newest is preempted first
         self._arrivals = 0
@@ -119,6 +124,7 @@ class Scheduler:
             i += 1
         deferred = []
         lookups, hits = self.pool.queries, self.pool.hits
+        growth = sum(map(self._blocks_to_come, self.running)) if self.reserve_full_rows else 0
         while (
             not plan.preempted
             and self.waiting
@@ -129,8 +135,9 @@ class Scheduler:
             if self._awaits_prefix(seq):
                 deferred.append(heapq.heappop(self.waiting))
                 continue
-            if not self._admit(seq, budget):
+            if not self._admit(seq, budget, growth):
                 break
+            growth += self._blocks_to_come(seq) if self.reserve_full_rows else 0
             heapq.heappop(self.waiting)
             self.running.append(seq)
             if not seq.num_preemptions:
@@ -160,14 +167,22 @@ class Scheduler:
             seq.block_table += self.pool.allocate(need)
         return True
 
-    def _admit(self, seq: Sequence, budget: int) -> bool:
+    def _blocks_to_come(self, seq: Sequence) -> int:
+        """Blocks seq may still take before it ends at its full length."""
+        return self.pool.blocks_for(seq.request.max_tokens) - len(seq.block_table)
+
+    def _admit(self, seq: Sequence, budget: int, growth: int = 0) -> bool:
         """Take seq's cached prefix and blocks for its first chunk; False (and nothing
-        taken) if that would leave fewer free blocks than the watermark while others run."""
+        taken) if that would leave fewer free blocks than the watermark while others run,
+        or (reserve_full_rows) than the running rows' growth to their full length, `growth`
+        blocks, plus this one's."""
         keys = self._keys(seq, self._hittable_blocks(seq))
         hit = self.pool.take_cached(keys)
         n = min(seq.num_tokens - len(hit) * self.block_size, budget)
         need = self.pool.blocks_for(len(hit) * self.block_size + n) - len(hit)
         reserve = self.watermark if self.running else 0  # alone, it may take the whole pool
+        if self.reserve_full_rows:
+            reserve = growth + self.pool.blocks_for(seq.request.max_tokens) - len(hit) - need
         if need + reserve > self.pool.num_free:
             self.pool.release(hit)
             return False
@@ -176,8 +191,9 @@ class Scheduler:
         seq.num_computed = len(hit) * self.block_size
         seq.num_registered = len(hit)
         if self.pool.prefix_caching:
-            for k in keys[len(hit) :]:
-                self.pending.setdefault(k, seq)
+            for k in keys[len(hit) :]:  # a later block may be cached after an evicted one
+                if not self.pool.is_cached(k):
+                    self.pending.setdefault(k, seq)
         if not seq.num_preemptions:
             seq.num_cached_prompt = seq.num_computed
         seq.status = SeqStatus.RUNNING
