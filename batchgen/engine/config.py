@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # On the CPU the pool is sized from the job: this many of its longest rows at once. More
-# sequences than that may run (max_num_seqs) while their rows are shorter; when the pool runs
-# out the newest is preempted. Measured (docs/benchmarks.md): 256 sequences over a pool of 64
-# longest rows ran the mixed job 1.12x faster than 64 sequences, at the same memory.
+# sequences than that run (max_num_seqs) while their rows are shorter: admission reserves each
+# row's full length there (Scheduler reserve_full_rows), so none is preempted. Measured
+# (docs/benchmarks.md): 256 sequences ran the mixed job 1.075x faster than 64, at the same
+# memory; long-tail and a job of uniform long rows took the same time.
 CPU_POOL_ROWS = 64
 
 

@@ -67,13 +67,15 @@ def sample(
 ) -> torch.Tensor:
     """logits (B, V) float32 -> next tokens (B,) int64. steps (B,): tokens the row has
     generated so far, which (with its seed) picks its noise."""
-    greedy = logits.argmax(-1)
+    # max's index, the first of equal maxima as argmax's, from a reduction ~3x faster than
+    # argmax's on the CPU (192 x 32000 float32: 3 against 11 ms)
+    greedy = logits.max(-1).indices
     if greedy_only:
         return greedy
     temp = torch.where(params.temperature > 0, params.temperature, 1.0)[:, None]
     probs = _filter(logits / temp, params.top_k, params.top_p).softmax(-1)
     noise = -torch.log(row_uniforms(params.seed, steps, logits.shape[-1]))  # Exp(1)
-    drawn = (probs / noise).argmax(-1)
+    drawn = (probs / noise).max(-1).indices
     return torch.where(params.temperature > 0, drawn, greedy)
 
 

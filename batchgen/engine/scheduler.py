@@ -13,10 +13,9 @@ Each step is a plan {sequence: tokens this step} under one token budget
    decoding together have similar context lengths and the longest work starts early. On
    admission the longest run of the prompt's full blocks already in the prefix cache is
    taken instead of computed. A sequence is admitted only if, after its blocks, a
-   watermark of 1% of the pool stays free for the running sequences' growth; or, with
-   `reserve_full_rows` (the CPU's pool, sized from the job), only if the pool holds every
-   running row and this one at their full length (prompt + max_new_tokens): no row is ever
-   preempted, and shorter rows fill the pool with more sequences. A waiting
+   watermark of 1% of the pool stays free for the running sequences' growth; with
+   `reserve_full_rows` (the CPU's pool, sized from the job), if it holds every running row
+   and this one at full length (prompt + max_new_tokens): none is ever preempted. A waiting
    sequence whose next prompt block is being computed right now by a running one (the same
    prompt, or a shared prefix: samples of one row, candidates of a scored row, a few-shot
    preamble) waits for it, a step or a few, and then hits it instead of computing it twice;
@@ -173,9 +172,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, growth: int = 0) -> bool:
         """Take seq's cached prefix and blocks for its first chunk; False (and nothing
-        taken) if that would leave fewer free blocks than the watermark while others run,
-        or (reserve_full_rows) than the running rows' growth to their full length, `growth`
-        blocks, plus this one's."""
+        taken) if that would leave fewer free blocks than the watermark while others run
+        (reserve_full_rows: than all running rows' growth to full length, and this one's)."""
         keys = self._keys(seq, self._hittable_blocks(seq))
         hit = self.pool.take_cached(keys)
         n = min(seq.num_tokens - len(hit) * self.block_size, budget)
@@ -191,9 +189,8 @@ class Scheduler:
         seq.num_computed = len(hit) * self.block_size
         seq.num_registered = len(hit)
         if self.pool.prefix_caching:
-            for k in keys[len(hit) :]:  # a later block may be cached after an evicted one
-                if not self.pool.is_cached(k):
-                    self.pending.setdefault(k, seq)
+            for k in (k for k in keys[len(hit) :] if not self.pool.is_cached(k)):
+                self.pending.setdefault(k, seq)  # (a later block may outlive an evicted one)
         if not seq.num_preemptions:
             seq.num_cached_prompt = seq.num_computed
         seq.status = SeqStatus.RUNNING

@@ -28,10 +28,10 @@ def sample_step(
     if bitmask is not None:  # constrained rows: tokens outside their grammar get -inf
         logits = apply_bitmask(logits, bitmask)
     tok = sample(logits, sampling, steps, greedy_only)
-    if not top:  # one reduction over the vocabulary, not a (B, V) log_softmax written out
-        return tok, logits.gather(-1, tok[:, None])[:, 0] - logits.logsumexp(-1)
     logp = logits.log_softmax(-1)
     lp = logp.gather(-1, tok[:, None])[:, 0]
+    if not top:
+        return tok, lp
     return tok, lp, *logp.topk(min(MAX_TOP_LOGPROBS, logp.shape[-1]), dim=-1)
 
 
