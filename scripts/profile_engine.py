@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(model, device="cpu", dtype="float32", engine={k: int(v) for k, v in engine.items()})
     prompts = [llm.tokenizer(t)["input_ids"] for t in work["prompt"]]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in work["max_new_tokens"]]
+    # the pool is sized at the first call: for the workload's rows, not the warm-up's
+    llm.engine.reserve(max(len(p) + s.max_new_tokens for p, s in zip(prompts, params, strict=True)))
     llm.generate(prompts[:4], params[:4])  # warm-up: first calls, lazy imports
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, record_shapes=a.shapes) as prof:
