@@ -104,12 +104,17 @@ ROW_BUCKETS = (16, 64, 512, 1 << 62)
 
 
 def print_matmul_shapes(prof: torch.profiler.profile, wall: float) -> None:
-    """aten::mm time and rate by rows per call (bucketed) and weight shape."""
+    """Matmul time and rate by rows per call (bucketed) and weight shape: aten::mm (x, W^T)
+    and the packed layers' mkldnn::_linear_pointwise (x, W)."""
     cells: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     for e in prof.key_averages(group_by_input_shape=True):
-        if e.key != "aten::mm" or len(e.input_shapes) < 2 or len(e.input_shapes[0]) != 2:
+        packed = e.key == "mkldnn::_linear_pointwise"
+        if e.key != "aten::mm" and not packed:
             continue
-        (m, k), (_, n) = e.input_shapes[0], e.input_shapes[1]
+        if len(e.input_shapes) < 2 or len(e.input_shapes[0]) != 2:
+            continue
+        (m, k), w = e.input_shapes[0], e.input_shapes[1]
+        n = w[0] if packed else w[1]
         bucket = next(b for b in ROW_BUCKETS if m <= b)
         cell = cells[(bucket, f"{k}x{n}")]
         cell[0] += e.self_cpu_time_total / 1e6
