@@ -83,7 +83,7 @@ def data_options(f):
             _opt(
                 "--max-num-seqs",
                 type=int,
-                help=f"Sequences in flight at once (the largest decode batch). {_per_device('max_num_seqs')}",
+                help=f"Sequences in flight at once (the largest decode batch); on the CPU without --kv-cache-tokens, only as many as the KV cache holds at full length. {_per_device('max_num_seqs')}",
             ),
             _opt(
                 "--max-num-batched-tokens",
