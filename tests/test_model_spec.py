@@ -54,6 +54,10 @@ def test_run_and_the_api_resolve_the_same_spec(tmp_path, model):
     want = EngineConfig(max_num_seqs=3, block_size=8, prefix_caching=False, read_ahead=5)
     assert job.spec.engine == want
     assert ModelSpec.resolve(model, device="cpu", engine=want).engine is want
+    # a compiled CPU decode gets 64 sequences (engine/config.py for_device), by both doors
+    job = open_job(_job(tmp_path, model, device="cpu", compile=True))
+    assert job.spec.compile and job.spec.engine.max_num_seqs == 64
+    assert ModelSpec.resolve(model, device="cpu", compile=True).engine.max_num_seqs == 64
 
 
 def test_on_a_gpu_run_and_the_api_get_the_gpu_defaults(tmp_path, model, monkeypatch):

@@ -617,6 +617,10 @@ def test_engine_config_validation_and_pool_sizing():
     gpu = EngineConfig.for_device("cuda", max_num_seqs=None, block_size=8)
     assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.block_size) == (256, 8192, 8)
     assert EngineConfig.for_device("cpu") == EngineConfig()
+    # a compiled CPU decode pads every row to the longest table: 64 sequences there
+    assert EngineConfig.for_device("cpu", compiled=True).max_num_seqs == CPU_POOL_ROWS
+    assert EngineConfig.for_device("cpu", compiled=True, max_num_seqs=8).max_num_seqs == 8
+    assert EngineConfig.for_device("cuda", compiled=True).max_num_seqs == 256
 
 
 def test_a_scored_candidate_computes_from_the_token_before_its_first_scored_one():

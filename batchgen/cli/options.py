@@ -23,7 +23,9 @@ def _default(name: str):
 def _per_device(name: str) -> str:
     """EngineConfig's default of a knob whose RunConfig default is None, for its help."""
     cpu, gpu = (getattr(EngineConfig.for_device(d), name) for d in ("cpu", "cuda"))
-    return f"Default: {cpu}." if cpu == gpu else f"Default: {cpu} on CPU, {gpu} on GPU."
+    text = f"Default: {cpu}" if cpu == gpu else f"Default: {cpu} on CPU, {gpu} on GPU"
+    compiled = getattr(EngineConfig.for_device("cpu", compiled=True), name)
+    return text + (f"; {compiled} on CPU with --compile." if compiled != cpu else ".")
 
 
 def _opt(*decls: str, **kw):

@@ -38,9 +38,14 @@ class EngineConfig:
             )
 
     @classmethod
-    def for_device(cls, device_type: str, **overrides) -> EngineConfig:
-        """Defaults per device, then the caller's values (None values are skipped)."""
-        base = {"max_num_batched_tokens": 8192} if device_type == "cuda" else {}
+    def for_device(cls, device_type: str, compiled: bool = False, **overrides) -> EngineConfig:
+        """Defaults per device, then the caller's values (None values are skipped). A compiled
+        CPU decode pads every row's table to the step's longest (one group; eager uses up to
+        4 width groups): there 64 sequences, not 256 (mixed: decode steps 3.3 s against
+        11.8 s, docs/benchmarks.md)."""
+        base: dict = {"max_num_batched_tokens": 8192} if device_type == "cuda" else {}
+        if compiled and device_type != "cuda":
+            base["max_num_seqs"] = CPU_POOL_ROWS
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 

@@ -178,7 +178,8 @@ class ModelSpec:
             dev = resolve_device(device)
             dt = resolve_dtype(dtype, dev)
             if not isinstance(engine, EngineConfig):
-                engine = EngineConfig.for_device(dev.type, **(engine or {}))
+                compiled = resolve_compile(compile, dev)
+                engine = EngineConfig.for_device(dev.type, compiled, **(engine or {}))
             check_tensor_parallel(model_cfg, tensor_parallel_size, dev)
         except ValueError as e:  # e.g. --device cuda on a machine without one
             raise ConfigError(str(e)) from None
