@@ -37,6 +37,11 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
 
+    @property
+    def pool_rows(self) -> int:
+        """Rows of the job's longest length a pool sized from the job holds (the CPU's)."""
+        return min(self.max_num_seqs, CPU_POOL_ROWS)
+
     @classmethod
     def for_device(cls, device_type: str, compiled: bool = False, **overrides) -> EngineConfig:
         """Defaults per device, then the caller's values (None values are skipped). A compiled
@@ -68,5 +73,5 @@ class EngineConfig:
         elif free_bytes is not None:
             blocks = max(2, int(free_bytes * self.gpu_memory_utilization) // bytes_per_block)
         else:
-            blocks = 1 + min(self.max_num_seqs, CPU_POOL_ROWS) * -(-longest_row // bs)
+            blocks = 1 + self.pool_rows * -(-longest_row // bs)
         return blocks if max_blocks is None else min(blocks, max_blocks)

@@ -23,7 +23,7 @@ import torch
 
 from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.completions import Completions, error_completion, expand
-from batchgen.engine.config import CPU_POOL_ROWS, EngineConfig
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import (
     INCOMPLETE,
     Constrainer,
@@ -80,12 +80,15 @@ class Engine:
         free = self.runner.free_device_bytes()
         block_bytes = self.runner.kv_bytes_per_block()
         blocks = self.config.pool_blocks(longest, free, block_bytes, self.runner.max_pool_blocks())
-        if free is None and self.config.kv_cache_tokens is None:  # sized from the job: checked
+        # A pool sized from the job (the CPU's) is checked against memory, and holds full rows:
+        # admission reserves them.
+        sized_from_job = free is None and self.config.kv_cache_tokens is None
+        if sized_from_job:
             ranks = self.runner.host_ranks  # tensor-parallel ranks sharing this memory
             check_allocation(
                 blocks * block_bytes * ranks,
                 f"the KV cache sized from the job ({longest} tokens, its longest row, x "
-                f"{min(self.config.max_num_seqs, CPU_POOL_ROWS)} rows"
+                f"{self.config.pool_rows} rows"
                 + (f", x {ranks} ranks' shares" if ranks > 1 else "")
                 + ")",
                 "--max-new-tokens or --max-num-seqs, or set --kv-cache-tokens",
@@ -95,8 +98,6 @@ class Engine:
         bs = self.config.block_size
         self.kv_pool = KVPool(blocks, bs, blocks * block_bytes)
         pool = BlockPool(blocks, bs, self.config.prefix_caching)
-        # A pool sized from the job (the CPU's) holds full rows: admission reserves them.
-        sized_from_job = free is None and self.config.kv_cache_tokens is None
         return Scheduler(
             pool,
             self.config.max_num_seqs,

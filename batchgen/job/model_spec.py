@@ -177,8 +177,8 @@ class ModelSpec:
         try:
             dev = resolve_device(device)
             dt = resolve_dtype(dtype, dev)
+            compiled = resolve_compile(compile, dev)
             if not isinstance(engine, EngineConfig):
-                compiled = resolve_compile(compile, dev)
                 engine = EngineConfig.for_device(dev.type, compiled, **(engine or {}))
             check_tensor_parallel(model_cfg, tensor_parallel_size, dev)
         except ValueError as e:  # e.g. --device cuda on a machine without one
@@ -194,7 +194,7 @@ class ModelSpec:
             eos_ids=tuple(eos),
             device=dev,
             dtype=dt,
-            compile=resolve_compile(compile, dev),
+            compile=compiled,
             quant=quant,
             lora=adapter,
             engine=engine,

@@ -22,6 +22,8 @@ import os
 import torch
 from torch import nn
 
+from batchgen.model.transformer import LINEAR_LAYERS
+
 PACKED_WEIGHTS_ENV = "BATCHGEN_PACKED_WEIGHTS"
 
 
@@ -63,13 +65,8 @@ def pack_linears(model: nn.Module) -> int:
     place. Returns how many were packed."""
     packed = 0
     for block in model.layers:
-        for parent, name in (
-            (block.attn, "wqkv"),
-            (block.attn, "wo"),
-            (block.mlp, "w_in"),
-            (block.mlp, "w_out"),
-        ):
-            setattr(parent, name, PackedLinear(getattr(parent, name)))
+        for name in LINEAR_LAYERS:
+            block.set_submodule(name, PackedLinear(block.get_submodule(name)))
             packed += 1
     if model.lm_head.weight is not model.embed.weight:
         model.lm_head = PackedLinear(model.lm_head)

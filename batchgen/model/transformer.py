@@ -96,6 +96,11 @@ class MLP(nn.Module):
         return self.w_out(activation(self.act, h))
 
 
+# The decoder blocks' linear layers, by their names in a Block: what quantization and the CPU's
+# weight packing replace.
+LINEAR_LAYERS = ("attn.wqkv", "attn.wo", "mlp.w_in", "mlp.w_out")
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -14,13 +14,14 @@ import torch
 
 from batchgen.choices import QuantBackend, QuantMethod  # declared once, with the other options
 from batchgen.errors import QuantUnavailableError
+from batchgen.model.transformer import LINEAR_LAYERS
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP_SIZE = 128  # torchao's default; quanto's CUDA int4 kernels need 128
 # Only the decoder blocks' linear layers are quantized; embeddings, norms and lm_head keep
 # the model dtype (lm_head is often tied to the embedding, where a quantized copy would add
 # memory, and it is the layer most sensitive to weight error).
-TARGETS = ("attn.wqkv", "attn.wo", "mlp.w_in", "mlp.w_out")
+TARGETS = LINEAR_LAYERS
 
 _ANY = None  # any model dtype
 # (backend, method) -> {device type: dtypes the compiled path runs with, or _ANY}.
