@@ -4,6 +4,8 @@ the paths that cannot take a packed weight (compile, quantized weights, a tied h
 switch off) keep plain ones. Token equality with transformers through the packed layers is
 tests/test_exactness.py's (it runs the default CPU path)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -13,10 +15,12 @@ from batchgen.llm import LLM
 from batchgen.model.loader import load_model
 from batchgen.model.packed_linear import (
     PACKED_WEIGHTS_ENV,
+    PackedGatedMLP,
     PackedLinear,
     can_pack,
     pack_linears,
 )
+from batchgen.model.transformer import MLP
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.float32), reason="this torch has no oneDNN"
@@ -25,6 +29,23 @@ pytestmark = pytest.mark.skipif(
 
 def _packed_layers(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_a_packed_gated_mlp_equals_the_fused_one(rows):
+    """Its [gate; up] weight and bias split in two packed layers, the same outputs."""
+    g = torch.Generator().manual_seed(rows)
+    cfg = SimpleNamespace(
+        dim=64, intermediate_size=96, gated_mlp=True, activation="silu", mlp_bias=True
+    )
+    mlp = MLP(cfg)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    packed = PackedGatedMLP(mlp)
+    assert [m.out_features for m in (packed.w_gate, packed.w_up, packed.w_out)] == [96, 96, 64]
+    x = torch.randn(rows, 64, generator=g)
+    torch.testing.assert_close(packed(x), mlp(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
@@ -57,7 +78,8 @@ def test_packing_a_loaded_model_keeps_its_logits(tiny_dirs, family):
     packed = load_model(tiny_dirs[family], torch.float32, torch.device("cpu"))
     n = pack_linears(packed)
     tied = plain.cfg.tie_embeddings
-    assert n == 4 * plain.cfg.n_layers + (0 if tied else 1)
+    per_layer = 5 if plain.cfg.gated_mlp else 4  # a gated MLP's gate and up: two weights
+    assert n == per_layer * plain.cfg.n_layers + (0 if tied else 1)
     assert ("lm_head" in _packed_layers(packed)) is not tied
     x = torch.randn(11, plain.cfg.dim)
     for a, b in zip(plain.layers, packed.layers, strict=True):

@@ -22,7 +22,7 @@ import os
 import torch
 from torch import nn
 
-from batchgen.model.transformer import LINEAR_LAYERS
+from batchgen.model.transformer import LINEAR_LAYERS, MLP, activation
 
 PACKED_WEIGHTS_ENV = "BATCHGEN_PACKED_WEIGHTS"
 
@@ -41,15 +41,18 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 class PackedLinear(nn.Module):
     """y = x @ W^T + b from W packed once by oneDNN. `weight` is the packed (opaque) tensor:
-    it keeps the (out, in) shape and the byte count of the plain one."""
+    it keeps the (out, in) shape and the byte count of the plain one. rows: a slice of the
+    linear's output features to keep (a fused layer's part)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, rows: slice = slice(None)) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        plain = linear.weight.detach().contiguous()  # a column-major LM head: one row-major copy
+        # a column-major LM head: one row-major copy
+        plain = linear.weight.detach()[rows].contiguous()
+        self.out_features, self.in_features = plain.shape
         packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
         self.weight = nn.Parameter(packed, requires_grad=False)
-        self.bias = linear.bias
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach()[rows].clone(), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(
@@ -60,14 +63,39 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+class PackedGatedMLP(nn.Module):
+    """A gated MLP (Llama's) with its fused [gate; up] weight packed as two layers: the
+    activation then reads a contiguous gate and the product is taken in place, where the
+    fused layer's (T, 2 x intermediate) output made both read strided halves and allocate
+    twice. Same values as MLP.forward; at 2048 rows (a prefill step) the 55M Llama's MLP took
+    28 ms against 37 (scripts/bench_linear_layouts.py --mlp, docs/benchmarks.md)."""
+
+    def __init__(self, mlp: MLP) -> None:
+        super().__init__()
+        half = mlp.w_in.out_features // 2
+        self.act = mlp.act
+        self.w_gate = PackedLinear(mlp.w_in, slice(0, half))
+        self.w_up = PackedLinear(mlp.w_in, slice(half, None))
+        self.w_out = PackedLinear(mlp.w_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = activation(self.act, self.w_gate(x))  # a new tensor: the product goes in place
+        return self.w_out(h.mul_(self.w_up(x)))
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace the decoder blocks' linear layers and an untied LM head with PackedLinear, in
-    place. Returns how many were packed."""
+    """Replace the decoder blocks' linear layers and an untied LM head with PackedLinear (a
+    gated MLP with PackedGatedMLP), in place. Returns how many weights were packed."""
     packed = 0
     for block in model.layers:
+        gated = block.mlp.gated
         for name in LINEAR_LAYERS:
-            block.set_submodule(name, PackedLinear(block.get_submodule(name)))
-            packed += 1
+            if not (gated and name.startswith("mlp.")):
+                block.set_submodule(name, PackedLinear(block.get_submodule(name)))
+                packed += 1
+        if gated:  # gate, up and down
+            block.mlp = PackedGatedMLP(block.mlp)
+            packed += 3
     if model.lm_head.weight is not model.embed.weight:
         model.lm_head = PackedLinear(model.lm_head)
         packed += 1
