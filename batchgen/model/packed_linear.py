@@ -67,8 +67,8 @@ class PackedGatedMLP(nn.Module):
     """A gated MLP (Llama's) with its fused [gate; up] weight packed as two layers: the
     activation then reads a contiguous gate and the product is taken in place, where the
     fused layer's (T, 2 x intermediate) output made both read strided halves and allocate
-    twice. Same values as MLP.forward; at 2048 rows (a prefill step) the 55M Llama's MLP took
-    28 ms against 37 (scripts/bench_linear_layouts.py --mlp, docs/benchmarks.md)."""
+    twice. Same values as MLP.forward; the mixed job's prompts alone (192 rows, prefill only)
+    ran 1.10x faster with it (docs/benchmarks.md)."""
 
     def __init__(self, mlp: MLP) -> None:
         super().__init__()

@@ -15,6 +15,7 @@ from torch.distributed import ProcessGroup
 
 from batchgen.job.model_spec import ModelSpec
 from batchgen.model.config import ModelConfig
+from batchgen.model.host_malloc import keep_freed_memory
 from batchgen.model.loader import load_model
 from batchgen.model.lora import LoraAdapter, merge_lora
 from batchgen.model.packed_linear import can_pack, pack_linears
@@ -71,6 +72,8 @@ def load_rank_model(
 ) -> RankModel:
     """Rank tp's part of the model, ready to run (the whole model for one rank)."""
     device = spec.device_of(tp.rank)
+    if device.type == "cpu":  # activations are malloc'd: keep freed blocks for the next step
+        keep_freed_memory()
     # When quantizing, load on the host: the pass moves one block at a time to the device
     # and quantizes it there, so the device never holds the float model.
     load_device = torch.device("cpu") if spec.quant.enabled else device
