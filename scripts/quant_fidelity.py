@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -42,9 +43,8 @@ from batchgen.errors import QuantUnavailableError  # noqa: E402
 from batchgen.job.model_spec import DEFAULT_MODEL, load_tokenizer  # noqa: E402
 from batchgen.llm import LLM  # noqa: E402
 from batchgen.model.attention import DecodeGroup, StepAttention  # noqa: E402
-from batchgen.model.transformer import Transformer  # noqa: E402
+from batchgen.model.transformer import RMSNorm, Transformer  # noqa: E402
 from batchgen.quant import available, tensor_bytes  # noqa: E402
-from batchgen.quant.scheme import TARGETS  # noqa: E402
 
 SAMPLES = ROOT / "batchgen" / "assets" / "samples"
 EOS = "<|endoftext|>"
@@ -103,8 +103,14 @@ def teacher_forced(
 
 
 def target_bytes(model: Transformer) -> int:
+    """Bytes of the decoder blocks' linear weights (what quantization replaces), in
+    whatever modules hold them (a float CPU model's packed layers split a gated MLP's w_in)."""
     return sum(
-        tensor_bytes(block.get_submodule(name).weight) for block in model.layers for name in TARGETS
+        tensor_bytes(m.weight)
+        for block in model.layers
+        for m in block.modules()
+        if isinstance(getattr(m, "weight", None), torch.Tensor)
+        and not isinstance(m, (RMSNorm, nn.LayerNorm))
     )
 
 
