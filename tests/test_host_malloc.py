@@ -4,17 +4,14 @@ pages in. Counted in fresh processes (the setting is the process's), in page fau
 
 import json
 import os
-import platform
 import subprocess
 import sys
 
 import pytest
 
-from batchgen.model.host_malloc import MALLOC_TUNING_ENV
+from batchgen.model.host_malloc import MALLOC_TUNING_ENV, is_glibc
 
-pytestmark = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
-)
+pytestmark = pytest.mark.skipif(not is_glibc(), reason="glibc only")
 
 # Frees and allocates activations of 3-24 MiB as a prefill step's layers do; prints the
 # minor page faults of 20 such steps after one warm-up.

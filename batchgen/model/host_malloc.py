@@ -24,12 +24,15 @@ _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit (DEFAULT_MMAP_THRESH
 _NEVER_TRIM = (1 << 31) - 1  # mallopt takes an int
 
 
+def is_glibc() -> bool:
+    """Whether this process's malloc is glibc's (Linux with glibc): what the tuning applies to."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def keep_freed_memory() -> bool:
     """Set this process's malloc to reuse freed blocks up to 32 MiB instead of returning them
     to the kernel. True if it was set (glibc on Linux, not switched off)."""
-    if os.environ.get(MALLOC_TUNING_ENV, "1") == "0":
-        return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if os.environ.get(MALLOC_TUNING_ENV, "1") == "0" or not is_glibc():
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
