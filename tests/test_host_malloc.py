@@ -1,6 +1,8 @@
 """glibc's malloc keeps freed blocks for the next step (model/host_malloc.py): a CPU model's
 load sets it, and then a step-like run of allocations of a few MiB each stops faulting fresh
-pages in. Counted in fresh processes (the setting is the process's), in page faults, not time."""
+pages in. Counted in fresh processes (the setting is the process's), in page faults, not time.
+Each probe turns transparent huge pages off for itself: where the kernel's THP is "always", a
+fault maps 2 MiB or 4 KiB by what memory is free at the time, and the counts say nothing."""
 
 import json
 import os
@@ -16,7 +18,8 @@ pytestmark = pytest.mark.skipif(not is_glibc(), reason="glibc only")
 # Frees and allocates activations of 3-24 MiB as a prefill step's layers do; prints the
 # minor page faults of 20 such steps after one warm-up.
 PROBE = """
-import json, resource, sys
+import ctypes, json, resource, sys
+assert ctypes.CDLL(None).prctl(41, 1, 0, 0, 0) == 0  # PR_SET_THP_DISABLE: 4 KiB faults
 import torch
 from batchgen.model.host_malloc import keep_freed_memory
 
