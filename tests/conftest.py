@@ -72,3 +72,11 @@ def long_model(tmp_path_factory) -> Path:
     """A tiny Llama with 2048 positions, for rows longer than the default 256."""
     root = tmp_path_factory.mktemp("long") / "llama"
     return save_tiny_model("llama", root, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="session")
+def long_context_model(tmp_path_factory) -> Path:
+    """A tiny Llama whose config allows 2**24 positions (RoPE: no weights depend on it), for
+    a KV cache sized from the job beyond any memory."""
+    root = tmp_path_factory.mktemp("long-context") / "llama"
+    return save_tiny_model("llama", root, max_position_embeddings=2**24)

@@ -5,21 +5,12 @@ grammar is built over its vocabulary), and `batchgen plan`'s warning."""
 import json
 import shutil
 
-import pytest
 from helpers import EAGER, assert_one_line_error, prompts, run_cli, write_parquet
-from tiny_models import save_tiny_model
 
 from batchgen.model.memory import format_bytes, host_available_bytes
 
 # 64 rows (engine/config.py CPU_POOL_ROWS) of 2**24 tokens: ~280 GB of KV pool
 HUGE_ROWS = ("--max-new-tokens", 2**24 - 64)
-
-
-@pytest.fixture(scope="module")
-def long_context_model(tmp_path_factory):
-    """A tiny Llama whose config allows 2**24 positions (RoPE: no weights depend on it)."""
-    root = tmp_path_factory.mktemp("long-context") / "llama"
-    return save_tiny_model("llama", root, max_position_embeddings=2**24)
 
 
 def test_an_automatic_cpu_kv_pool_beyond_free_memory_is_refused(tmp_path, long_context_model):

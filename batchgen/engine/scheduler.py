@@ -180,7 +180,7 @@ class Scheduler:
         need = self.pool.blocks_for(len(hit) * self.block_size + n) - len(hit)
         reserve = self.watermark if self.running else 0  # alone, it may take the whole pool
         if self.reserve_full_rows:
-            reserve = growth + self.pool.blocks_for(seq.request.max_tokens) - len(hit) - need
+            reserve = growth + self._blocks_to_come(seq) - len(hit) - need  # it holds none yet
         if need + reserve > self.pool.num_free:
             self.pool.release(hit)
             return False

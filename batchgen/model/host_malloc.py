@@ -8,9 +8,9 @@ came back as fresh pages to fault in and zero: the mixed benchmark job took ~600
 faults. With the mmap threshold fixed at its 32 MiB maximum and no trimming, freed blocks serve
 the next ones: ~240k faults, prefill steps 1.1-1.3x faster, the same peak RSS
 (docs/benchmarks.md); 1.03-1.05x where transparent huge pages are "always" and a fault maps
-up to 2 MiB, each still zeroed. vLLM's CPU guide gets the same from tcmalloc through LD_PRELOAD; this
-needs nothing installed. The KV pool and the weights (above 32 MiB) keep their own mappings.
-BATCHGEN_MALLOC_TUNING=0 leaves malloc as it is.
+up to 2 MiB, each still zeroed. vLLM's CPU guide gets the same from tcmalloc through
+LD_PRELOAD; this needs nothing installed. The KV pool and the weights (above 32 MiB) keep their
+own mappings. BATCHGEN_MALLOC_TUNING=0 leaves malloc as it is.
 """
 
 from __future__ import annotations
