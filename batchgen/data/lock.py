@@ -1,10 +1,14 @@
 """One writer per output directory: an exclusive flock on `OUT/_lock`, held for the writer's
-lifetime; a second run fails at once naming the holder's pid."""
+lifetime; a second run fails at once naming the holder's pid. The lock file is opened without
+following a symbolic link, and only a regular file is taken: a link planted as `OUT/_lock` must
+not get its target truncated (or created)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 from typing import IO
 
 from batchgen.data.atomic import os_error
@@ -19,10 +23,23 @@ def lock_directory(directory: str) -> IO[str]:
     flock belongs to the open file, so the lock lasts exactly as long as the returned file
     stays open, and a killed process never leaves a stale lock. The file itself is kept."""
     path = os.path.join(directory, LOCK_FILE)
+    not_a_file = InputError(
+        f"{path} is not a regular file (a link, directory or device); batchgen "
+        "keeps its lock there: remove it, or pick another output directory"
+    )
+    # O_NONBLOCK: a FIFO planted there must not hang the open; it is refused just below.
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        f = open(path, "a+")  # noqa: SIM115 - held open for the OutputDir's lifetime
+        fd = os.open(path, flags, 0o666)
     except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise not_a_file from None
         raise InputError(os_error(e, f"cannot write to output {directory}")) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:  # a hard link's target is not ours
+        os.close(fd)
+        raise not_a_file
+    f = os.fdopen(fd, "a+")  # held open for the OutputDir's lifetime
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

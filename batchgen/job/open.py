@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from batchgen.choices import OutputFormat, Task
 from batchgen.data import InputFormat, InputSource, open_input
 from batchgen.data.reader import OpenAIBatchSource
 from batchgen.engine.constraints import ConstraintError
-from batchgen.errors import ConfigError
+from batchgen.errors import ConfigError, InputError
 from batchgen.job.config import RunConfig
 from batchgen.job.ids import check_unique_ids
 from batchgen.job.model_spec import ModelSpec
@@ -54,6 +57,7 @@ def open_job(cfg: RunConfig) -> Job:
         tensor_parallel_size=cfg.tensor_parallel_size,
     )
     source = open_input(cfg.input)
+    check_input_outside_output(source, cfg.output)
     if cfg.output_format is OutputFormat.OPENAI and not isinstance(source, OpenAIBatchSource):
         raise ConfigError(
             f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is "
@@ -89,6 +93,19 @@ def open_job(cfg: RunConfig) -> Job:
         except ConstraintError as e:
             raise ConfigError(str(e)) from None
     return Job(cfg, spec, source, prep)
+
+
+def check_input_outside_output(source: InputSource, output: str) -> None:
+    """Refuse an input inside the output directory (or the directory itself): a run replaces
+    the files there and --overwrite deletes them, an input's too, before it is read."""
+    out = Path(os.path.realpath(os.path.expanduser(output)))
+    paths = [*source.files, *([] if glob.has_magic(source.path) else [source.path])]
+    for p in paths:
+        if Path(os.path.realpath(p)).is_relative_to(out):
+            raise InputError(
+                f"input {p} is inside the output directory {output}, whose files a run replaces "
+                "(and --overwrite deletes); pass another -o, or move the input out of it"
+            )
 
 
 def check_weights(spec: ModelSpec) -> None:
