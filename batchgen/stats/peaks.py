@@ -8,6 +8,10 @@ short probe (stats/probe.py: a matmul and a large copy, about a second) measures
 machine, thread count and dtype, cached in ~/.cache/batchgen/peaks.json ($XDG_CACHE_HOME).
 `--peak-tflops` / `--peak-bandwidth-gbs` override either; BATCHGEN_NO_PEAK_PROBE=1 skips the
 probe (MFU and MBU are then left out where no peak is known).
+
+The cache is only a shortcut: one that is not a JSON object of entries holding both figures as
+plausible positive numbers (a hand edit, a half-written file from an old batchgen) is treated
+as absent, so the probe runs again and rewrites it atomically. Given peaks are never looked up.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from batchgen.data.atomic import write_atomic
+from batchgen.errors import OutputError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,10 @@ GPU_PEAKS: tuple[tuple[tuple[str, ...], float, float, str], ...] = (
     (("RTX 4090",), 165.2, 1008.0, "NVIDIA GeForce RTX 4090"),
 )
 NO_PROBE_ENV = "BATCHGEN_NO_PEAK_PROBE"
+# What a CPU's probe can plausibly measure (FLOP/s; bytes/s): anything outside is not a
+# measurement (an MFU of 441,309,057 came from a cached flops of a few hundred).
+CPU_FLOPS_RANGE = (1e7, 1e16)
+CPU_BANDWIDTH_RANGE = (1e7, 1e14)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,28 +83,56 @@ def _cache_file() -> Path:
 
 def cpu_peaks(dtype: torch.dtype) -> tuple[float, float, str] | None:
     """The CPU's measured (FLOP/s, bytes/s, source), from the cache or a probe; None when
-    the probe is switched off and nothing is cached."""
+    the probe is switched off and nothing usable is cached."""
     from batchgen.stats.probe import measure
 
     key = f"{platform.node()}|{platform.machine()}|threads={torch.get_num_threads()}|{dtype}"
     path = _cache_file()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    cache = _read_cache(path)
+    hit = _cached_peaks(cache.get(key))
+    if hit is not None:
+        return *hit, f"probe (cached in {path})"
     if key in cache:
-        hit = cache[key]
-        return hit["matmul_flops"], hit["bandwidth_Bps"], f"probe (cached in {path})"
+        log.warning("ignoring the unusable cached peaks %r in %s; probing again", key, path)
     if os.environ.get(NO_PROBE_ENV):
         return None
     c = measure("cpu", dtype, copy_bytes=128 << 20, matmul_n=1024, reps=3)
     cache[key] = c.to_dict()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cache, indent=2))
-    except OSError as e:  # a read-only home: measure again next time
+        write_atomic(
+            path.parent, path.name, lambda f: f.write(json.dumps(cache, indent=2).encode())
+        )
+    except (OSError, OutputError) as e:  # a read-only home: measure again next time
         log.warning("cannot cache the peak probe in %s: %s", path, e)
     return c.matmul_flops, c.bandwidth_Bps, "probe (measured now)"
+
+
+def _read_cache(path: Path) -> dict:
+    """The cache's entries by key; {} when it is missing, unreadable or not a JSON object."""
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(cache, dict):
+        log.warning("ignoring %s: not a JSON object of cached peaks; probing again", path)
+        return {}
+    return cache
+
+
+def _cached_peaks(entry: object) -> tuple[float, float] | None:
+    """An entry's (FLOP/s, bytes/s) when both are numbers a CPU can measure, else None (a
+    missing key, a string, NaN, infinity, zero or a negative value all land outside)."""
+    if not isinstance(entry, dict):
+        return None
+    flops, bw = entry.get("matmul_flops"), entry.get("bandwidth_Bps")
+    if not all(type(v) in (int, float) for v in (flops, bw)):  # bool is not a measurement
+        return None
+    lo, hi = CPU_FLOPS_RANGE
+    blo, bhi = CPU_BANDWIDTH_RANGE
+    if lo <= flops <= hi and blo <= bw <= bhi:  # False for NaN; ints compare without overflow
+        return float(flops), float(bw)
+    return None
 
 
 def resolve_peaks(
