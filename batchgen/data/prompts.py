@@ -5,89 +5,29 @@ Three modes, picked by the arguments: a Jinja `template` over the row's columns,
 become a prompt raises RowError, which the job records for that row; a bad setup (a template
 that does not compile, messages mode without a chat template) raises InputError up front.
 
-A template is code run on every row, so its render is bounded: at most MAX_PROMPT_CHARS of
-output, MAX_TEMPLATE_STEPS loop iterations and MAX_RENDER_SECONDS of time per row, and no
-`*` or `**` whose result would be larger than that. Jinja's sandbox already caps range() at
-100k items, but not two nested loops of it (10**10 steps) nor "x" * 10**10. Past a bound the
-row gets an error record, as for any other template failure.
+A template is code run on every row, so its render is bounded in size, steps and time
+(render_bounds.py); past a bound the row gets an error record, as for any other template failure.
 """
 
 from __future__ import annotations
 
 import json
-import operator
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
-from jinja2 import meta, nodes
-from jinja2.sandbox import SandboxedEnvironment
+from jinja2 import meta
 
+from batchgen.data.render_bounds import (
+    MAX_PROMPT_CHARS,
+    BoundedEnvironment,
+    Budget,
+    RenderLimit,
+    bound_template,
+)
 from batchgen.errors import InputError, RowError
 
 ChatTemplateFn = Callable[[list[dict[str, Any]]], str]
-
-# Far past any prompt bucket (a token is a few characters), yet small enough to render in
-# milliseconds; a longer rendering is a runaway template, not a prompt.
-MAX_PROMPT_CHARS = 1 << 20
-MAX_TEMPLATE_STEPS = 1_000_000
-MAX_RENDER_SECONDS = 2.0
-
-
-class RenderLimit(Exception):
-    pass
-
-
-class _Budget:
-    """One row's allowance of loop steps, output characters and time."""
-
-    def __init__(self) -> None:
-        self.start()
-
-    def start(self) -> None:
-        self.steps = 0
-        self.deadline = time.monotonic() + MAX_RENDER_SECONDS
-
-    def check_time(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise RenderLimit(f"template render took over {MAX_RENDER_SECONDS:g} s")
-
-    def iterate(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        """What every {% for %} of the template loops over (see _bound_loops)."""
-        for item in iterable:
-            self.steps += 1
-            if self.steps > MAX_TEMPLATE_STEPS:
-                raise RenderLimit(f"template ran over {MAX_TEMPLATE_STEPS} loop steps")
-            if self.steps % 1024 == 0:
-                self.check_time()
-            yield item
-
-
-class _BoundedEnvironment(SandboxedEnvironment):
-    """The sandbox, with `*` and `**` checked before they build a huge string or number.
-    Intercepted operators are also never folded at compile time."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def call_binop(self, context, op: str, left: Any, right: Any) -> Any:
-        if op == "*":
-            for seq, n in ((left, right), (right, left)):
-                sized = isinstance(seq, str | list | tuple) and isinstance(n, int)
-                if sized and len(seq) * n > MAX_PROMPT_CHARS:
-                    raise RenderLimit(f"template built a sequence of {len(seq) * n} items")
-            return operator.mul(left, right)
-        ints = isinstance(left, int) and isinstance(right, int) and abs(left) > 1
-        if ints and right * abs(left).bit_length() > 64 * 1024:
-            raise RenderLimit(f"template computed {left} ** {right}, a number too large")
-        return operator.pow(left, right)
-
-
-def _bound_loops(ast: nodes.Template) -> nodes.Template:
-    """Make every `{% for x in seq %}` loop over `_bounded(seq)` instead."""
-    for loop in ast.find_all(nodes.For):
-        loop.iter = nodes.Call(nodes.Name("_bounded", "load"), [loop.iter], [], None, None)
-    return ast
 
 
 class PromptBuilder:
@@ -123,17 +63,19 @@ class PromptBuilder:
         self.chat_template_fn = chat_template_fn
         self._template: jinja2.Template | None = None
         self._template_vars: frozenset[str] = frozenset()
-        self._budget = _Budget()
+        self._budget = Budget()
         if template is not None:
             # Sandboxed: templates come from the command line and see only the row's columns.
             # StrictUndefined: a misspelt or missing column is an error, not an empty string.
-            env = _BoundedEnvironment(
-                undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False
+            env = BoundedEnvironment(
+                self._budget,
+                undefined=jinja2.StrictUndefined,
+                keep_trailing_newline=True,
+                autoescape=False,
             )
-            env.globals["_bounded"] = self._budget.iterate
             try:
                 self._template_vars = frozenset(meta.find_undeclared_variables(env.parse(template)))
-                self._template = env.from_string(_bound_loops(env.parse(template)))
+                self._template = env.from_string(bound_template(env.parse(template)))
             except jinja2.TemplateSyntaxError as e:
                 raise InputError(f"prompt template does not compile: {e} (line {e.lineno})") from e
 
