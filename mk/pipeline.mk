@@ -23,7 +23,7 @@ PIPELINE_FLAGS  ?=
 # ---- label: jobs/label_sentiment_choice.yaml (labels held to --choice) over a sample ------
 LABEL := out/label
 
-label: $(LABEL)/run/_SUCCESS
+label: $(LABEL)/run/.batchgen/SUCCESS
 	$(BIN)/python scripts/pipeline.py report label $(LABEL)/run
 
 # A new input invalidates earlier results, so the run directory goes with it.
@@ -31,28 +31,28 @@ $(LABEL)/input.parquet: scripts/pipeline.py | install
 	rm -rf $(LABEL)/run
 	$(BIN)/python scripts/pipeline.py prepare --rows $(LABEL_ROWS) --out $@
 
-$(LABEL)/run/shard-%/_SUCCESS: $(LABEL)/input.parquet jobs/label_sentiment_choice.yaml
+$(LABEL)/run/shard-%/.batchgen/SUCCESS: $(LABEL)/input.parquet jobs/label_sentiment_choice.yaml
 	$(BIN)/batchgen run jobs/label_sentiment_choice.yaml --input $< --output $(LABEL)/run \
 		--shard $$(echo $* | sed 's/^0*\([0-9]\)/\1/; s/-of-0*/\//') --quiet $(PIPELINE_FLAGS)
 
-$(LABEL)/run/_SUCCESS: $(foreach s,$(SHARD_NAMES),$(LABEL)/run/$(s)/_SUCCESS)
+$(LABEL)/run/.batchgen/SUCCESS: $(foreach s,$(SHARD_NAMES),$(LABEL)/run/$(s)/.batchgen/SUCCESS)
 	$(BIN)/batchgen merge $(LABEL)/run
 
 # ---- summarize: jobs/summarize.yaml over the first reviews ----------------------------------
 SUMMARIZE := out/summarize-pipeline
 
-summarize: $(SUMMARIZE)/run/_SUCCESS
+summarize: $(SUMMARIZE)/run/.batchgen/SUCCESS
 	$(BIN)/python scripts/pipeline.py report summary $(SUMMARIZE)/run
 
 $(SUMMARIZE)/input.parquet: scripts/pipeline.py | install
 	rm -rf $(SUMMARIZE)/run
 	$(BIN)/python scripts/pipeline.py prepare --rows $(SUMMARIZE_ROWS) --out $@
 
-$(SUMMARIZE)/run/shard-%/_SUCCESS: $(SUMMARIZE)/input.parquet jobs/summarize.yaml
+$(SUMMARIZE)/run/shard-%/.batchgen/SUCCESS: $(SUMMARIZE)/input.parquet jobs/summarize.yaml
 	$(BIN)/batchgen run jobs/summarize.yaml --input $< --output $(SUMMARIZE)/run \
 		--shard $$(echo $* | sed 's/^0*\([0-9]\)/\1/; s/-of-0*/\//') --quiet $(PIPELINE_FLAGS)
 
-$(SUMMARIZE)/run/_SUCCESS: $(foreach s,$(SHARD_NAMES),$(SUMMARIZE)/run/$(s)/_SUCCESS)
+$(SUMMARIZE)/run/.batchgen/SUCCESS: $(foreach s,$(SHARD_NAMES),$(SUMMARIZE)/run/$(s)/.batchgen/SUCCESS)
 	$(BIN)/batchgen merge $(SUMMARIZE)/run
 
 pipeline-clean:

@@ -234,12 +234,13 @@ def slurm_cmd(
 @main.command("merge")
 @click.argument("output")
 @click.option(
-    "--stats-only", is_flag=True, help="Check and write _stats.json, without merged.parquet."
+    "--stats-only", is_flag=True, help="Check and write the statistics, without .batchgen/merged.parquet."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
 def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
     """Check that every shard in OUTPUT finished and belongs to one job, then write
-    OUTPUT/merged.parquet and OUTPUT/_stats.json (totals and a per-shard table).
+    OUTPUT/.batchgen/merged.parquet and OUTPUT/.batchgen/stats.json (totals and a per-shard
+    table). OUTPUT itself still reads as the dataset (pd.read_parquet(OUTPUT)), from the shards.
     Missing, unfinished or mismatched shards are listed by number and nothing is merged."""
     import json
 
@@ -255,7 +256,7 @@ def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
 @main.command("report")
 @click.argument("output")
 def report_cmd(output: str) -> None:
-    """Write OUTPUT/report.html: the run's metrics (throughput and batch over time, TTFT, TPOT
+    """Write OUTPUT/.batchgen/report.html: the run's metrics (throughput and batch over time, TTFT, TPOT
     and latency distributions, the roofline of its steps, the stats table) as one
     self-contained page. For a sharded output, run `batchgen merge OUTPUT` first."""
     from batchgen.report.page import write_report

@@ -1,4 +1,4 @@
-"""OpenAI batch output lines (`--output-format openai`): OUTPUT/results.jsonl.
+"""OpenAI batch output lines (`--output-format openai`): OUTPUT/.batchgen/results.jsonl.
 
 One line per request with a result, in the input's order, as OpenAI's Batch API and
 `vllm run-batch` write them: `id`, `custom_id`, `response` (`status_code`, `request_id`, and a
@@ -23,8 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.data.atomic import write_atomic
-from batchgen.data.writer import RESULTS_FILE
+from batchgen.data.writer import RESULTS_FILE, write_file
 
 _RESULT_COLUMNS = (
     "custom_id",
@@ -48,7 +47,7 @@ def write_results(
     created: int | None = None,
     eos_ids: Collection[int] = (),
 ) -> int:
-    """Write directory/results.jsonl atomically; returns the number of lines.
+    """Write directory/.batchgen/results.jsonl atomically; returns the number of lines.
 
     requests: the OpenAI source's table (`custom_id`, `messages`, `logprobs`, in input order);
     results: the job's output rows (any order), whose id column is custom_id, the input's, with
@@ -76,7 +75,7 @@ def write_results(
         if cid in by_id
     ]
     data = "".join(line + "\n" for line in lines).encode()
-    write_atomic(directory, RESULTS_FILE, lambda f: f.write(data))
+    write_file(directory, RESULTS_FILE, lambda f: f.write(data))
     return len(lines)
 
 

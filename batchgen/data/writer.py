@@ -1,16 +1,22 @@
 """Streaming output with resume: a directory of atomically written Parquet parts.
 
-Layout of an output directory:
-    _lock                held (flock) by the one run writing the directory; holds its pid
-    _job.json            the job's fingerprint (input, model, options, and what the model
-                         and input files were when it started); written first
+Layout of an output directory: the part files are the dataset, and everything else is under a
+hidden name, so that pd.read_parquet(OUT), pyarrow.dataset.dataset(OUT), OUT/*.parquet and
+datasets.load_dataset("parquet", data_dir=OUT) each read exactly the result rows (pyarrow skips
+names starting with "." or "_", `datasets` only those starting with "." and folders with "__"):
     part-00000.parquet   results, each part written to a temp name, fsynced, then renamed
     part-00001.parquet   ...
-    _stats.json          run statistics (throughput, timings, memory); the leading
-                         underscore makes Parquet readers skip it, like _SUCCESS
-    _steps.parquet       one row per engine step of the last run (stats/steps.py)
-    report.html          `batchgen report`'s page, when asked for
-    _SUCCESS             written last, once every row has a result
+    .batchgen/_lock      held (flock) by the one run writing the directory; holds its pid
+    .batchgen/job.json   the job's fingerprint (input, model, options, and what the model
+                         and input files were when it started); written first
+    .batchgen/stats.json run statistics (throughput, timings, memory)
+    .steps.parquet       one row per engine step of the last run (stats/steps.py)
+    .batchgen/results.jsonl  OpenAI batch output lines (--output-format openai)
+    .batchgen/report.html    `batchgen report`'s page, when asked for
+    .batchgen/SUCCESS    written last, once every row has a result
+
+Outputs of batchgen 0.1 (_job.json, _stats.json, _steps.parquet, _SUCCESS, _lock,
+results.jsonl and report.html at the top) are moved into this layout when opened again.
 
 Exactly-once: a part either exists complete under its final name or not at all, so the ids in
 the parts are exactly the rows already done. A rerun of the same job reads those ids, skips
@@ -41,18 +47,31 @@ from batchgen.errors import InputError
 
 log = logging.getLogger(__name__)
 
-JOB_FILE = "_job.json"
-STATS_FILE = "_stats.json"
-SUCCESS_FILE = "_SUCCESS"
-RESULTS_FILE = "results.jsonl"  # OpenAI batch output lines (--output-format openai)
-STEPS_FILE = "_steps.parquet"  # one row per engine step (stats/steps.py)
-REPORT_FILE = "report.html"  # `batchgen report`'s page
+# Bookkeeping, as paths relative to the output directory (see the module doc).
+META_DIR = ".batchgen"
+JOB_FILE = f"{META_DIR}/job.json"
+STATS_FILE = f"{META_DIR}/stats.json"
+SUCCESS_FILE = f"{META_DIR}/SUCCESS"
+RESULTS_FILE = f"{META_DIR}/results.jsonl"  # OpenAI batch output lines (--output-format openai)
+REPORT_FILE = f"{META_DIR}/report.html"  # `batchgen report`'s page
+# One row per engine step (stats/steps.py). At the top, hidden by its dot, not in META_DIR:
+# runner/run.py and scaleout/merge_metrics.py write it with write_atomic(directory, STEPS_FILE).
+STEPS_FILE = ".steps.parquet"
+# The same files as older batchgens named them at the top of the output.
+OLD_NAMES = {
+    "_job.json": JOB_FILE,
+    "_stats.json": STATS_FILE,
+    "_steps.parquet": STEPS_FILE,
+    "results.jsonl": RESULTS_FILE,
+    "report.html": REPORT_FILE,
+    "_SUCCESS": SUCCESS_FILE,  # last: a crash mid-move leaves the job incomplete, not wrong
+}
 _PART_RE = re.compile(r"part-(\d+)\.parquet")
 # What write_atomic's mkstemp names look like: TMP_PREFIX, the final name, "." and a random tail.
 # Any other ".tmp-..." entry is not ours, so it is neither deleted nor taken as a sign of ownership.
 _TMP_RE = re.compile(
-    r"\.tmp-(part-\d+\.parquet|_job\.json|_stats\.json|_steps\.parquet|_SUCCESS|results\.jsonl"
-    r"|report\.html)\.\w+"
+    r"\.tmp-(part-\d+\.parquet|job\.json|stats\.json|\.?_?steps\.parquet|SUCCESS|results\.jsonl"
+    r"|report\.html|_job\.json|_stats\.json|_SUCCESS)\.\w+"
 )
 
 
@@ -78,7 +97,13 @@ class OutputDir:
             raise InputError(os_error(e, f"cannot create output {self.path}")) from None
         # Read-only first: nothing, not even the lock file, goes into a directory that is not ours.
         self._check_owner()
-        self._lock = lock_directory(self.path)
+        migrate_old_layout(self.path)
+        meta = os.path.join(self.path, META_DIR)
+        try:
+            os.makedirs(meta, exist_ok=True)
+        except OSError as e:
+            raise InputError(os_error(e, f"cannot create output {self.path}")) from None
+        self._lock = lock_directory(meta)
         try:
             self._claim(overwrite)
             self._remove_temp_files()
@@ -146,10 +171,10 @@ class OutputDir:
         return name
 
     def write_stats(self, stats: dict[str, Any]) -> None:
-        write_atomic(self.path, STATS_FILE, _json_writer(stats))
+        write_file(self.path, STATS_FILE, _json_writer(stats))
 
     def mark_success(self) -> None:
-        write_atomic(self.path, SUCCESS_FILE, lambda f: None)
+        write_file(self.path, SUCCESS_FILE, lambda f: None)
 
     def _unmark_success(self) -> None:
         success = os.path.join(self.path, SUCCESS_FILE)
@@ -167,7 +192,7 @@ class OutputDir:
     def _check_owner(self) -> None:
         """Refuse a directory that holds files batchgen did not write and no _job.json."""
         names = os.listdir(self.path)
-        if JOB_FILE in names:
+        if os.path.exists(os.path.join(self.path, JOB_FILE)) or "_job.json" in names:
             return  # ours; other files in it (notes, logs/) are left alone
         foreign = [n for n in names if not _is_ours(n)]
         if foreign:
@@ -184,7 +209,7 @@ class OutputDir:
         lost, and a job that failed before writing anything (e.g. a refused pickle checkpoint)
         can be rerun with the fix into the same output."""
         job_file = os.path.join(self.path, JOB_FILE)
-        names = [n for n in os.listdir(self.path) if n != LOCK_FILE]
+        names = self._bookkeeping_and_parts()
         if os.path.exists(job_file):
             try:
                 with open(job_file) as f:
@@ -207,15 +232,14 @@ class OutputDir:
                 log.warning(
                     "output %s holds no results of its earlier job; taking it over", self.path
                 )
-        elif any(_is_ours(n) for n in names) and not overwrite:
+        elif names and not overwrite:
             raise InputError(
                 f"output {self.path} holds result files without a {JOB_FILE}; "
                 "pass --overwrite to replace them, or pick another output directory"
             )
         for n in names:
-            if _is_ours(n):
-                _remove(os.path.join(self.path, n))
-        write_atomic(self.path, JOB_FILE, _json_writer(self.fingerprint))
+            _remove(os.path.join(self.path, n))
+        write_file(self.path, JOB_FILE, _json_writer(self.fingerprint))
 
     def _change_limit(self, stored: dict[str, Any]) -> None:
         """The same job under another limit (None: all rows): a larger one continues it, a
@@ -225,7 +249,7 @@ class OutputDir:
             log.warning("output %s: limit %s -> %s; continuing the job", self.path, old, new)
             if self.is_complete:
                 os.remove(os.path.join(self.path, SUCCESS_FILE))
-            write_atomic(self.path, JOB_FILE, _json_writer(self.fingerprint))
+            write_file(self.path, JOB_FILE, _json_writer(self.fingerprint))
         elif self.is_complete:
             self.fingerprint = stored
         else:
@@ -237,21 +261,61 @@ class OutputDir:
     def _part_numbers(self) -> list[int]:
         return [int(m.group(1)) for n in os.listdir(self.path) if (m := _PART_RE.fullmatch(n))]
 
+    def _bookkeeping_and_parts(self) -> list[str]:
+        """Every file of ours in the directory but the lock, as paths relative to it."""
+        top = [n for n in os.listdir(self.path) if n != META_DIR and _is_ours(n)]
+        meta = os.listdir(os.path.join(self.path, META_DIR))
+        return top + [f"{META_DIR}/{n}" for n in meta if n != LOCK_FILE]
+
     def _remove_temp_files(self) -> None:
-        for n in os.listdir(self.path):
-            if _TMP_RE.fullmatch(n):
-                log.warning("removing leftover temp file %s from an interrupted run", n)
-                _remove(os.path.join(self.path, n))
+        for folder in (self.path, os.path.join(self.path, META_DIR)):
+            for n in os.listdir(folder):
+                if _TMP_RE.fullmatch(n):
+                    log.warning("removing leftover temp file %s from an interrupted run", n)
+                    _remove(os.path.join(folder, n))
 
 
 def _part_name(n: int) -> str:
     return f"part-{n:05d}.parquet"
 
 
+def write_file(directory: str | os.PathLike[str], name: str, write: WriteFn) -> None:
+    """write_atomic for a path relative to `directory` (JOB_FILE, say), making its folder."""
+    folder, base = os.path.split(os.path.join(os.fspath(directory), name))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise InputError(os_error(e, f"cannot create {folder}")) from None
+    write_atomic(folder, base, write)
+
+
+def migrate_old_layout(directory: str | os.PathLike[str]) -> None:
+    """Move an older batchgen's bookkeeping (OLD_NAMES, at the top) into today's layout, under
+    the old lock when there is one, so that its files no longer read as data."""
+    directory = os.fspath(directory)
+    names = os.listdir(directory)
+    if not any(n in OLD_NAMES or n == LOCK_FILE for n in names):
+        return
+    old_lock = lock_directory(directory) if LOCK_FILE in names else None
+    try:
+        os.makedirs(os.path.join(directory, META_DIR), exist_ok=True)
+        for old, new in OLD_NAMES.items():
+            if old in names:
+                log.warning("output %s: moving %s to %s", directory, old, new)
+                os.replace(os.path.join(directory, old), os.path.join(directory, new))
+        if old_lock is not None:
+            os.remove(os.path.join(directory, LOCK_FILE))
+    except OSError as e:
+        raise InputError(os_error(e, f"cannot move {directory}'s files to this layout")) from None
+    finally:
+        if old_lock is not None:
+            old_lock.close()
+
+
 def _is_ours(name: str) -> bool:
+    """A top-level name batchgen writes (today's or an older layout's)."""
     return (
-        name
-        in (JOB_FILE, STATS_FILE, STEPS_FILE, SUCCESS_FILE, LOCK_FILE, RESULTS_FILE, REPORT_FILE)
+        name in (META_DIR, STEPS_FILE, LOCK_FILE, *OLD_NAMES)
         or _TMP_RE.fullmatch(name) is not None
         or _PART_RE.fullmatch(name) is not None
     )

@@ -1,2 +1,2 @@
-"""`batchgen report OUT`: the run's metrics (_stats.json, _steps.parquet) as one self-contained
+"""`batchgen report OUT`: the run's metrics (.batchgen/stats.json, .steps.parquet) as one self-contained
 HTML page with its plots inline (load.py reads, plots.py draws, page.py writes)."""

@@ -1,4 +1,4 @@
-"""What a report is drawn from: an output directory's _stats.json and _steps.parquet, of one
+"""What a report is drawn from: an output directory's stats and step timeline, of one
 run or of merged shards (`batchgen merge` writes both for the whole job)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from batchgen.data.writer import STATS_FILE, STEPS_FILE
+from batchgen.data.writer import STATS_FILE, STEPS_FILE, migrate_old_layout
 from batchgen.errors import InputError
 
 
@@ -18,7 +18,7 @@ from batchgen.errors import InputError
 class RunData:
     out: Path
     stats: dict[str, Any]
-    steps: dict[str, list] | None  # _steps.parquet's columns; None: no timeline
+    steps: dict[str, list] | None  # STEPS_FILE's columns; None: no timeline
 
     @property
     def merged(self) -> bool:
@@ -28,6 +28,8 @@ class RunData:
 def load(out: str | Path) -> RunData:
     """OUT's statistics and timeline; InputError naming the fix when there are none."""
     root = Path(out)
+    if root.is_dir():
+        migrate_old_layout(root)  # an older batchgen's output: its report goes beside the rest
     path = root / STATS_FILE
     if not path.exists():
         shards = sorted(root.glob("shard-*-of-*")) if root.is_dir() else []

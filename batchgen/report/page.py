@@ -1,4 +1,4 @@
-"""OUT/report.html: one self-contained page (the plots inline as PNG data URIs, the styles in
+"""OUT/.batchgen/report.html: one self-contained page (the plots inline as PNG data URIs, the styles in
 the page, nothing fetched), written atomically like every file in an output directory."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from batchgen.data.atomic import write_atomic
-from batchgen.data.writer import REPORT_FILE
+from batchgen.data.writer import REPORT_FILE, write_file
 from batchgen.report import plots
 from batchgen.report.load import RunData, load
 
@@ -118,7 +117,7 @@ def render(data: RunData) -> str:
         parts += ["<h2>Batch and KV cache</h2>", _png(plots.occupancy(data.steps))]
         parts += ["<h2>Roofline</h2>", _png(plots.roofline(data.steps, s))]
     else:
-        parts.append('<p class="note">No _steps.parquet here: no timeline to plot.</p>')
+        parts.append('<p class="note">No step timeline here: no timeline to plot.</p>')
     body = "\n".join(parts)
     return (
         "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
@@ -127,8 +126,8 @@ def render(data: RunData) -> str:
 
 
 def write_report(out: str | Path) -> Path:
-    """Write OUT/report.html from OUT's statistics and timeline; its path."""
+    """Write OUT/.batchgen/report.html from OUT's statistics and timeline; its path."""
     data = load(out)
     page = render(data).encode()
-    write_atomic(data.out, REPORT_FILE, lambda f: f.write(page))
+    write_file(data.out, REPORT_FILE, lambda f: f.write(page))
     return data.out / REPORT_FILE

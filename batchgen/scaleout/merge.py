@@ -2,19 +2,23 @@
 
 A sharded job (`batchgen run --shard I/N`, `batchgen slurm`, `batchgen run --workers`) leaves
 
-    OUT/shard-00000-of-00003/   an ordinary output directory (parts, _job.json, _stats.json,
-    OUT/shard-00001-of-00003/   _SUCCESS) per shard
+    OUT/shard-00000-of-00003/   an ordinary output directory (parts, and .batchgen/ with
+    OUT/shard-00001-of-00003/   job.json, stats.json, SUCCESS) per shard
     OUT/shard-00002-of-00003/
 
-and `merge(OUT)` adds
+and `merge(OUT)` adds, all under hidden names so that directory readers (pd.read_parquet(OUT),
+load_dataset(data_dir=OUT)) still read each row once, from the shards:
 
-    OUT/merged.parquet   every shard's rows in one file (shard 0's parts first, then shard 1's,
-                         ...: grouped by shard, not in input order), same columns as the parts
-                         (the id column under its input name, as in _job.json's id_column)
-    OUT/_stats.json      totals, throughput and a per-shard table; latency percentiles,
+    OUT/.batchgen/merged.parquet  every shard's rows in one file (shard 0's parts first, then
+                         shard 1's, ...: grouped by shard, not in input order), same columns as
+                         the parts (the id column under its input name, as in job.json's id_column)
+    OUT/.batchgen/stats.json  totals, throughput and a per-shard table; latency percentiles,
                          MFU and MBU over all shards (merge_metrics.py)
-    OUT/_steps.parquet   every shard's step timeline on one clock, for `batchgen report`
-    OUT/_SUCCESS         written last
+    OUT/.steps.parquet   every shard's step timeline on one clock, for `batchgen report`
+    OUT/.batchgen/SUCCESS  written last
+
+Shards and merges of batchgen 0.1 (_SUCCESS, _stats.json, merged.parquet ... at the top) are moved
+into this layout first.
 
 Nothing is merged unless every shard 0..N-1 has its _SUCCESS, all shards agree on N, and their
 _job.json fingerprints agree (apart from the shard itself); otherwise `IncompleteOutput` names
@@ -34,9 +38,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.data.atomic import TMP_PREFIX, write_atomic
+from batchgen.data.atomic import TMP_PREFIX
 from batchgen.data.source import DEFAULT_ID_COLUMN
-from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE
+from batchgen.data.writer import (
+    JOB_FILE,
+    META_DIR,
+    STATS_FILE,
+    SUCCESS_FILE,
+    migrate_old_layout,
+    write_file,
+)
 from batchgen.errors import MergeError
 from batchgen.scaleout.merge_metrics import merge_steps, merged_metrics
 from batchgen.scaleout.shard_report import (
@@ -47,9 +58,10 @@ from batchgen.scaleout.shard_report import (
     scan,
 )
 
-MERGED_FILE = "merged.parquet"
+MERGED_FILE = f"{META_DIR}/merged.parquet"
 # write_atomic's temp names of a merge's files: left behind by a merge killed mid-write.
-_TEMP_NAMES = "|".join(map(re.escape, (MERGED_FILE, STATS_FILE, SUCCESS_FILE)))
+_MERGE_FILES = (MERGED_FILE, STATS_FILE, SUCCESS_FILE, "merged.parquet", "_stats.json", "_SUCCESS")
+_TEMP_NAMES = "|".join(re.escape(Path(f).name) for f in _MERGE_FILES)  # today's and 0.1's
 _TMP_RE = re.compile(rf"{re.escape(TMP_PREFIX)}({_TEMP_NAMES})\.\w+")
 
 
@@ -98,6 +110,7 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def merge(out: str | os.PathLike[str], write_data: bool = True) -> MergeSummary:
     """Check OUT's shards and, if all are complete and agree, merge them (see module doc)."""
     root = Path(out)
+    _migrate_old_layout(root)
     reports = scan(root)
     (root / SUCCESS_FILE).unlink(missing_ok=True)  # a new merge makes an old one stale
     _remove_temp_files(root)
@@ -109,14 +122,14 @@ def merge(out: str | os.PathLike[str], write_data: bool = True) -> MergeSummary:
     # The same durable atomic writes as the part files: complete or absent, fsynced, and
     # with the modes any new file gets.
     if write_data:
-        write_atomic(root, MERGED_FILE, lambda f: _merge_parts(reports, f))
+        write_file(root, MERGED_FILE, lambda f: _merge_parts(reports, f))
     else:
         _merge_parts(reports, None)
     summary = MergeSummary(root, reports, root / MERGED_FILE if write_data else None)
     stats = {**summary.to_dict(), **merged_metrics(reports)}
     merge_steps(reports, root)
-    write_atomic(root, STATS_FILE, lambda f: f.write(_json(stats)))
-    write_atomic(root, SUCCESS_FILE, lambda f: None)
+    write_file(root, STATS_FILE, lambda f: f.write(_json(stats)))
+    write_file(root, SUCCESS_FILE, lambda f: None)
     return summary
 
 
@@ -184,9 +197,23 @@ def _merge_parts(reports: list[ShardReport], f: BinaryIO | None) -> None:
 
 
 def _remove_temp_files(root: Path) -> None:
-    for p in root.iterdir():
-        if _TMP_RE.fullmatch(p.name) and p.is_file():
-            p.unlink()
+    for folder in (root, root / META_DIR):
+        for p in folder.iterdir() if folder.is_dir() else ():
+            if _TMP_RE.fullmatch(p.name) and p.is_file():
+                p.unlink()
+
+
+def _migrate_old_layout(root: Path) -> None:
+    """Move batchgen 0.1's files, in the merge and in each complete shard (one still running
+    keeps its files until it is opened again), into today's layout."""
+    if not root.is_dir():
+        return  # scan() says what is wrong
+    for shard in root.glob("shard-*-of-*"):
+        if (shard / "_SUCCESS").exists():
+            migrate_old_layout(shard)
+    migrate_old_layout(root)
+    if (root / "merged.parquet").exists():
+        (root / "merged.parquet").replace(root / MERGED_FILE)
 
 
 def _json(obj: Any) -> bytes:
