@@ -2,7 +2,7 @@
 `build_config` lays the flags given on the line over a spec's values.
 
 Paths starting with `builtin:` point inside the installed package's assets, so the
-example jobs run wherever batchgen is installed.
+example jobs run wherever batchgen is installed (job/config.py resolves them).
 """
 
 from __future__ import annotations
@@ -14,14 +14,7 @@ import click
 import yaml
 
 from batchgen.errors import ConfigError
-from batchgen.job.config import RunConfig
-
-ASSETS = Path(__file__).parents[1] / "assets"
-BUILTIN = "builtin:"
-
-
-def resolve_path(value: str) -> str:
-    return str(ASSETS / value.removeprefix(BUILTIN)) if value.startswith(BUILTIN) else value
+from batchgen.job.config import RunConfig, resolve_path
 
 
 def is_job_spec(path: str) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +27,20 @@ from batchgen.job.shard import Shard, ShardError
 
 # The engine's defaults are EngineConfig's; a RunConfig value of None leaves them to it.
 ENGINE_DEFAULTS = EngineConfig()
+
+# Paths starting with `builtin:` point inside the installed package's assets, so the example
+# jobs (and the Python API's RunConfig(input="builtin:samples/...")) run wherever batchgen is.
+ASSETS = Path(__file__).parents[1] / "assets"
+BUILTIN = "builtin:"
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+# What `-o results.jsonl` (vllm run-batch's habit) means here: a file, where batchgen writes a
+# directory of parts.
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def resolve_path(value: str) -> str:
+    """A `builtin:` path as a path in the package's assets; any other path as it is."""
+    return str(ASSETS / value.removeprefix(BUILTIN)) if value.startswith(BUILTIN) else value
 
 
 @dataclass(slots=True)
@@ -97,6 +112,10 @@ class RunConfig:
         for key in ("input", "output"):
             if not getattr(self, key).strip():
                 raise ConfigError(f"{key} is empty; pass a path")
+        self.input, self.output = resolve_path(self.input), resolve_path(self.output)
+        if self.model is not None:
+            self.model = resolve_path(self.model)
+        _check_local_paths(self.input, self.output)
         for key, choice in choice_fields().items():
             value = getattr(self, key)
             try:
@@ -188,6 +207,24 @@ class RunConfig:
             return cls(**values)
         except TypeError as e:
             raise ConfigError(f"{source}: {e}") from None
+
+
+def _check_local_paths(input: str, output: str) -> None:
+    """Refuse object-store URLs (which would become local folders named `s3:`) and an output
+    named like a file (batchgen writes a directory of part files)."""
+    for key, path in (("input", input), ("output", output)):
+        if _URL.match(path):
+            fix = "write to a local directory, then copy it" if key == "output" else "copy it here"
+            raise ConfigError(
+                f"{key} {path}: object stores and URLs are not supported yet; {fix} "
+                "(e.g. with `aws s3 cp --recursive`)"
+            )
+    if output.rstrip("/").lower().endswith(_FILE_SUFFIXES):
+        raise ConfigError(
+            f"output {output} names a file, but batchgen writes a directory of Parquet parts; "
+            "pass a directory, e.g. `-o OUT` (and `--output-format openai` for "
+            "OUT/.batchgen/results.jsonl, OpenAI batch output lines)"
+        )
 
 
 def read_json_schema(path: str) -> str:
