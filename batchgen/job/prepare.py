@@ -24,7 +24,7 @@ from batchgen.job.config import RunConfig
 from batchgen.job.ids import ROW_NUMBERS_FIX, check_id_type
 from batchgen.job.passthrough import passthrough_columns
 from batchgen.job.row_options import RowOptions, row_number, warn_option_columns
-from batchgen.job.tokenization import fit_length, tokenize
+from batchgen.job.tokenization import fit_length, tokenize_prompts, warn_cut
 
 
 @dataclass(slots=True)
@@ -103,6 +103,7 @@ class Preparer:
             check_id_type(source, self.id_column)
         self.columns = [c for c in source.columns if c in needed]
         self._seen_ids: set[Any] = set()
+        self._warned_cut = False  # once a job: --truncate left a prompt only a sliver
 
     @property
     def output_id_column(self) -> str:
@@ -204,10 +205,13 @@ class Preparer:
                 row.error = error
         token_lists = self._tokenize(texts, chats)
         requests: list[Request] = []
-        for (first, rec, todo), ids_ in zip(pending, token_lists, strict=True):
+        for (first, rec, todo), (ids_, cut) in zip(pending, token_lists, strict=True):
             samples = rows[first : first + len(todo)]
             try:
-                ids_ = fit_length(ids_, self.max_prompt_len, self.cfg.truncate)
+                fitted = fit_length(ids_, self.max_prompt_len, self.cfg.truncate, cut)
+                if not self._warned_cut:
+                    self._warned_cut = warn_cut(fitted, len(ids_), self.cfg.truncate)
+                ids_ = fitted
                 params = [self.options.params(rec, samples[0].id, k) for k in todo]
             except RowError as e:
                 for row in samples:
@@ -245,12 +249,15 @@ class Preparer:
             return 1, f"bad per-row n: {v!r}, not an integer {BOUNDS['n']}"
         return n, None
 
-    def _tokenize(self, texts: list[str], chats: list[bool]) -> list[list[int]]:
-        """Chat templates already hold the model's special tokens; plain text gets them added."""
-        out: list[list[int]] = [[] for _ in texts]
+    def _tokenize(self, texts: list[str], chats: list[bool]) -> list[tuple[list[int], bool]]:
+        """Chat templates already hold the model's special tokens; plain text gets them added.
+        Each text's ids, and whether a text far over the limit was cut first (tokenization.py)."""
+        out: list[tuple[list[int], bool]] = [([], False) for _ in texts]
+        limit, policy = self.max_prompt_len, self.cfg.truncate
         for chat in (False, True):
             idx = [i for i, c in enumerate(chats) if c is chat]
-            lists = tokenize(self.tokenizer, [texts[i] for i in idx], add_special_tokens=not chat)
+            part = [texts[i] for i in idx]
+            lists = tokenize_prompts(self.tokenizer, part, limit, policy, not chat)
             for i, ids in zip(idx, lists, strict=True):
                 out[i] = ids
         return out
