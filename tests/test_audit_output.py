@@ -19,7 +19,19 @@ def finished(tmp_path, model):
 
 
 def _files(d):
-    return {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and p.name != LOCK_FILE}
+    return {
+        str(p.relative_to(d)): p.read_bytes()
+        for p in d.rglob("*")
+        if p.is_file() and p.name != LOCK_FILE
+    }
+
+
+def _lock_path(out, src, model):
+    """Where batchgen keeps OUT's lock: found after a first run into OUT, then removed."""
+    run_job(src, out, model, "--max-new-tokens", 2)
+    (lock,) = out.rglob(LOCK_FILE)
+    lock.unlink()
+    return lock
 
 
 def test_overwrite_refuses_the_output_as_its_own_input(finished, model):
@@ -46,17 +58,16 @@ def test_lock_link_is_not_followed(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me\n")
-    out = tmp_path / "s"
-    out.mkdir()
-    (out / LOCK_FILE).symlink_to(victim)
-    r = run_job(src, out, model, "--max-new-tokens", 2, exit_code=2)
+    lock = _lock_path(tmp_path / "s", src, model)
+    lock.symlink_to(victim)
+    r = run_job(src, tmp_path / "s", model, "--max-new-tokens", 2, exit_code=2)
     assert_one_line_error(r, "_lock", "not a regular file")
     assert victim.read_text() == "keep me\n"
 
     # A dangling link does not create its target.
-    (out / LOCK_FILE).unlink()
-    (out / LOCK_FILE).symlink_to(tmp_path / "created.txt")
-    run_job(src, out, model, "--max-new-tokens", 2, exit_code=2)
+    lock.unlink()
+    lock.symlink_to(tmp_path / "created.txt")
+    run_job(src, tmp_path / "s", model, "--max-new-tokens", 2, exit_code=2)
     assert not (tmp_path / "created.txt").exists()
 
 
@@ -64,8 +75,7 @@ def test_lock_link_is_not_followed(tmp_path, model):
 def test_lock_that_is_not_a_plain_file_is_refused(tmp_path, model, kind):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     out = tmp_path / "s"
-    out.mkdir()
-    lock = out / LOCK_FILE
+    lock = _lock_path(out, src, model)
     if kind == "hardlink":
         victim = tmp_path / "victim.txt"
         victim.write_text("keep me\n")
@@ -85,4 +95,5 @@ def test_lock_still_taken_and_rerun_resumes(finished, model):
     src = finished.parent / "in.parquet"
     r = run_job(src, finished, model, "--max-new-tokens", 2)
     assert r.exit_code == 0
-    assert (finished / LOCK_FILE).read_text().strip().isdigit()
+    (lock,) = finished.rglob(LOCK_FILE)
+    assert lock.read_text().strip().isdigit()
