@@ -8,7 +8,7 @@ from helpers import assert_one_line_error, run_cli, write_parquet
 
 from batchgen import RunConfig
 from batchgen.errors import ConfigError
-from batchgen.job.config import ASSETS
+from batchgen.job.paths import ASSETS
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 `build_config` lays the flags given on the line over a spec's values.
 
 Paths starting with `builtin:` point inside the installed package's assets, so the
-example jobs run wherever batchgen is installed (job/config.py resolves them).
+example jobs run wherever batchgen is installed (job/paths.py resolves them, for RunConfig).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import click
 import yaml
 
 from batchgen.errors import ConfigError
-from batchgen.job.config import RunConfig, resolve_path
+from batchgen.job.config import RunConfig
+from batchgen.job.paths import resolve_path
 
 
 def is_job_spec(path: str) -> bool:

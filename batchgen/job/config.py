@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,24 +22,11 @@ from batchgen.choices import (
 )
 from batchgen.engine.config import EngineConfig
 from batchgen.errors import ConfigError
+from batchgen.job.paths import check_local_paths, resolve_path
 from batchgen.job.shard import Shard, ShardError
 
 # The engine's defaults are EngineConfig's; a RunConfig value of None leaves them to it.
 ENGINE_DEFAULTS = EngineConfig()
-
-# Paths starting with `builtin:` point inside the installed package's assets, so the example
-# jobs (and the Python API's RunConfig(input="builtin:samples/...")) run wherever batchgen is.
-ASSETS = Path(__file__).parents[1] / "assets"
-BUILTIN = "builtin:"
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-# What `-o results.jsonl` (vllm run-batch's habit) means here: a file, where batchgen writes a
-# directory of parts.
-_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-
-
-def resolve_path(value: str) -> str:
-    """A `builtin:` path as a path in the package's assets; any other path as it is."""
-    return str(ASSETS / value.removeprefix(BUILTIN)) if value.startswith(BUILTIN) else value
 
 
 @dataclass(slots=True)
@@ -77,6 +63,7 @@ class RunConfig:
     device: str = "auto"
     dtype: Dtype = Dtype.AUTO
     compile: bool | None = None  # None: on a GPU yes, on the CPU no (measured: no faster there)
+    compile_cache: str | None = None  # None: $BATCHGEN_COMPILE_CACHE or ~/.cache; "off": none
     quantize: QuantMethod = QuantMethod.NONE
     quant_backend: QuantBackend = QuantBackend.AUTO
     quant_group_size: int | None = None  # int4's largest group; None: 128 (smaller where it must)
@@ -115,7 +102,7 @@ class RunConfig:
         self.input, self.output = resolve_path(self.input), resolve_path(self.output)
         if self.model is not None:
             self.model = resolve_path(self.model)
-        _check_local_paths(self.input, self.output)
+        check_local_paths(self.input, self.output)
         for key, choice in choice_fields().items():
             value = getattr(self, key)
             try:
@@ -123,6 +110,15 @@ class RunConfig:
             except ValueError:
                 allowed = ", ".join(c.value for c in choice)
                 raise ConfigError(f"{key}: {value!r} is not one of {allowed}") from None
+        if self.device != "auto":  # cpu, cuda, cuda:1, ...: refused here, not in a traceback
+            import torch
+
+            try:
+                torch.device(self.device)
+            except (RuntimeError, ValueError, TypeError):
+                raise ConfigError(
+                    f"device: {self.device!r} is not auto, cpu, cuda or cuda:N"
+                ) from None
         for key, bound in BOUNDS.items():
             value = getattr(self, key)
             if value is not None and value not in bound:
@@ -181,6 +177,11 @@ class RunConfig:
             raise ConfigError(
                 "task score writes scores, not OpenAI completions; drop --output-format openai"
             )
+        if self.choice is not None and any(not str(c).strip() for c in self.choice):
+            raise ConfigError(
+                f"task score: --choice {self.choice!r} has an empty label, which would score "
+                'no tokens; give each label some text (" positive" keeps its space)'
+            )
 
     @property
     def output_dir(self) -> str:
@@ -207,24 +208,6 @@ class RunConfig:
             return cls(**values)
         except TypeError as e:
             raise ConfigError(f"{source}: {e}") from None
-
-
-def _check_local_paths(input: str, output: str) -> None:
-    """Refuse object-store URLs (which would become local folders named `s3:`) and an output
-    named like a file (batchgen writes a directory of part files)."""
-    for key, path in (("input", input), ("output", output)):
-        if _URL.match(path):
-            fix = "write to a local directory, then copy it" if key == "output" else "copy it here"
-            raise ConfigError(
-                f"{key} {path}: object stores and URLs are not supported yet; {fix} "
-                "(e.g. with `aws s3 cp --recursive`)"
-            )
-    if output.rstrip("/").lower().endswith(_FILE_SUFFIXES):
-        raise ConfigError(
-            f"output {output} names a file, but batchgen writes a directory of Parquet parts; "
-            "pass a directory, e.g. `-o OUT` (and `--output-format openai` for "
-            "OUT/.batchgen/results.jsonl, OpenAI batch output lines)"
-        )
 
 
 def read_json_schema(path: str) -> str:
