@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import FAMILIES, save_tiny_model
+from tiny_models import FAMILIES, SHARPEN, save_tiny_model
 
 # Tiny test models gain nothing from a second thread, and a busy machine stalls it.
 torch.set_num_threads(1)
@@ -25,6 +25,17 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny random checkpoint per supported family, saved with transformers."""
     root = tmp_path_factory.mktemp("tiny")
     return {f: save_tiny_model(f, root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def sharp_dirs(tmp_path_factory) -> dict[str, Path]:
+    """The tiny models with peaked attention (tiny_models.sharpen_attention), one per family
+    and "mistral-window4" (a 4-token sliding window): the exactness tests' models, on which
+    a missing feature changes the greedy tokens (test_exactness_controls.py)."""
+    root = tmp_path_factory.mktemp("sharp")
+    dirs = {f: save_tiny_model(f, root / f, sharpen=SHARPEN) for f in FAMILIES}
+    window = save_tiny_model("mistral", root / "window4", sharpen=SHARPEN, sliding_window=4)
+    return {**dirs, "mistral-window4": window}
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Shared helpers for the CLI tests: write real input files, run the real CLI, read outputs."""
+"""Shared helpers for the tests: write real input files, run the real CLI, read outputs; random
+token prompts and transformers' greedy rows, the reference for exactness."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
+import transformers
 from click.testing import CliRunner, Result
 
 from batchgen.cli import main
@@ -129,3 +132,30 @@ def rows_by_id(out: Path, id_column: str = "id") -> dict[Any, dict[str, Any]]:
 
 def read_stats(out: Path) -> dict[str, Any]:
     return json.loads((out / "_stats.json").read_text())
+
+
+def random_prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
+    """Prompts of token ids in [2, 500) (no BOS/EOS), one of each length."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 500, (n,), generator=g).tolist() for n in lens]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' batched generate with left padding, per-row outputs up to EOS."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = hf.generation_config.pad_token_id or 0
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new,
+        do_sample=False,
+        pad_token_id=pad,
+    )[:, width:]
+    eos = hf.generation_config.eos_token_id
+    rows = []
+    for r in out.tolist():
+        rows.append(r[: r.index(eos) + 1] if eos in r else r)
+    return rows
