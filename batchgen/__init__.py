@@ -2,7 +2,8 @@
 
 from batchgen import LLM, SamplingParams
 llm = LLM("path/to/model")            # a local save_pretrained directory
-outs = llm.generate(["Hello"], SamplingParams(max_new_tokens=16))
+outs = llm.generate(["Hello"], SamplingParams(max_tokens=16, stop="\n"))
+outs[0].outputs[0].text               # as vLLM's RequestOutput; llm.chat(messages) too
 
 from batchgen import RunConfig, run   # what `batchgen run` does
 run(RunConfig(input="prompts.parquet", output="out/"))
@@ -10,10 +11,19 @@ run(RunConfig(input="prompts.parquet", output="out/"))
 
 from typing import Any
 
-from batchgen.engine.sequence import Completion, FinishReason, SamplingParams
+from batchgen.engine.sequence import Completion, FinishReason
 from batchgen.job.config import RunConfig
+from batchgen.job.sampling import RequestOutput, SamplingParams
 
-__all__ = ["LLM", "Completion", "FinishReason", "RunConfig", "SamplingParams", "run"]
+__all__ = [
+    "LLM",
+    "Completion",
+    "FinishReason",
+    "RequestOutput",
+    "RunConfig",
+    "SamplingParams",
+    "run",
+]
 
 
 def run(config: RunConfig):

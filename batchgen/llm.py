@@ -1,22 +1,42 @@
-"""The Python API: `LLM(model_dir).generate(prompts, params)`."""
+"""The Python API: `LLM(model_dir).generate(prompts, SamplingParams(...))`, named as in vLLM.
+
+`SamplingParams` (job/sampling.py) takes vLLM's names (max_tokens, n, stop as a string or a
+list, logprobs, ...) beside batchgen's, and `generate`/`chat` return one `RequestOutput` per prompt with its `n`
+completions in `.outputs`, as vLLM does. docs/coming-from-vllm.md lists the names.
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from batchgen.data.prompts import PromptBuilder
+from batchgen.engine import sequence
+from batchgen.engine.compile_cache import CompileCache
 from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.sequence import Completion, Request, SamplingParams
+from batchgen.engine.sequence import Completion, Request
+from batchgen.errors import RowError
 from batchgen.job.model_spec import ModelSpec
+from batchgen.job.sampling import RequestOutput, SamplingParams
+from batchgen.model.attention import DECODE_ATTENTION_ENV
 from batchgen.model.tensor_parallel import TPShard
 from batchgen.model.tp_layers import CollectiveClock
 from batchgen.parallel.rank_model import RankSpec, load_rank_model
 from batchgen.parallel.ranks import RankedRunner, Ranks
 from batchgen.quant import weight_bytes
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": ...} form
+Message = dict[str, Any]  # {"role": ..., "content": ...}
 
 
 class LLM:
@@ -65,9 +85,29 @@ class LLM:
                 self.model, self.ranks, block_size=block_size, compile=spec.compile, clock=clock
             )
         else:
-            self.runner = ModelRunner(self.model, block_size=block_size, compile=spec.compile)
+            cache = self._compile_cache() if spec.compile else None
+            self.runner = ModelRunner(
+                self.model, block_size=block_size, compile=spec.compile, compile_cache=cache
+            )
         # Grammars are compiled (xgrammar imported) only when a constrained row comes.
         self.engine = Engine(self.runner, spec.engine, self.detokenize, spec.eos_ids, spec.grammars)
+
+    def _compile_cache(self) -> CompileCache | None:
+        """The compile cache of this model as loaded (engine/compile_cache.py); None: off."""
+        spec = self.spec
+        if spec.compile_cache is None:
+            return None
+        config = (spec.model_dir / "config.json").read_bytes()
+        parts = {
+            "model_config": hashlib.sha256(config).hexdigest(),
+            "dtype": str(spec.dtype),
+            "quantization": self.quant.to_dict(),
+            "lora": self.lora.sha256 if self.lora is not None else None,
+            "block_size": spec.engine.block_size,
+            "decode_attention": os.environ.get(DECODE_ATTENTION_ENV) or "device default",
+            "tensor_parallel": [0, spec.tensor_parallel_size],
+        }
+        return CompileCache.of(spec.compile_cache, parts, spec.device)
 
     @property
     def weights_bytes_per_rank(self) -> int:
@@ -92,17 +132,79 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[list[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[Completion]:
-        """Generate for each prompt (text, or token ids); results in prompt order."""
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: sequence.SamplingParams | Sequence[sequence.SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        *,
+        params: sequence.SamplingParams | Sequence[sequence.SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, token ids, or {"prompt": ...} /
+        {"prompt_token_ids": ...}; one string is one prompt); one RequestOutput per prompt, in
+        prompt order. sampling_params (or params, batchgen's earlier name): one for all
+        prompts or one each. use_tqdm: a progress bar over the completions."""
+        if isinstance(prompts, str | dict) or _is_token_ids(prompts):
+            prompts = [prompts]
+        texts, ids = [], []
+        for p in prompts:
+            if isinstance(p, dict):
+                p = p.get("prompt_token_ids", p.get("prompt"))
+            texts.append(p if isinstance(p, str) else None)
+            ids.append(list(p) if not isinstance(p, str) else self.tokenizer(p)["input_ids"])
+        return self._generate(texts, ids, sampling_params or params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: sequence.SamplingParams | Sequence[sequence.SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {role, content} messages) or to each of a list
+        of them, through the tokenizer's chat template as `--messages-column` renders rows."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "this model's tokenizer has no chat template; render the prompt yourself and "
+                "call generate()"
+            )
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        builder = PromptBuilder(None, "messages", None, self._chat_text)
+        try:
+            texts = [builder.render({"messages": list(c)}) for c in convs]
+        except RowError as e:
+            raise ValueError(str(e)) from None
+        # the template already holds the model's special tokens (BOS)
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return self._generate(texts, ids, sampling_params, use_tqdm)
+
+    def _chat_text(self, messages: list[Message]) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+
+    def _generate(
+        self,
+        texts: list[str | None],
+        ids: list[list[int]],
+        params: sequence.SamplingParams | Sequence[sequence.SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         params = params or SamplingParams()
-        per_row = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        requests = []
-        for i, (p, sp) in enumerate(zip(prompts, per_row, strict=True)):
-            ids = p if isinstance(p, list) else self.tokenizer(p)["input_ids"]
-            requests.append(Request(i, list(ids), sp))
-        return self._run(requests)
+        per_row = [params] * len(ids) if isinstance(params, sequence.SamplingParams) else params
+        if len(per_row) != len(ids):
+            raise ValueError(f"{len(per_row)} sampling params for {len(ids)} prompts")
+        requests, owner = [], []  # owner: each request's (prompt, sample)
+        for i, (p, sp) in enumerate(zip(ids, per_row, strict=True)):
+            n = getattr(sp, "n", 1)
+            for k in range(n):
+                requests.append(Request(len(requests), p, sp.sample(k) if n > 1 else sp))
+                owner.append((i, k))
+        if any(getattr(sp, "n", 1) > 1 and sp.greedy for sp in per_row):
+            _warn_greedy_samples()
+        done = self._run(requests, use_tqdm)
+        outs = [RequestOutput(i, t, p, []) for i, (t, p) in enumerate(zip(texts, ids, strict=True))]
+        for c, (i, k) in zip(done, owner, strict=True):
+            c.index = k
+            outs[i].outputs.append(c)
+        return outs
 
     def score(
         self,
@@ -125,13 +227,36 @@ class LLM:
             c if isinstance(c, list) else self.tokenizer(c, add_special_tokens=False)["input_ids"]
         )
 
-    def _run(self, requests: list[Request]) -> list[Completion]:
+    def _run(self, requests: list[Request], use_tqdm: bool = False) -> list[Completion]:
         results: list[Completion | None] = [None] * len(requests)
         self.engine.reserve(max((r.longest_tokens for r in requests), default=1))
-        for report in self.engine.generate(requests):
-            for c in report.finished:
-                results[c.index] = c
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(requests), desc="generating", unit="completion")
+        try:
+            for report in self.engine.generate(requests):
+                for c in report.finished:
+                    results[c.index] = c
+                if bar is not None:
+                    bar.update(len(report.finished))
+        finally:
+            if bar is not None:
+                bar.close()
         return results  # type: ignore[return-value]
+
+
+@functools.cache
+def _warn_greedy_samples() -> None:
+    log.warning(
+        "n > 1 with temperature 0 (greedy) gives n identical completions; pass a temperature "
+        "above 0 (e.g. temperature=0.8) to sample different ones (warned once)"
+    )
+
+
+def _is_token_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
 
 
 def _is_candidate_list(x: Sequence) -> bool:

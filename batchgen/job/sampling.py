@@ -1,0 +1,107 @@
+"""The Python API's plain types, named as in vLLM: SamplingParams (the engine's, under vLLM's
+names too, with `n` samples) and RequestOutput (one prompt's completions)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.engine import sequence
+from batchgen.engine.sequence import Completion, Constraint
+from batchgen.job.seeds import row_seed
+
+
+@dataclass(slots=True, frozen=True, init=False)
+class SamplingParams(sequence.SamplingParams):
+    """The engine's sampling parameters under vLLM's names too, with `n` samples per prompt.
+
+    max_tokens (or max_new_tokens): tokens to generate, 64 by default (vLLM's is 16);
+    temperature 0 (the default; vLLM's is 1.0) is greedy; top_k -1 or 0 is off; stop: one
+    string or a list of them; logprobs: the likeliest alternatives kept per generated token (each
+    token's own logprob is always in `.logprobs`); seed None means 0."""
+
+    n: int = 1
+
+    def __init__(
+        self,
+        n: int = 1,
+        *,
+        max_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        logprobs: int | None = None,
+        ignore_eos: bool = False,
+        max_new_tokens: int | None = None,
+        top_logprobs: int | None = None,
+        constraint: Constraint | None = None,
+    ) -> None:
+        if max_tokens is not None and max_new_tokens not in (None, max_tokens):
+            raise ValueError(
+                f"max_tokens {max_tokens} and max_new_tokens {max_new_tokens}: pass one"
+            )
+        if logprobs is not None and top_logprobs not in (None, logprobs):
+            raise ValueError(f"logprobs {logprobs} and top_logprobs {top_logprobs}: pass one")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        sequence.SamplingParams.__init__(
+            self,
+            max_new_tokens=next((v for v in (max_tokens, max_new_tokens) if v is not None), 64),
+            temperature=temperature,
+            top_k=0 if top_k == -1 else top_k,  # vLLM's "off"
+            top_p=top_p,
+            seed=0 if seed is None else seed,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            ignore_eos=ignore_eos,
+            constraint=constraint,
+            top_logprobs=next((v for v in (logprobs, top_logprobs) if v is not None), 0),
+        )
+        object.__setattr__(self, "n", n)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_new_tokens
+
+    def sample(self, k: int) -> sequence.SamplingParams:
+        """The engine's parameters of sample k: each sample its own seed, the first the given."""
+        fields = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(sequence.SamplingParams)
+        }
+        return sequence.SamplingParams(
+            **{**fields, "seed": row_seed(self.seed, 0, k) if k else self.seed}
+        )
+
+
+_COMPLETION_NAMES = frozenset(f.name for f in dataclasses.fields(Completion)) | {
+    "completion_tokens"
+}
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One prompt's results, shaped like vLLM's: `outputs` holds its n completions (`text`,
+    `token_ids`, `finish_reason`, `logprobs`; `index` the sample's number). The first
+    completion's fields also read on the result itself (`out.text`, `out.finish_reason`: the
+    names batchgen's generate returned before)."""
+
+    index: int  # the prompt's place in the call
+    prompt: str | None  # None: given as token ids
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+
+    @property
+    def request_id(self) -> str:
+        return str(self.index)
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _COMPLETION_NAMES:
+            return getattr(self.outputs[0], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
