@@ -198,6 +198,7 @@ def slurm_cmd(
     from batchgen.scaleout.slurm import (
         SbatchOptions,
         SlurmError,
+        parse_only,
         sbatch_script,
         submit,
         write_script,
@@ -211,8 +212,7 @@ def slurm_cmd(
         run_ctx = run_cmd.make_context("run", [source, *args, "--shard", f"0/{opts['shards']}"])
         params = {k: v for k, v in run_ctx.params.items() if k not in ("source", "dry_run")}
         cfg = build_config(run_ctx, source, **params)
-        shards = tuple(int(i) for i in only.split(",")) if only else ()
-        sb = SbatchOptions(only=shards, **opts)
+        sb = SbatchOptions(only=parse_only(only), **opts)
         script = sbatch_script(source, cfg, args, sb)
         if dry_run:
             click.echo(script)
@@ -223,6 +223,8 @@ def slurm_cmd(
         _fail(str(e), EXIT_USAGE)
     except click.UsageError as e:
         _fail(f"in the run flags: {e.format_message()}", EXIT_USAGE)
+    except RuntimeFailure as e:  # sbatch failed, or the script could not be written
+        _fail(str(e), 1)
     click.echo(job_id)
     click.echo(
         f"submitted {sb.array} of {sb.shards} shards as job {job_id} (script {path}); "
@@ -234,7 +236,9 @@ def slurm_cmd(
 @main.command("merge")
 @click.argument("output")
 @click.option(
-    "--stats-only", is_flag=True, help="Check and write the statistics, without .batchgen/merged.parquet."
+    "--stats-only",
+    is_flag=True,
+    help="Check and write the statistics, without .batchgen/merged.parquet.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
 def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
@@ -248,6 +252,8 @@ def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
 
     try:
         summary = merge(output, write_data=not stats_only)
+    except UsageError as e:
+        _fail(str(e), EXIT_USAGE)
     except RuntimeFailure as e:
         _fail(str(e), 1)
     click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else summary.table())

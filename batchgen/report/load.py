@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.data.writer import STATS_FILE, STEPS_FILE, migrate_old_layout
+from batchgen.data.writer import JOB_FILE, STATS_FILE, STEPS_FILE, migrate_old_layout
 from batchgen.errors import InputError
 
 
@@ -28,21 +29,40 @@ class RunData:
 def load(out: str | Path) -> RunData:
     """OUT's statistics and timeline; InputError naming the fix when there are none."""
     root = Path(out)
-    if root.is_dir():
-        migrate_old_layout(root)  # an older batchgen's output: its report goes beside the rest
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "no such directory"
+        raise InputError(f"{root}: {what}; pass a batchgen output directory")
+    migrate_old_layout(root)  # an older batchgen's output: its report goes beside the rest
     path = root / STATS_FILE
     if not path.exists():
-        shards = sorted(root.glob("shard-*-of-*")) if root.is_dir() else []
-        fix = (
-            f"it holds shards: run `batchgen merge {root}` first"
-            if shards
-            else "run `batchgen run ... -o OUT` into it first"
-        )
-        raise InputError(f"{path} not found: {root} is not a batchgen output ({fix})")
+        raise InputError(f"{path} not found: {_no_stats_fix(root)}")
     try:
         stats = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise InputError(f"cannot read {path}: {e}") from None
+    if not isinstance(stats, dict):
+        raise InputError(
+            f"{path} holds a JSON {type(stats).__name__}, not the object of statistics batchgen "
+            "writes; run the job again to write it anew"
+        )
     steps_path = root / STEPS_FILE
-    steps = pq.read_table(steps_path).to_pydict() if steps_path.exists() else None
+    try:
+        steps = pq.read_table(steps_path).to_pydict() if steps_path.exists() else None
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(
+            f"cannot read the step timeline {steps_path}: {e}; delete it for a report "
+            "without the timeline, or run the job again"
+        ) from None
     return RunData(root, stats, steps)
+
+
+def _no_stats_fix(root: Path) -> str:
+    """What a directory without statistics is, and what to do."""
+    if sorted(root.glob("shard-*-of-*")):
+        return f"{root} holds shards: run `batchgen merge {root}` first"
+    if (root / JOB_FILE).exists() or sorted(root.glob("part-*.parquet")):
+        return (
+            f"{root} holds an unfinished run (stopped before it wrote its statistics, e.g. "
+            "killed): run the same `batchgen run` command again to finish it, then report"
+        )
+    return f"{root} is not a batchgen output (run `batchgen run ... -o OUT` into it first)"

@@ -12,6 +12,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from batchgen.data.writer import REPORT_FILE, write_file
+from batchgen.errors import InputError
 from batchgen.report import plots
 from batchgen.report.load import RunData, load
 
@@ -128,6 +129,12 @@ def render(data: RunData) -> str:
 def write_report(out: str | Path) -> Path:
     """Write OUT/.batchgen/report.html from OUT's statistics and timeline; its path."""
     data = load(out)
-    page = render(data).encode()
+    try:
+        page = render(data).encode()
+    except (KeyError, TypeError, ValueError, IndexError) as e:  # a hand-edited or foreign file
+        raise InputError(
+            f"{data.out}'s statistics or step timeline do not hold what batchgen writes "
+            f"({type(e).__name__}: {e}); run the job again to write them anew"
+        ) from None
     write_file(data.out, REPORT_FILE, lambda f: f.write(page))
     return data.out / REPORT_FILE

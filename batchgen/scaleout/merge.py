@@ -48,7 +48,7 @@ from batchgen.data.writer import (
     migrate_old_layout,
     write_file,
 )
-from batchgen.errors import MergeError
+from batchgen.errors import InputError, MergeError
 from batchgen.scaleout.merge_metrics import merge_steps, merged_metrics
 from batchgen.scaleout.shard_report import (
     IncompleteOutput,
@@ -110,6 +110,9 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def merge(out: str | os.PathLike[str], write_data: bool = True) -> MergeSummary:
     """Check OUT's shards and, if all are complete and agree, merge them (see module doc)."""
     root = Path(out)
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "no such directory"
+        raise InputError(f"{root}: {what}; pass the output directory of a sharded job")
     _migrate_old_layout(root)
     reports = scan(root)
     (root / SUCCESS_FILE).unlink(missing_ok=True)  # a new merge makes an old one stale

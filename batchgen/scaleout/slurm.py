@@ -28,12 +28,30 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchgen.data.atomic import write_atomic
+from batchgen.errors import RuntimeFailure
 from batchgen.job.config import RunConfig
 from batchgen.job.shard import without_array_task
 
 
 class SlurmError(RuntimeError):
-    pass
+    """The job cannot be submitted as asked (exit 2)."""
+
+
+class SbatchFailed(RuntimeFailure):
+    """sbatch ran and refused or failed (exit 1)."""
+
+
+def parse_only(text: str | None) -> tuple[int, ...]:
+    """--only's shard numbers ("2,5")."""
+    if not text:
+        return ()
+    try:
+        return tuple(int(i) for i in text.split(","))
+    except ValueError:
+        raise SlurmError(
+            f"--only {text!r}: give comma-separated shard numbers, e.g. --only 2,5"
+        ) from None
 
 
 @dataclass(slots=True)
@@ -56,6 +74,14 @@ class SbatchOptions:
         bad = [i for i in self.only if not 0 <= i < self.shards]
         if bad:
             raise SlurmError(f"--only {bad}: shards are numbered 0..{self.shards - 1}")
+        if self.max_parallel is not None and self.max_parallel < 1:
+            raise SlurmError(
+                f"--max-parallel must be >= 1, got {self.max_parallel} (leave it out for no cap)"
+            )
+        if self.grace_s < 0:
+            raise SlurmError(
+                f"--grace must be >= 0 seconds before the time limit, got {self.grace_s}"
+            )
 
     @property
     def array(self) -> str:
@@ -187,9 +213,9 @@ def write_script(output: str, script: str) -> Path:
     """Save the script under OUT/logs/ (which must exist before sbatch opens its logs)."""
     logs = Path(output) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    path = logs / "batchgen.sbatch"
-    path.write_text(script)
-    return path
+    # Written whole under a new name and renamed: a link planted there is replaced, not followed.
+    write_atomic(logs, "batchgen.sbatch", lambda f: f.write(script.encode()))
+    return logs / "batchgen.sbatch"
 
 
 def submit(script: Path) -> str:
@@ -203,5 +229,5 @@ def submit(script: Path) -> str:
         env=without_array_task(),  # an enclosing array task's shard must not leak into the new job
     )
     if r.returncode:
-        raise SlurmError(f"sbatch failed ({r.returncode}): {(r.stderr or r.stdout).strip()}")
+        raise SbatchFailed(f"sbatch failed ({r.returncode}): {(r.stderr or r.stdout).strip()}")
     return r.stdout.strip().split(";")[0]  # "jobid" or "jobid;cluster"
