@@ -5,9 +5,10 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from helpers import prompts, read_stats, run_job, write_parquet
+from helpers import prompts, run_job, write_parquet
 
 import batchgen.stats.probe
+from batchgen.data.writer import STATS_FILE
 from batchgen.stats.peaks import NO_PROBE_ENV
 from batchgen.stats.probe import Ceilings
 
@@ -30,6 +31,10 @@ def cache(tmp_path, monkeypatch):
     path = tmp_path / "xdg" / "batchgen" / "peaks.json"
     path.parent.mkdir(parents=True)
     return SimpleNamespace(path=path, calls=calls)
+
+
+def read_stats(out):
+    return json.loads((out / STATS_FILE).read_text())
 
 
 def _key(path):
