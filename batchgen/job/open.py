@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from batchgen.job.model_spec import ModelSpec
 from batchgen.job.prepare import Preparer
 from batchgen.model.memory import check_allocation
 from batchgen.model.tensor_parallel import TPShard, local_config, weight_bytes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -59,6 +62,13 @@ def open_job(cfg: RunConfig) -> Job:
     source = open_input(cfg.input)
     check_input_outside_output(source, cfg.output)
     if cfg.output_format is OutputFormat.OPENAI and not isinstance(source, OpenAIBatchSource):
+    if cfg.n > 1 and cfg.temperature == 0 and "temperature" not in source.columns:
+        log.warning(
+            "--n %d with --temperature 0 (greedy) writes %d identical completions per row; "
+            "pass --temperature above 0 (e.g. 0.8) to sample different ones",
+            cfg.n,
+            cfg.n,
+        )
         raise ConfigError(
             f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is "
             "not an OpenAI batch request file (lines with custom_id and body)"
