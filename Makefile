@@ -25,6 +25,8 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	$(BIN)/batchgen run builtin:samples/prompts.parquet --output out/demo --id-column id --max-new-tokens 32
+	@echo "batchgen is installed in $(BIN)/, not on PATH: run $(BIN)/batchgen (e.g." \
+		"$(BIN)/batchgen report out/demo), or 'source $(BIN)/activate' first"
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_FLAGS)

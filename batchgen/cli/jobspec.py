@@ -7,6 +7,7 @@ example jobs run wherever batchgen is installed (job/paths.py resolves them, for
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,17 @@ def load_job_spec(path: str) -> dict[str, Any]:
     return values
 
 
+# Flags whose backslash escapes (\n, \t, \\) are read on the command line, where a shell's
+# "\n" is two characters: `--stop "\n"` stops at a newline. A job spec's YAML has its own.
+ESCAPED = ("stop", "template")
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """\\n, \\t and \\\\ as a newline, a tab and one backslash; any other backslash as it is."""
+    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], text)
+
+
 def build_config(ctx: click.Context, source: str, **flags) -> RunConfig:
     """Job spec values (if SOURCE is a .yaml), overridden by flags given on the line."""
     values: dict = {}
@@ -66,6 +78,10 @@ def build_config(ctx: click.Context, source: str, **flags) -> RunConfig:
             click.core.ParameterSource.COMMANDLINE,
             click.core.ParameterSource.ENVIRONMENT,
         )
+        if given and name in ESCAPED and value is not None:
+            value = (
+                [unescape(v) for v in value] if isinstance(value, list | tuple) else unescape(value)
+            )
         if given or name not in values:
             values[name] = value
     if "shard" in flags and values.get("shard") is None:
