@@ -44,27 +44,27 @@ class _Collectives:
     def __init__(self, group: ProcessGroup, size: int, clock: CollectiveClock | None) -> None:
         self.group, self.size, self.clock = group, size, clock
 
-    def _timed(self) -> bool:
-        return self.clock is not None and not torch.compiler.is_compiling()
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
-        y = funcol.all_reduce(x, "sum", self.group)
-        if self._timed():
-            y = funcol.wait_tensor(y)
+    def _waited(self, y: torch.Tensor, t0: float) -> torch.Tensor:
+        """Eager: the collective waited here (and timed, with a clock), not at its
+        AsyncCollectiveTensor's first use: a follower rank never reads its gathered logits,
+        and torch warns at exit of each collective never waited ("unwaited collective
+        calls"). A traced graph gets its waits from the compiler."""
+        if torch.compiler.is_compiling():
+            return y
+        y = funcol.wait_tensor(y)
+        if self.clock is not None:
             self.clock.seconds += time.perf_counter() - t0
             self.clock.calls += 1
         return y
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        return self._waited(funcol.all_reduce(x, "sum", self.group), t0)
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """(S, V/N) on each rank -> (S, V), ranks' columns in rank order."""
         t0 = time.perf_counter()
-        y = funcol.all_gather_single(x.contiguous(), 1, self.group)
-        if self._timed():
-            y = funcol.wait_tensor(y)
-            self.clock.seconds += time.perf_counter() - t0
-            self.clock.calls += 1
-        return y
+        return self._waited(funcol.all_gather_single(x.contiguous(), 1, self.group), t0)
 
 
 class VocabParallelEmbedding(nn.Module):
