@@ -1,16 +1,23 @@
 """The tensor-parallel process group: NCCL between GPUs, gloo on the CPU, and on CUDA a second,
 gloo group for the host-side handshakes (barriers), which fails fast when a peer is gone.
 
-Rank 0 hosts the rendezvous (a TCPStore on a free local port) and waits for each rank to
-check in while watching the rank's process, so a rank that dies while starting is reported at
-once instead of after the rendezvous timeout. Collectives time out after `TIMEOUT`: a rank
-that stops answering ends the job with an error, never a hang.
+Rank 0 hosts the rendezvous, a TCPStore on a socket it binds to loopback itself (torch's store
+server listens on every interface whatever host it is given) and whose keys all start with a
+random token that only the job's ranks know (rank 0 hands it to the others over their command
+pipes, never in argv or the environment): another host cannot reach the store, and another
+local process cannot check in as a rank. The store does not wait for the other ranks itself
+(`wait_for_workers=False`): rank 0 polls each rank's check-in while watching the rank's
+process, so a rank that dies while starting is reported within a second instead of after the
+rendezvous timeout. Collectives time out after `TIMEOUT`, a backstop behind rank 0's watchdog
+(ranks.py), which ends a step that waits on a stopped or silent rank sooner.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,10 +31,16 @@ HOST = "127.0.0.1"
 TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+def listen() -> socket.socket:
+    """A socket listening on a free loopback port, for rank 0's store."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((HOST, 0))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 @dataclass(slots=True)
@@ -51,24 +64,37 @@ class Group:
 
 
 def rendezvous(
-    rank: int, size: int, port: int, wait: Callable[[], None] | None = None
-) -> dist.TCPStore:
-    """The group's store; rank 0 hosts it and, with `wait`, polls each rank's check-in
-    (wait() raises if a rank died meanwhile)."""
-    store = dist.TCPStore(HOST, port, size, is_master=rank == 0, timeout=TIMEOUT)
-    store.set(f"batchgen/joined/{rank}", "1")
-    if rank == 0 and wait is not None:
-        keys = [f"batchgen/joined/{r}" for r in range(1, size)]
-        while True:
-            try:
-                store.wait(keys, datetime.timedelta(seconds=1))
-                break
-            except dist.DistStoreError:  # not all in yet
-                wait()
+    rank: int,
+    size: int,
+    port: int,
+    token: str,
+    wait: Callable[[], None] | None = None,
+    listening: socket.socket | None = None,
+) -> dist.Store:
+    """The group's store, its keys under the job's token. Rank 0 hosts it on `listening` (the
+    store takes the socket over) and, with `wait`, polls each rank's check-in (wait() raises
+    if a rank died meanwhile)."""
+    host = rank == 0
+    fd = listening.detach() if host and listening is not None else None
+    try:
+        tcp = dist.TCPStore(
+            HOST, port, size, host, TIMEOUT, wait_for_workers=False, master_listen_fd=fd
+        )
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+    store = dist.PrefixStore(f"batchgen/{token}", tcp)
+    store.set(f"joined/{rank}", "1")
+    if host and wait is not None:
+        keys = [f"joined/{r}" for r in range(1, size)]
+        while not store.check(keys):
+            wait()
+            time.sleep(0.05)
     return store
 
 
-def init_group(store: dist.TCPStore, rank: int, size: int, device: torch.device) -> Group:
+def init_group(store: dist.Store, rank: int, size: int, device: torch.device) -> Group:
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=TIMEOUT, **kw)

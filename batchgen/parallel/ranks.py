@@ -10,17 +10,29 @@ Failures end the whole job within a bounded time, with no process left behind:
   - a rank that dies (killed, out of memory, an exception) breaks rank 0's pipe to it or its
     collective (gloo errors at once when a peer's socket closes); rank 0 then raises
     `RankFailed` naming the rank and its last error line, the job flushes its finished rows
-    and exits 1, and `close` ends the remaining ranks;
-  - on NCCL a dead peer can leave a collective waiting: a watchdog thread sees the process
-    exit, aborts the group (the waiting call then fails) and, should rank 0 still not have
-    stopped after `GRACE` seconds, exits the process;
-  - rank 0 dying takes the others with it (they hold PR_SET_PDEATHSIG).
+    and exits 1, and `close` ends the remaining ranks; one that dies while starting is seen
+    within a second of the rendezvous (group.py);
+  - a rank that stops answering while rank 0 waits on it (a step, the load barrier, the
+    rendezvous) is ended by rank 0's watchdog thread, which names it: a stopped process
+    (SIGSTOP) after `STOPPED_S`, any other silence after `ANSWER_S`, under the collectives'
+    own timeout (group.TIMEOUT);
+  - on NCCL a dead peer can leave a collective waiting: the watchdog sees the process exit,
+    aborts the group (the waiting call then fails) and, should rank 0 still not have stopped
+    after `GRACE` seconds, exits the process;
+  - an error of rank 0's own (out of memory, a compile error) is raised as itself; a command
+    the others had already been sent leaves them out of step, so they are ended then, and the
+    next command raises RankFailed;
+  - rank 0 dying takes the others with it: they hold PR_SET_PDEATHSIG, which follows the
+    thread that started them, so they are started by a thread of their own that lives until
+    `close` (an LLM made in a short-lived thread keeps its ranks).
+`close` gives the ranks `CLOSE_S` to exit, inside the run's fatal-error deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -29,6 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -42,56 +55,81 @@ from batchgen.errors import RankFailed
 from batchgen.model.tp_layers import CollectiveClock
 from batchgen.model.transformer import Transformer
 from batchgen.parallel import channel
-from batchgen.parallel.group import Group, free_port, init_group, rendezvous
+from batchgen.parallel.group import Group, init_group, listen, rendezvous
 from batchgen.parallel.rank_model import RankSpec
 
 GRACE = 60.0  # seconds rank 0 may take to stop after a rank died, before it is ended
+STOPPED_S = 10.0  # a rank stopped (SIGSTOP) this long while rank 0 waits on it is ended
+ANSWER_S = 540.0  # any wait on the ranks (a step, compiles included) ends after this long
+SETTLE_S = 5.0  # after a collective failed: how long the dead rank's exit may take to show
+CLOSE_S = 5.0  # close(): the ranks' time to exit (under deadline.FATAL_GRACE_S)
+_DIR_PREFIX = "batchgen-ranks-"  # + rank 0's pid: the error files' directory
+RESUME = "the job stops, its finished rows are saved; fix the cause and run the same command "
+RESUME += "again to resume"
+REOPEN = "this LLM can run nothing more: close() it and create a new one"
 
 
 class Ranks:
     """Ranks 1..N-1, started and joined to rank 0's group."""
 
-    def __init__(self, spec: RankSpec, threads: int) -> None:
+    def __init__(self, spec: RankSpec, threads: int, *, resumable: bool = True) -> None:
         """Start the other ranks and form the group (the caller loads its own part, then
-        calls `loaded`). threads: CPU threads per rank."""
+        calls `loaded`). threads: CPU threads per rank. resumable: a failure's advice is a
+        job's (run the same command again), else the Python API's (a new LLM)."""
         size = spec.tensor_parallel_size
         if dist.is_initialized():  # torch keeps one default process group per process
             raise RuntimeError(
                 "another tensor-parallel LLM is open in this process; close() it first"
             )
-        port = free_port()
-        self._tmp = Path(tempfile.mkdtemp(prefix="batchgen-ranks-"))
+        _remove_stale_dirs()
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-"))
+        self._advice = RESUME if resumable else REOPEN
         self._closing = False
+        self._closed = threading.Event()
+        self._failed: str | None = None  # set once the ranks cannot go on: why
+        self._hung: dict[int, str] = {}  # ranks the watchdog ended, and why
+        self._waiting_since: float | None = None  # rank 0 waits on the ranks from then
+        self._sent = 0  # commands sent
+        self.token = secrets.token_hex(16)  # the store's keys: only the job's ranks know it
         self.procs: list[subprocess.Popen] = []
+        sock = None
         try:
-            for r in range(1, size):
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "batchgen.parallel.follower",
-                    "--rank",
-                    str(r),
-                    "--size",
-                    str(size),
-                    "--port",
-                    str(port),
-                    "--parent",
-                    str(os.getpid()),
-                    "--error-file",
-                    str(self._error_file(r)),
-                ]
-                self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE))
-            self.send(("start", spec, threads))
-            store = rendezvous(0, size, port, wait=self.check)
+            sock = listen()
+            self.port = sock.getsockname()[1]
+            started: Future[None] = Future()
+            self._keeper = threading.Thread(
+                target=self._keep, args=(size, started), daemon=True, name="tp-ranks"
+            )
+            self._keeper.start()
+            started.result()
+            self.send(("start", spec, threads, self.token))
+            with self._waiting():
+                store = rendezvous(0, size, self.port, self.token, self.check, sock)
             self.group: Group = init_group(store, 0, size, spec.device_of(0))
         except BaseException:
+            if sock is not None:
+                sock.close()  # unless the store took it over
             self.close()
             raise
-        self._watchdog = threading.Thread(target=self._watch, daemon=True)
-        self._watchdog.start()
 
     def _error_file(self, rank: int) -> Path:
         return self._tmp / f"rank-{rank}.error"
+
+    def _keep(self, size: int, started: Future[None]) -> None:
+        """The ranks' thread: start them, watch them, and live until `close` (their
+        PR_SET_PDEATHSIG fires when the thread that started them ends)."""
+        try:
+            for r in range(1, size):
+                cmd = [sys.executable, "-m", "batchgen.parallel.follower"]
+                cmd += ["--rank", str(r), "--size", str(size), "--port", str(self.port)]
+                cmd += ["--parent", str(os.getpid()), "--error-file", str(self._error_file(r))]
+                self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE))
+        except BaseException as e:
+            started.set_exception(e)
+            return
+        started.set_result(None)
+        self._watch()
+        self._closed.wait()
 
     def loaded(self) -> None:
         """Wait until every rank has loaded its part (one that failed: RankFailed)."""
@@ -99,7 +137,10 @@ class Ranks:
             self.group.barrier()
 
     def send(self, message: Any) -> None:
+        if self._failed is not None:
+            raise RankFailed(self._failed)
         packed = channel.pack(message)
+        self._sent += 1
         for proc in self.procs:
             try:
                 channel.write(proc.stdin, packed)
@@ -110,46 +151,91 @@ class Ranks:
         """RankFailed if a rank has exited."""
         for rank, proc in enumerate(self.procs, 1):
             if proc.poll() is not None:
-                raise RankFailed(self._why(rank, proc))
+                self._fail(self._why(rank, proc))
 
-    def _raise_failed(self, settle: float = 5.0) -> NoReturn:
+    def _fail(self, message: str) -> NoReturn:
+        self._failed = self._failed or message
+        raise RankFailed(message)
+
+    def _raise_failed(self) -> NoReturn:
         """A rank's pipe or collective failed: name the rank that exited (waiting up to
-        `settle` seconds for it to be seen)."""
-        deadline = time.monotonic() + settle
+        `SETTLE_S` for it to be seen)."""
+        deadline = time.monotonic() + SETTLE_S
         while time.monotonic() < deadline:
             self.check()
             time.sleep(0.05)
-        raise RankFailed("a tensor-parallel rank stopped answering; the job stops")
+        self._fail(f"a tensor-parallel rank stopped answering; {self._advice}")
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Rank 0 waits on the other ranks here: the watchdog times it."""
+        self._waiting_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._waiting_since = None
 
     @contextlib.contextmanager
     def failures(self) -> Iterator[None]:
-        """A collective that fails because a rank died becomes RankFailed."""
+        """A collective that fails because a rank died or stopped answering becomes
+        RankFailed; rank 0's own error stays itself."""
+        sent = self._sent
         try:
-            yield
-        except (RuntimeError, dist.DistError):
-            self._raise_failed()
+            with self._waiting():
+                yield
+        except RankFailed:
+            raise
+        except BaseException as e:
+            if isinstance(e, RuntimeError) and self._peer_failed(e):
+                self._raise_failed()
+            if self._sent != sent:  # the others run a command rank 0 gave up: out of step
+                self._end_after(e)
+            raise
+
+    def _peer_failed(self, e: RuntimeError) -> bool:
+        """Did this error come from another rank? One has exited or was ended, or the error
+        is a collective's (whose peer may take a moment to be seen exiting)."""
+        if self._hung or any(p.poll() is not None for p in self.procs):
+            return True
+        return isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "NCCL"))
+
+    def _end_after(self, e: BaseException) -> None:
+        """Rank 0 failed mid-command: end the others now (they wait in a collective that
+        will not come); later commands raise RankFailed."""
+        said = (str(e).strip().splitlines() or [""])[0]
+        self._failed = (
+            f"the tensor-parallel ranks were ended after an error on rank 0 "
+            f"({type(e).__name__}: {said}); {self._advice}"
+        )
+        self._kill()
 
     def _why(self, rank: int, proc: subprocess.Popen) -> str:
         code = proc.returncode
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+        if rank in self._hung:
+            how = self._hung[rank]
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited with {code}"
         error = self._error_file(rank)
         said = f" ({error.read_text().strip()})" if error.is_file() else ""
-        return (
-            f"tensor-parallel rank {rank} {how}{said}; the job stops, its finished rows are "
-            "saved; fix the cause and run the same command again to resume"
-        )
+        return f"tensor-parallel rank {rank} {how}{said}; {self._advice}"
 
     def _watch(self) -> None:
-        """Abort the group when a rank dies, and end this process if that does not stop it."""
-        while not self._closing:
+        """Until close: end a rank that stops answering; when a rank dies, abort an NCCL
+        group, and end this process if that does not stop it."""
+        stopped: dict[int, float] = {}  # rank: since when it is seen stopped
+        while not self._closing and self._failed is None:
             if any(p.poll() is not None for p in self.procs):
                 break
+            self._find_silent(stopped)
             time.sleep(0.2)
-        if self._closing:
+        if self._closing or self._failed is not None:
             return
-        if self.group.data is not self.group.control:  # NCCL: a collective may wait forever
+        group = getattr(self, "group", None)
+        if group is not None and group.data is not group.control:  # NCCL: may wait forever
             with contextlib.suppress(Exception):
-                dist.distributed_c10d._abort_process_group(self.group.data)
+                dist.distributed_c10d._abort_process_group(group.data)
             deadline = time.monotonic() + GRACE
             while not self._closing and time.monotonic() < deadline:
                 time.sleep(0.5)
@@ -160,20 +246,45 @@ class Ranks:
                 self._kill()
                 os._exit(1)
 
+    def _find_silent(self, stopped: dict[int, float]) -> None:
+        """While rank 0 waits on the ranks: kill those stopped for `STOPPED_S`, or all of
+        them once the wait has lasted `ANSWER_S` (their exit then fails rank 0's wait)."""
+        began, now = self._waiting_since, time.monotonic()
+        if began is None:
+            stopped.clear()
+            return
+        for rank, proc in enumerate(self.procs, 1):
+            if _state(proc.pid) == "T":
+                if now - stopped.setdefault(rank, now) >= STOPPED_S:
+                    self._hung[rank] = (
+                        f"was stopped (SIGSTOP) and did not answer for {STOPPED_S:.0f} s"
+                    )
+            else:
+                stopped.pop(rank, None)
+        if not self._hung and now - began >= ANSWER_S:
+            for rank in range(1, len(self.procs) + 1):
+                self._hung[rank] = f"did not answer for {ANSWER_S:.0f} s"
+        for rank in self._hung:
+            with contextlib.suppress(OSError):
+                self.procs[rank - 1].kill()
+
     def close(self) -> None:
-        """Tell the ranks to exit, wait for them (then kill those left), drop the group."""
+        """Tell the ranks to exit, wait `CLOSE_S` for them (then kill those left), drop the
+        group and the error files."""
         self._closing = True
-        with contextlib.suppress(Exception):
-            self.send(("exit",))
-        deadline = time.monotonic() + 10
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(0.1, deadline - time.monotonic()))
+        if self._failed is None:
+            with contextlib.suppress(Exception):
+                self.send(("exit",))
+            deadline = time.monotonic() + CLOSE_S
+            for proc in self.procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.1, deadline - time.monotonic()))
         self._kill()
         if getattr(self, "group", None) is not None:
             with contextlib.suppress(Exception):
                 self.group.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
+        self._closed.set()
 
     def _kill(self) -> None:
         for proc in self.procs:
@@ -183,6 +294,37 @@ class Ranks:
             if proc.stdin is not None:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (R, S, T for stopped...), '' if unknown (or not Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rpartition(")")[2].split()[0]
+
+
+def _remove_stale_dirs() -> None:
+    """Error-file directories of killed rank-0 processes (their pid is gone): a SIGKILL, or
+    a deadline's exit, skips `close`."""
+    for d in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*"):
+        pid = d.name.removeprefix(_DIR_PREFIX).partition("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            if d.stat().st_uid == os.getuid():
+                shutil.rmtree(d)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 class RankedRunner(ModelRunner):
@@ -216,8 +358,8 @@ class RankedRunner(ModelRunner):
         free = super().free_device_bytes()
         if free is None:
             return None
-        self.ranks.send(("free_bytes",))
         with self.ranks.failures():
+            self.ranks.send(("free_bytes",))
             return self.ranks.group.min_over_ranks(free)
 
     def execute(self, plan: StepPlan, bitmask: torch.Tensor | None = None):
