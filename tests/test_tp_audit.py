@@ -159,6 +159,18 @@ def test_a_stopped_rank_is_named_within_the_bound(model, monkeypatch):
     assert time.monotonic() - t0 < 3  # close() waits for no one
 
 
+def test_a_silent_rank_is_named_after_the_answer_bound(model, monkeypatch):
+    """A rank that does not answer and is not seen stopped (hung, say): ended after ANSWER_S."""
+    monkeypatch.setattr(ranks, "ANSWER_S", 2.0)
+    monkeypatch.setattr(ranks, "_state", lambda pid: "S")  # its stop goes unseen
+    with LLM(model, device="cpu", tensor_parallel_size=2) as llm:
+        os.kill(llm.ranks.procs[0].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailed, match=r"rank 1 did not answer for 2 s"):
+            llm.generate(PROMPTS, PARAMS)
+        assert time.monotonic() - t0 < 10
+
+
 def test_a_stopped_rank_ends_the_cli_job_with_one_line(job, tmp_path, start_cli):
     proc = start_cli("import batchgen.parallel.ranks as r\nr.STOPPED_S = 2.0", *job)
     wait_for_part(tmp_path / "out", proc)
@@ -191,7 +203,9 @@ def test_no_stale_directory_and_no_collective_warning(model, tmp_path, monkeypat
 
 def test_an_llm_made_in_a_thread_that_ended_keeps_its_ranks(model):
     made = []
-    maker = threading.Thread(target=lambda: made.append(LLM(model, tensor_parallel_size=2)))
+    maker = threading.Thread(
+        target=lambda: made.append(LLM(model, device="cpu", tensor_parallel_size=2))
+    )
     maker.start()
     maker.join()
     with made[0] as llm:

@@ -64,8 +64,11 @@ ANSWER_S = 540.0  # any wait on the ranks (a step, compiles included) ends after
 SETTLE_S = 5.0  # after a collective failed: how long the dead rank's exit may take to show
 CLOSE_S = 5.0  # close(): the ranks' time to exit (under deadline.FATAL_GRACE_S)
 _DIR_PREFIX = "batchgen-ranks-"  # + rank 0's pid: the error files' directory
-RESUME = "the job stops, its finished rows are saved; fix the cause and run the same command "
-RESUME += "again to resume"
+# A failure's advice: a job's (`batchgen run`), or the Python API's.
+RESUME = (
+    "the job stops, its finished rows are saved; fix the cause and run the same command again "
+    "to resume"
+)
 REOPEN = "this LLM can run nothing more: close() it and create a new one"
 
 
