@@ -51,7 +51,7 @@ class Task(Choice):
 
 class OutputFormat(Choice):
     PARQUET = "parquet"  # part files, the default
-    OPENAI = "openai"  # the part files, and OUTPUT/results.jsonl of OpenAI batch output lines
+    OPENAI = "openai"  # the part files, and .batchgen/results.jsonl of OpenAI batch output lines
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ import transformers
 from click.testing import CliRunner, Result
 
 from batchgen.cli import main
+from batchgen.data.layout import JOB_FILE, STATS_FILE, SUCCESS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,7 +132,22 @@ def rows_by_id(out: Path, id_column: str = "id") -> dict[Any, dict[str, Any]]:
 
 
 def read_stats(out: Path) -> dict[str, Any]:
-    return json.loads((out / "_stats.json").read_text())
+    return json.loads((out / STATS_FILE).read_text())
+
+
+def read_job(out: Path) -> dict[str, Any]:
+    """The output's job fingerprint (what a rerun is compared with)."""
+    return json.loads((out / JOB_FILE).read_text())
+
+
+def success(out: Path) -> bool:
+    """The output (a run, a shard or a merge) is marked complete."""
+    return (out / SUCCESS_FILE).exists()
+
+
+def listing(out: Path) -> list[str]:
+    """Every file under out, as sorted paths relative to it (`.batchgen/job.json`, ...)."""
+    return sorted(p.relative_to(out).as_posix() for p in Path(out).rglob("*") if p.is_file())
 
 
 def random_prompts(lens: list[int], seed: int = 0) -> list[list[int]]:

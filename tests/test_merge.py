@@ -6,10 +6,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from helpers import BASE_COLUMNS, prompts, run_cli, run_job, write_parquet
+from helpers import BASE_COLUMNS, prompts, read_stats, run_cli, run_job, success, write_parquet
 
 from batchgen.cli import main
 from batchgen.data import OutputDir, PartBuffer, output_schema
+from batchgen.data.layout import JOB_FILE, MERGED_FILE, META_DIR
 from batchgen.errors import MergeError
 from batchgen.job.shard import Shard, shard_of
 from batchgen.scaleout.merge import IncompleteOutput, merge
@@ -56,15 +57,15 @@ def test_merge_complete_shards(tmp_path):
     for i, part in split(ids, 3).items():
         write_shard(tmp_path, Shard(i, 3), part, wall_s=1.0 + i)
     summary = merge(tmp_path)
-    table = pq.read_table(tmp_path / "merged.parquet")
+    table = pq.read_table(tmp_path / MERGED_FILE)
     assert sorted(table.column("id").to_pylist()) == ids
     assert table.schema.equals(SCHEMA)
-    stats = json.loads((tmp_path / "_stats.json").read_text())
+    stats = read_stats(tmp_path)
     assert stats["rows"] == 20 and stats["rows_error"] == 1 and stats["shards"] == 3
     assert stats["output_tokens"] == 40 and stats["max_wall_s"] == 3.0
     assert stats["output_tokens_per_s"] == pytest.approx(40 / 3.0)
     assert [s["rows"] for s in stats["per_shard"]] == [len(p) for p in split(ids, 3).values()]
-    assert (tmp_path / "_SUCCESS").exists()
+    assert success(tmp_path)
     table_text = summary.table()
     assert "0/3" in table_text and "2/3" in table_text and "total" in table_text
 
@@ -75,8 +76,8 @@ def test_cli_merge_prints_table_and_stats_only(tmp_path):
     r = CliRunner().invoke(main, ["merge", str(tmp_path), "--stats-only"])
     assert r.exit_code == 0, r.output
     assert "total" in r.output and "1/2" in r.output
-    assert not (tmp_path / "merged.parquet").exists()
-    assert json.loads((tmp_path / "_stats.json").read_text())["rows"] == 8
+    assert not (tmp_path / MERGED_FILE).exists()
+    assert read_stats(tmp_path)["rows"] == 8
 
 
 def test_refuses_missing_and_unfinished_shards_by_number(tmp_path):
@@ -92,7 +93,7 @@ def test_refuses_missing_and_unfinished_shards_by_number(tmp_path):
     assert "shard 1/5: its last run stopped early" in msg
     assert "shard 2/5: incomplete" in msg
     assert "shard 3/5: missing" in msg
-    assert not (tmp_path / "merged.parquet").exists() and not (tmp_path / "_SUCCESS").exists()
+    assert not (tmp_path / MERGED_FILE).exists() and not success(tmp_path)
     r = CliRunner().invoke(main, ["merge", str(tmp_path)])
     assert r.exit_code == 1 and "shards to (re)run: 1,2,3" in r.output
 
@@ -125,7 +126,7 @@ def test_row_count_checked_against_the_input(tmp_path):
     with pytest.raises(MergeError, match="hold 9 rows but the input"):
         merge(out)
     for i in range(2):
-        (out / Shard(i, 2).dirname / "_job.json").write_text(
+        (out / Shard(i, 2).dirname / JOB_FILE).write_text(
             json.dumps(_job(shard=f"{i}/2", input=str(data), limit=9))
         )
     assert merge(out).rows == 9  # with limit 9, nine rows are all of them
@@ -150,7 +151,7 @@ def test_cli_shards_with_an_id_column_merge_under_its_name(tmp_path, tiny_dirs):
             f"{i}/2",
         )
     run_cli("merge", out)
-    merged = pq.read_table(out / "merged.parquet")
+    merged = pq.read_table(out / MERGED_FILE)
     assert merged.schema.names == ["key", "prompt", *BASE_COLUMNS]
     assert sorted(merged.column("key").to_pylist()) == sorted(keys)
     assert json.loads(merged.schema.metadata[b"batchgen"])["id_column"] == "key"
@@ -160,17 +161,20 @@ def test_shards_without_rows_merge_into_an_empty_file_of_the_id_column(tmp_path)
     for i in range(2):
         write_shard(tmp_path, Shard(i, 2), [], job={"id_column": "key"})
     assert merge(tmp_path).rows == 0
-    assert pq.read_table(tmp_path / "merged.parquet").schema.names == ["key"]
+    assert pq.read_table(tmp_path / MERGED_FILE).schema.names == ["key"]
 
 
 def test_a_merge_removes_the_temp_files_of_a_merge_killed_mid_write(tmp_path):
     for i, part in split(list(range(6)), 2).items():
         write_shard(tmp_path, Shard(i, 2), part)
-    left = [tmp_path / ".tmp-merged.parquet.k3j_9x", tmp_path / ".tmp-_stats.json.a1b2c3"]
+    meta = tmp_path / META_DIR
+    meta.mkdir()
+    left = [meta / ".tmp-merged.parquet.k3j_9x", meta / ".tmp-stats.json.a1b2c3"]
+    left.append(tmp_path / ".tmp-_stats.json.d4e5f6")  # a batchgen 0.1 merge's
     for f in left:
         f.write_bytes(b"half a file")
     other = tmp_path / ".tmp-notes.txt.abc"  # not a merge's: kept
     other.write_text("mine")
     merge(tmp_path)
     assert not any(f.exists() for f in left) and other.exists()
-    assert pq.read_table(tmp_path / "merged.parquet").num_rows == 6
+    assert pq.read_table(tmp_path / MERGED_FILE).num_rows == 6

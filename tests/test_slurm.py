@@ -17,9 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from click.testing import CliRunner
+from helpers import success
 from slurm_cluster import LocalSlurm, SlurmUnavailable, logs_tail
 
 from batchgen.cli import main
+from batchgen.data.layout import MERGED_FILE
 
 BATCHGEN = [sys.executable, "-m", "batchgen.cli"]
 
@@ -170,7 +172,7 @@ def test_script_saves_requeues_and_resumes_on_usr1(tmp_path, gpt2):
     assert proc.returncode == 143, log
     assert "SIGUSR1: stopping batchgen" in log and "requeueing 77_1" in log, log
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77_1"]
-    assert not (shard_dir / "_SUCCESS").exists()
+    assert not success(shard_dir)
     saved = {
         x for p in shard_dir.glob("part-*.parquet") for x in pq.read_table(p)["key"].to_pylist()
     }
@@ -246,7 +248,7 @@ def test_array_job_on_slurm_then_merge(slurm, tmp_path, gpt2):
     merged = subprocess.run([*BATCHGEN, "merge", str(out)], capture_output=True, text=True)
     assert merged.returncode == 0, merged.stdout + merged.stderr
     assert "total" in merged.stdout and "2/3" in merged.stdout
-    ids = pq.read_table(out / "merged.parquet").column("key").to_pylist()
+    ids = pq.read_table(out / MERGED_FILE).column("key").to_pylist()
     assert sorted(ids) == [f"r{i:03d}" for i in range(30)]  # every row exactly once
 
 
@@ -258,7 +260,7 @@ def test_spaces_in_the_output_path_and_job_name_on_slurm(slurm, tmp_path, gpt2):
     wait_for(job)
     out = tmp_path / "out dir"
     assert [p.name for p in (out / "logs").glob("*.out")] == [f"{job}_0.out"]
-    assert (out / "shard-00000-of-00001" / "_SUCCESS").exists()
+    assert success(out / "shard-00000-of-00001")
     name = subprocess.run(
         ["sacct", "-n", "-X", "-j", job, "-o", "JobName%20"], capture_output=True, text=True
     ).stdout
@@ -294,5 +296,5 @@ def test_time_limit_signal_requeues_and_resumes_on_slurm(slurm, tmp_path, gpt2):
     )
     assert merged.returncode == 0, merged.stdout + merged.stderr
     assert "(resumed)" in merged.stdout
-    ids = pq.read_table(tmp_path / "out" / "merged.parquet").column("key").to_pylist()
+    ids = pq.read_table(tmp_path / "out" / MERGED_FILE).column("key").to_pylist()
     assert sorted(ids) == [f"r{i:03d}" for i in range(200)]

@@ -8,7 +8,9 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import success
 
+from batchgen.data.layout import MERGED_FILE
 from batchgen.errors import ConfigError
 from batchgen.job.config import RunConfig
 from batchgen.runner.run import run
@@ -42,9 +44,9 @@ def test_two_cpu_workers_equal_one_process(tmp_path, gpt2):
     assert [str(s.shard) for s in summary.shards] == ["0/2", "1/2"]
     assert all(s.rows > 0 for s in summary.shards) and summary.rows == 30
     one = pq.read_table(tmp_path / "one")
-    two = pq.read_table(tmp_path / "two" / "merged.parquet")
+    two = pq.read_table(tmp_path / "two" / MERGED_FILE)
     assert _sorted_rows(two) == _sorted_rows(one)
-    assert (tmp_path / "two" / "_SUCCESS").exists()
+    assert success(tmp_path / "two")
 
 
 def test_plan_workers(monkeypatch):
@@ -104,10 +106,10 @@ def test_sigterm_stops_the_workers_and_a_rerun_resumes(tmp_path, gpt2):
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, output
     shards = sorted(out.glob("shard-*-of-00002"))
-    assert len(shards) == 2 and not any((d / "_SUCCESS").exists() for d in shards)
+    assert len(shards) == 2 and not any(success(d) for d in shards)
     saved = sum(pq.ParquetFile(p).metadata.num_rows for p in out.glob("shard-*/part-*.parquet"))
     assert 0 < saved < N_SLOW
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    ids = pq.read_table(out / "merged.parquet").column("id").to_pylist()
+    ids = pq.read_table(out / MERGED_FILE).column("id").to_pylist()
     assert sorted(ids) == list(range(N_SLOW))

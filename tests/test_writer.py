@@ -5,9 +5,10 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import read_output
+from helpers import listing, read_output
 
 from batchgen.data import OutputDir, PartBuffer, output_schema
+from batchgen.data.layout import JOB_FILE, LOCK_PATH, STATS_FILE, SUCCESS_FILE
 from batchgen.errors import InputError, OutputError
 
 JOB = {"input": "in.parquet", "model": "tiny", "options": {"max_new_tokens": 8, "stop": ["\n"]}}
@@ -166,14 +167,10 @@ def test_write_part_leaves_no_temp_files(tmp_path):
     out.write_stats({"rows": 2})
     out.mark_success()
     assert name == "part-00000.parquet"
-    assert sorted(os.listdir(tmp_path)) == [
-        "_SUCCESS",
-        "_job.json",
-        "_lock",
-        "_stats.json",
-        "part-00000.parquet",
-    ]
-    assert json.loads((tmp_path / "_stats.json").read_text()) == {"rows": 2}
+    assert listing(tmp_path) == sorted(
+        [SUCCESS_FILE, JOB_FILE, LOCK_PATH, STATS_FILE, "part-00000.parquet"]
+    )
+    assert json.loads((tmp_path / STATS_FILE).read_text()) == {"rows": 2}
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
@@ -186,7 +183,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(pq, "write_table", disk_full)
     with pytest.raises(OutputError, match="No space"):
         out.write_part(pa.table({"id": [1]}))
-    assert sorted(os.listdir(tmp_path)) == ["_job.json", "_lock"]
+    assert listing(tmp_path) == sorted([JOB_FILE, LOCK_PATH])
     monkeypatch.undo()
     assert out.write_part(pa.table({"id": [1]})) == "part-00000.parquet"  # same number reused
 
@@ -222,9 +219,9 @@ def test_overwrite_clears_only_our_files(tmp_path):
     out.close()
     other = {**JOB, "model": "other"}
     with OutputDir(tmp_path, other, overwrite=True) as out2:
-        assert sorted(os.listdir(tmp_path)) == ["_job.json", "_lock", "notes.txt"]
+        assert listing(tmp_path) == sorted([JOB_FILE, LOCK_PATH, "notes.txt"])
         assert out2.done_ids() == set() and not out2.is_complete
-    assert json.loads((tmp_path / "_job.json").read_text()) == other
+    assert json.loads((tmp_path / JOB_FILE).read_text()) == other
     with OutputDir(tmp_path, other) as out3:
         assert out3.done_ids() == set()  # now it is the other job's dir
 
@@ -242,7 +239,7 @@ def test_refuses_a_foreign_directory_even_with_overwrite(tmp_path):
         with pytest.raises(InputError, match="not written by batchgen.*data.parquet"):
             OutputDir(tmp_path, JOB, overwrite=overwrite)
     assert (tmp_path / "data.parquet").read_bytes() == b"someone else's"
-    assert not (tmp_path / "_job.json").exists()
+    assert os.listdir(tmp_path) == ["data.parquet"]  # not even the lock or JOB_FILE
 
 
 def test_parts_without_job_file_need_overwrite(tmp_path):
@@ -253,7 +250,8 @@ def test_parts_without_job_file_need_overwrite(tmp_path):
 
 
 def test_unreadable_job_file_is_treated_as_another_job(tmp_path):
-    (tmp_path / "_job.json").write_text("{not json")
+    (tmp_path / JOB_FILE).parent.mkdir()
+    (tmp_path / JOB_FILE).write_text("{not json")
     pq.write_table(pa.table({"id": [1]}), tmp_path / "part-00000.parquet")
     with pytest.raises(InputError, match="another job"):
         OutputDir(tmp_path, JOB)

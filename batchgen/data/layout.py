@@ -14,6 +14,7 @@ names starting with "." or "_", `datasets` only those starting with "." and fold
     .batchgen/results.jsonl  OpenAI batch output lines (--output-format openai)
     .batchgen/report.html    `batchgen report`'s page, when asked for
     .batchgen/SUCCESS    written last, once every row has a result
+    .batchgen/merged.parquet  a sharded job's rows in one file (`batchgen merge`, scaleout/merge.py)
 
 Outputs of batchgen 0.1 (_job.json, _stats.json, _steps.parquet, _SUCCESS, _lock,
 results.jsonl and report.html at the top) are moved into this layout when opened again.
@@ -34,9 +35,11 @@ log = logging.getLogger(__name__)
 META_DIR = ".batchgen"
 JOB_FILE = f"{META_DIR}/job.json"
 STATS_FILE = f"{META_DIR}/stats.json"
+LOCK_PATH = f"{META_DIR}/{LOCK_FILE}"  # the one writer's flock (data/lock.py)
 SUCCESS_FILE = f"{META_DIR}/SUCCESS"
 RESULTS_FILE = f"{META_DIR}/results.jsonl"  # OpenAI batch output lines (--output-format openai)
 REPORT_FILE = f"{META_DIR}/report.html"  # `batchgen report`'s page
+MERGED_FILE = f"{META_DIR}/merged.parquet"  # a sharded job's rows, by `batchgen merge`
 # One row per engine step (stats/steps.py). At the top, hidden by its dot, not in META_DIR:
 # runner/run.py and scaleout/merge_metrics.py write it with write_atomic(directory, STEPS_FILE).
 STEPS_FILE = ".steps.parquet"

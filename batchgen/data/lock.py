@@ -1,7 +1,7 @@
-"""One writer per output directory: an exclusive flock on `OUT/_lock`, held for the writer's
-lifetime; a second run fails at once naming the holder's pid. The lock file is opened without
-following a symbolic link, and only a regular file is taken: a link planted as `OUT/_lock` must
-not get its target truncated (or created)."""
+"""One writer per output directory: an exclusive flock on `OUT/.batchgen/_lock`, held for the
+writer's lifetime; a second run fails at once naming the holder's pid. The lock file is opened
+without following a symbolic link, and only a regular file is taken: a link planted as the lock
+file must not get its target truncated (or created)."""
 
 from __future__ import annotations
 

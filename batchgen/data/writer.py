@@ -6,11 +6,13 @@ names) is in layout.py, and its names are re-exported here.
 Exactly-once: a part either exists complete under its final name or not at all, so the ids in
 the parts are exactly the rows already done. A rerun of the same job reads those ids, skips
 them and numbers its new parts after the existing ones. A part that cannot be read is deleted
-with the directory's _SUCCESS, so its rows are redone before the job counts as complete again.
+with the directory's SUCCESS_FILE, so its rows are redone before the job counts as complete
+again.
 
-One writer at a time: opening takes an exclusive flock on _lock for the OutputDir's lifetime and
-fails at once, naming the holder's pid, while another run has it. Only under that lock are the
-temp files of a killed run deleted, and only once the directory is known to be batchgen's.
+One writer at a time: opening takes an exclusive flock on LOCK_PATH for the OutputDir's
+lifetime and fails at once, naming the holder's pid, while another run has it. Only under that
+lock are the temp files of a killed run deleted, and only once the directory is known to be
+batchgen's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import pyarrow.parquet as pq
 from batchgen.data.atomic import WriteFn, os_error, write_atomic
 from batchgen.data.layout import (
     JOB_FILE,
+    LOCK_PATH,
+    MERGED_FILE,
     META_DIR,
     OLD_NAMES,
     REPORT_FILE,
@@ -46,6 +50,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "JOB_FILE",
+    "LOCK_PATH",
+    "MERGED_FILE",
     "META_DIR",
     "REPORT_FILE",
     "RESULTS_FILE",
@@ -181,7 +187,8 @@ class OutputDir:
         return pa.concat_tables(tables) if tables else pa.table({})
 
     def _check_owner(self) -> None:
-        """Refuse a directory that holds files batchgen did not write and no _job.json."""
+        """Refuse a directory that holds files batchgen did not write and no JOB_FILE (nor
+        0.1's _job.json)."""
         names = os.listdir(self.path)
         if os.path.exists(os.path.join(self.path, JOB_FILE)) or "_job.json" in names:
             return  # ours; other files in it (notes, logs/) are left alone
@@ -196,7 +203,7 @@ class OutputDir:
     def _claim(self, overwrite: bool) -> None:
         """Make the directory this job's: refuse another job's results unless overwriting.
 
-        A directory with another job's _job.json but no part files is taken over: nothing is
+        A directory with another job's JOB_FILE but no part files is taken over: nothing is
         lost, and a job that failed before writing anything (e.g. a refused pickle checkpoint)
         can be rerun with the fix into the same output."""
         job_file = os.path.join(self.path, JOB_FILE)

@@ -163,7 +163,7 @@ class RunConfig:
             raise ConfigError("use either messages_column or template, not both")
         if self.output_format is OutputFormat.OPENAI and (self.shard or self.workers != 1):
             raise ConfigError(
-                "output_format openai writes one results.jsonl per job; run it without "
+                "output_format openai writes one .batchgen/results.jsonl per job; run it without "
                 "shard and workers"
             )
 

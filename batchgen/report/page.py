@@ -43,7 +43,7 @@ def _pct(x: float | None) -> str:
 
 
 def stats_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
-    """The table of headline figures, from a run's or a merge's _stats.json."""
+    """The table of headline figures, from a run's or a merge's stats.json."""
     wall = s.get("wall_s", s.get("max_wall_s", 0.0))
     rows = [
         (

@@ -105,7 +105,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     tp = spec.tensor_parallel_size
     peaks = resolve_peaks(spec.device, spec.dtype, cfg.peak_tflops, cfg.peak_bandwidth_gbs, tp)
     stats.loaded(info, load_s, _model_cost(llm, info), peaks)
-    # The model, quantization scheme and adapter travel with every part file, not only _stats.json.
+    # The model, quantization scheme and adapter travel with every part file, not only stats.json.
     meta = {"model": info.model, "dtype": info.dtype, "quantization": info.quantization}
     meta["id_column"] = shape.id_column
     if info.lora is not None:

@@ -20,10 +20,10 @@ load_dataset(data_dir=OUT)) still read each row once, from the shards:
 Shards and merges of batchgen 0.1 (_SUCCESS, _stats.json, merged.parquet ... at the top) are moved
 into this layout first.
 
-Nothing is merged unless every shard 0..N-1 has its _SUCCESS, all shards agree on N, and their
-_job.json fingerprints agree (apart from the shard itself); otherwise `IncompleteOutput` names
+Nothing is merged unless every shard 0..N-1 has its SUCCESS, all shards agree on N, and their
+job.json fingerprints agree (apart from the shard itself); otherwise `IncompleteOutput` names
 the shards by number. Row counts, errors and tokens are counted from the data, since a shard's
-_stats.json describes only its last run (a resumed shard did part of its work before).
+stats.json describes only its last run (a resumed shard did part of its work before).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from batchgen.data.atomic import TMP_PREFIX
 from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.data.writer import (
     JOB_FILE,
+    MERGED_FILE,
     META_DIR,
     STATS_FILE,
     SUCCESS_FILE,
@@ -58,7 +59,6 @@ from batchgen.scaleout.shard_report import (
     scan,
 )
 
-MERGED_FILE = f"{META_DIR}/merged.parquet"
 # write_atomic's temp names of a merge's files: left behind by a merge killed mid-write.
 _MERGE_FILES = (MERGED_FILE, STATS_FILE, SUCCESS_FILE, "merged.parquet", "_stats.json", "_SUCCESS")
 _TEMP_NAMES = "|".join(re.escape(Path(f).name) for f in _MERGE_FILES)  # today's and 0.1's

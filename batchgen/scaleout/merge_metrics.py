@@ -5,7 +5,7 @@ Each shard ran on its own device, so a merged MFU is the FLOPs of all shards ove
 devices could have done in their step time, sum(FLOPs) / sum(step seconds x peak), which is
 the step-time-weighted mean of the shards' MFUs (MBU likewise over decode time and bandwidth).
 The timeline puts every shard's steps on one clock: a step's `t_s` plus its shard's start
-(`started_unix` in its _stats.json) less the earliest shard's, with a `shard` column.
+(`started_unix` in its stats.json) less the earliest shard's, with a `shard` column.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ _SAME = ("model_flops_per_token", "weights_read_bytes", "kv_bytes_per_token")
 
 
 def merged_metrics(reports: list[ShardReport]) -> dict[str, Any]:
-    """_stats.json's latency, roofline and peak keys for the shards together."""
+    """stats.json's latency, roofline and peak keys for the shards together."""
     stats = [r.stats for r in reports if r.stats]
     lat = Latencies()
     for s in stats:
@@ -62,7 +62,7 @@ def _utilisation(stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def merge_steps(reports: list[ShardReport], root: str | os.PathLike[str]) -> int:
-    """Write root/_steps.parquet from the shards' (on one clock, with a shard column); the
+    """Write root/STEPS_FILE from the shards' (on one clock, with a shard column); the
     number of steps. Nothing is written when no shard has a timeline."""
     tables = []
     starts = [r.stats.get("started_unix") for r in reports]

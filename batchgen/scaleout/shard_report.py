@@ -1,7 +1,7 @@
 """What each shard directory of a sharded output holds: `scan(OUT)` reads every shard's
-state (complete, interrupted, running or killed, missing), parts, _stats.json and _job.json
+state (complete, interrupted, running or killed, missing), parts, stats.json and job.json
 into a `ShardReport`; `MergeSummary` is their sum, printed as a table and merged into
-OUT/_stats.json by merge.py."""
+OUT/.batchgen/stats.json by merge.py."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class IncompleteOutput(MergeError):
 
 class ShardState(str, enum.Enum):
     MISSING = "missing"  # no directory: never started
-    RUNNING_OR_KILLED = "incomplete"  # a directory without _SUCCESS and no final stats
+    RUNNING_OR_KILLED = "incomplete"  # a directory without SUCCESS and no final stats
     INTERRUPTED = "interrupted"  # stopped by a signal or an error after writing its stats
     COMPLETE = "complete"
 
@@ -42,7 +42,7 @@ class ShardReport:
     state: ShardState
     path: Path
     parts: list[str] = field(default_factory=list)
-    stats: dict[str, Any] = field(default_factory=dict)  # its _stats.json (last run)
+    stats: dict[str, Any] = field(default_factory=dict)  # its stats.json (last run)
     fingerprint: dict[str, Any] | None = None
     rows: int = 0  # from the data, filled in by merge
     rows_error: int = 0

@@ -15,8 +15,8 @@ again:
     the script passes SIGTERM to batchgen, waits for its flush, and requeues the task itself
     (scontrol requeue), which then resumes where it stopped.
 Logs are opened with --open-mode=append, so a requeued task adds to its log. A task whose shard
-already has _SUCCESS exits at once, so resubmitting the whole array (or `--only 2,5`) redoes
-only what is missing.
+is already complete (OUT/shard-.../.batchgen/SUCCESS) exits at once, so resubmitting the whole
+array (or `--only 2,5`) redoes only what is missing.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.data.atomic import write_atomic
+from batchgen.data.layout import SUCCESS_FILE
 from batchgen.errors import RuntimeFailure
 from batchgen.job.config import RunConfig
 from batchgen.job.shard import without_array_task
@@ -135,8 +136,9 @@ export PYTHONUNBUFFERED=1
 N={opts.shards}
 I=$SLURM_ARRAY_TASK_ID
 SHARD_DIR={shlex.quote(str(out))}/$(printf 'shard-%05d-of-%05d' "$I" "$N")
+DONE="$SHARD_DIR"/{shlex.quote(SUCCESS_FILE)}
 echo "[$(date -Is)] task $SLURM_ARRAY_JOB_ID.$I (job $SLURM_JOB_ID, restart ${{SLURM_RESTART_COUNT:-0}}) on $(hostname): shard $I/$N"
-if [ -e "$SHARD_DIR/_SUCCESS" ]; then
+if [ -e "$DONE" ]; then
     echo "shard $I/$N is already complete"
     exit 0
 fi
@@ -161,7 +163,7 @@ while kill -0 "$pid" 2>/dev/null; do
     rc=$?
 done
 echo "[$(date -Is)] batchgen exited with $rc"
-if [ "$requeue" = 1 ] && [ ! -e "$SHARD_DIR/_SUCCESS" ]; then
+if [ "$requeue" = 1 ] && [ ! -e "$DONE" ]; then
     echo "time limit near: requeueing ${{SLURM_ARRAY_JOB_ID}}_$I to resume"
     scontrol requeue "${{SLURM_ARRAY_JOB_ID}}_$I"
 fi

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from batchgen.choices import Choice
+from batchgen.data.layout import JOB_FILE
 from batchgen.errors import ConfigError, JobInterrupted, WorkersFailed
 from batchgen.job.config import RunConfig
 from batchgen.job.shard import Shard, without_array_task
@@ -108,11 +109,16 @@ def _job_spec(cfg: RunConfig) -> dict:
     return spec
 
 
+def _has_job_file(directory: Path) -> bool:
+    """A run's fingerprint is there, in today's layout or batchgen 0.1's."""
+    return (directory / JOB_FILE).exists() or (directory / "_job.json").exists()
+
+
 def _remove_other_splits(out: Path, n: int) -> None:
     """With --overwrite, shard directories of an earlier split into another count go."""
     for p in out.glob("shard-*-of-*"):
         shard = Shard.from_dirname(p.name)
-        if shard is not None and shard.count != n and (p / "_job.json").exists():
+        if shard is not None and shard.count != n and _has_job_file(p):
             shutil.rmtree(p)
 
 
@@ -120,7 +126,7 @@ def _check_split(out: Path, n: int) -> None:
     """The worker count decides which rows go into which shard directory: refuse to add an
     N-way split to an output that holds another split (or an unsharded run), which merge would
     refuse only after all the work."""
-    if (out / "_job.json").exists():
+    if _has_job_file(out):
         raise ConfigError(
             f"output {out} holds the results of a run without --workers; rerun it that way to "
             "resume, or pick another output directory"

@@ -132,7 +132,7 @@ class Latencies:
             self.hists[k].merge(other.hists[k])
 
     def summary(self) -> dict[str, dict[str, float | None]]:
-        """_stats.json's ttft_s, tpot_s and latency_s: {p50, p90, p99, mean, max} each."""
+        """stats.json's ttft_s, tpot_s and latency_s: {p50, p90, p99, mean, max} each."""
         return {k: self.hists[k].summary() for k in METRICS}
 
     def to_dict(self) -> dict[str, Any]:

@@ -57,7 +57,7 @@ CPU_BANDWIDTH_RANGE = (1e7, 1e14)
 class Peaks:
     flops: float | None  # FLOP/s the job's devices can do together
     bandwidth: float | None  # bytes/s of their memory together
-    source: str  # where each came from, for _stats.json
+    source: str  # where each came from, for stats.json
 
     def to_dict(self) -> dict:
         return {

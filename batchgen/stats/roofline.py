@@ -95,7 +95,7 @@ class Roofline:
             self.decode_seconds += r.seconds
 
     def summary(self, peak_flops: float | None, peak_bandwidth: float | None) -> dict[str, Any]:
-        """_stats.json's model_flops, decode_bytes_read, mfu and mbu (None where unknown)."""
+        """stats.json's model_flops, decode_bytes_read, mfu and mbu (None where unknown)."""
         achieved = self.flops / self.seconds if self.seconds else None
         bw = self.decode_bytes / self.decode_seconds if self.decode_seconds else None
         return {

@@ -1,10 +1,10 @@
 """The step timeline: one row per engine step, kept in columns of machine numbers and written
-as OUTPUT/_steps.parquet (atomically, at each flush and at the end) for `batchgen report`.
+as OUTPUT/.steps.parquet (atomically, at each flush and at the end) for `batchgen report`.
 
 Recording a step appends ten numbers to ten `array`s (8 bytes each, no Python object per
 value): about 1.5 us a step measured (docs/metrics.md), against steps of milliseconds, and
 80 bytes a step of memory (a million steps, 80 MB). The file describes the last run of the
-output directory, as _stats.json does.
+output directory, as .batchgen/stats.json does.
 """
 
 from __future__ import annotations
