@@ -64,7 +64,11 @@ def data_options(f):
             _opt(
                 "--template",
                 "-t",
-                help='Jinja prompt template over input columns, e.g. "Label the sentiment of: {{ text }}".',
+                help=(
+                    "Jinja prompt template over input columns, e.g. "
+                    '"Label the sentiment of: {{ text }}". On the command line \\n, \\t and \\\\ '
+                    "are read as a newline, a tab and a backslash."
+                ),
             ),
             _opt("--id-column", help="Input column of unique row ids. Default: the row number."),
             _opt("--limit", type=int, help="Only the first N input rows."),
@@ -145,7 +149,15 @@ def run_options(f):
                 type=int,
                 help="Job sampling seed: each row samples with its own seed, derived from this and its id, so rows are independent and a row's output does not depend on its batch, order or --limit (a seed column sets a row's seed itself).",
             ),
-            _opt("--stop", multiple=True, default=(), help="Stop string (repeatable)."),
+            _opt(
+                "--stop",
+                multiple=True,
+                default=(),
+                help=(
+                    "Stop string (repeatable). On the command line \\n, \\t and \\\\ are read "
+                    "as a newline, a tab and a backslash."
+                ),
+            ),
             _opt("--ignore-eos", is_flag=True, help="Generate max_new_tokens even past EOS."),
             _opt(
                 "--task",
@@ -211,7 +223,7 @@ def run_options(f):
             _opt(
                 "--peak-tflops",
                 type=float,
-                help="The device's peak TFLOP/s for MFU in _stats.json. Default: a table of known GPUs (x --tensor-parallel-size), measured once on the CPU.",
+                help="The device's peak TFLOP/s for MFU in .batchgen/stats.json. Default: a table of known GPUs (x --tensor-parallel-size), measured once on the CPU.",
             ),
             _opt(
                 "--peak-bandwidth-gbs",
@@ -220,7 +232,7 @@ def run_options(f):
             ),
             _opt(
                 "--output-format",
-                help="openai: also write OUTPUT/results.jsonl, OpenAI batch output lines in input order (OpenAI batch input only).",
+                help="openai: also write OUTPUT/.batchgen/results.jsonl, OpenAI batch output lines in input order (OpenAI batch input only).",
             ),
             _opt("--overwrite", is_flag=True, help="Replace another job's results in --output."),
             _opt("--quiet", "-q", is_flag=True, help="No progress bar (for schedulers' logs)."),
@@ -241,7 +253,7 @@ def run_options(f):
             _opt(
                 "--workers",
                 type=str,
-                help="auto or N: N processes (auto: one per visible GPU, or per group of --tensor-parallel-size GPUs) over shards of the input, then merged into OUTPUT/merged.parquet.",
+                help="auto or N: N processes (auto: one per visible GPU, or per group of --tensor-parallel-size GPUs) over shards of the input, then merged into OUTPUT/.batchgen/merged.parquet.",
             ),
             _opt(
                 "--tensor-parallel-size",
