@@ -19,12 +19,12 @@ engine does the same work):
 
 Every run is a fresh process (`batchgen run` via its CLI; the baseline via its script),
 timed from start to exit, peak RSS from wait4. Outputs are compared token for token with
-batchgen's (greedy). batchgen's own `_stats.json` gives the per-phase times and the
+batchgen's (greedy). batchgen's own `.batchgen/stats.json` gives the per-phase times and the
 compute shares; the floor is the job's matmul FLOPs at this machine's measured matmul rate.
 
 With --sweep-max-num-seqs, no baseline runs: `batchgen run` runs once per value of
 --max-num-seqs, and the sweep prints output tokens/s against p50/p99 TPOT and TTFT (from each
-run's _stats.json) and saves the curve as a PNG (--sweep-png, default WORKDIR/sweep-NAME.png):
+run's stats.json) and saves the curve as a PNG (--sweep-png, default WORKDIR/sweep-NAME.png):
 the latency/throughput trade-off of the batch size.
 """
 
@@ -44,6 +44,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from batchgen.data.layout import STATS_FILE
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -164,7 +166,7 @@ def bench_workload(a, name: str, model: Path, root: Path, matmul_flops: float) -
     def run_batchgen(k: int) -> dict:
         out = root / f"{name}-batchgen"
         r = timed(batchgen_cmd(a, model, data, out), logs / f"{name}-batchgen-{k}.log")
-        r.update(engine="batchgen", stats=json.loads((out / "_stats.json").read_text()))
+        r.update(engine="batchgen", stats=json.loads((out / STATS_FILE).read_text()))
         r["ids"] = token_ids(out)
         runs.append(r)
         return r
@@ -230,7 +232,7 @@ def sweep_workload(a, name: str, model: Path, root: Path) -> dict:
         out = root / f"{name}-seqs-{v}"
         cmd = [*batchgen_cmd(a, model, data, out), "--max-num-seqs", str(v)]
         r = timed(cmd, root / "logs" / f"{name}-seqs-{v}.log")
-        s = json.loads((out / "_stats.json").read_text())
+        s = json.loads((out / STATS_FILE).read_text())
         point = {"max_num_seqs": v, "wall_s": r["wall_s"], "out_tok_s": s["output_tokens_per_s"]}
         for key in ("ttft_s", "tpot_s"):
             point.update({f"{key[:4]}_{q}_s": s[key][q] for q in ("p50", "p99")})

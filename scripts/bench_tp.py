@@ -5,7 +5,7 @@
 
 TP=1 and TP=N alternate, A B A B, --pairs times (the machine is shared: medians, each pair's
 ratio beside them). Per run: wall seconds, the largest process's peak RSS (rank 0 or a
-follower: each holds its own slices), and from `_stats.json` the weight bytes per rank, the
+follower: each holds its own slices), and from `.batchgen/stats.json` the weight bytes per rank, the
 KV pool per rank and the share of step time spent in collectives. Token ids are compared
 with the TP=1 run (greedy; an all-reduce reorders sums, so a near-tie may part).
 
@@ -28,6 +28,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.data.layout import STATS_FILE
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -40,7 +42,7 @@ def run(a, model: Path, data: Path, root: Path, tp: int, k: int) -> dict:
     a.batchgen_args = f"{a.extra} --tensor-parallel-size {tp}"
     cmd = bench.batchgen_cmd(a, model, data, out)
     r = bench.timed(cmd, root / "logs" / f"tp{tp}-{k}.log")
-    s = json.loads((out / "_stats.json").read_text())
+    s = json.loads((out / STATS_FILE).read_text())
     r.update(
         tp=tp,
         ids=bench.token_ids(out),

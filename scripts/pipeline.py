@@ -6,7 +6,7 @@
 
 `prepare` takes a seeded random sample of the shipped reviews (the same rows on every run), so
 the pipeline has an input file of its own, as a real one would. `report` reads a merged output
-(OUT/merged.parquet and OUT/_stats.json, from `batchgen merge OUT`).
+(OUT/.batchgen/merged.parquet and OUT/.batchgen/stats.json, from `batchgen merge OUT`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
+
+from batchgen.data.layout import MERGED_FILE, STATS_FILE
 
 SAMPLES = Path(__file__).resolve().parents[1] / "batchgen" / "assets" / "samples"
 
@@ -31,8 +33,8 @@ def prepare(rows: int, out: Path, source: str = "reviews", seed: int = 0) -> Non
 
 
 def _load(run_dir: Path) -> tuple[list[dict], dict]:
-    rows = pq.read_table(run_dir / "merged.parquet").to_pylist()
-    stats = json.loads((run_dir / "_stats.json").read_text())
+    rows = pq.read_table(run_dir / MERGED_FILE).to_pylist()
+    stats = json.loads((run_dir / STATS_FILE).read_text())
     return rows, stats
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 # The ceilings' probe and the per-token costs live in the package (batchgen/stats/probe.py,
-# stats/roofline.py), which uses them for MFU and MBU in every run's _stats.json.
+# stats/roofline.py), which uses them for MFU and MBU in every run's stats.json.
 from batchgen.stats.probe import Ceilings, measure
 from batchgen.stats.roofline import ModelCost
 
