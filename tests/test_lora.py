@@ -14,6 +14,7 @@ from peft import IA3Config, LoraConfig, get_peft_model
 from test_exactness import MAX_NEW, _prompts, hf_greedy
 from tiny_models import save_tiny_model
 
+from batchgen.data.layout import JOB_FILE
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
@@ -127,7 +128,7 @@ def test_cli_records_the_adapter_and_refuses_one_changed_in_place(
     lora = read_stats(tmp_path / "out")["lora"]
     assert lora["path"] == str(mine.resolve()) and lora["sha256"] == sha
     assert (lora["r"], lora["alpha"], lora["targets"]) == (4, 8, sorted(LLAMA_ALL))
-    job = json.loads((tmp_path / "out" / "_job.json").read_text())
+    job = json.loads((tmp_path / "out" / JOB_FILE).read_text())
     assert job["lora"] == {"path": str(mine.resolve()), "sha256": sha}
     part = sorted((tmp_path / "out").glob("part-*.parquet"))[0]
     assert json.loads(pq.read_schema(part).metadata[b"batchgen"])["lora"]["sha256"] == sha
