@@ -4,7 +4,7 @@ import json
 import shutil
 
 import pytest
-from helpers import read_output, rows_by_id, run_cli, run_job, write_jsonl, write_parquet
+from helpers import read_output, rows_by_id, run_cli, run_job, success, write_jsonl, write_parquet
 
 LONG = "the quick brown fox jumps over the lazy dog. " * 8  # well over 16 tokens
 
@@ -49,7 +49,7 @@ def test_bad_rows_table(tmp_path, model):
             _check_ok_row(rows[i])
         else:
             _check_error_row(rows[i], *words)
-    assert (out / "_SUCCESS").exists()
+    assert success(out)
 
 
 def test_non_string_values_are_row_errors(tmp_path, model):
@@ -127,7 +127,7 @@ def test_truncate_error_stops_the_job_naming_the_fix(tmp_path, model):
     )
     assert "max_prompt_len 16" in r.stderr
     assert "--truncate left|right|skip" in r.stderr and "--max-prompt-len" in r.stderr
-    assert not (tmp_path / "out" / "_SUCCESS").exists()
+    assert not success(tmp_path / "out")
 
 
 # --- a bad input fails fast, before any model is loaded ---

@@ -16,6 +16,7 @@ from helpers import (
     rows_by_id,
     run_cli,
     run_job,
+    success,
     write_parquet,
 )
 
@@ -120,7 +121,7 @@ def test_invalid_utf8_line_is_one_error_record(tmp_path, model):
     out = tmp_path / "out"
     run_job(src, out, model, "--max-new-tokens", 2)
     rows = rows_by_id(out)
-    assert sorted(rows) == list(range(6)) and (out / "_SUCCESS").exists()
+    assert sorted(rows) == list(range(6)) and success(out)
     assert "invalid UTF-8 in column 'prompt' of input row 4" in rows[4]["error"]
     assert rows[4]["prompt"] is None and rows[4]["finish_reason"] == "error"
     assert all(rows[i]["error"] is None for i in (0, 1, 2, 3, 5))

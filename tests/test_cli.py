@@ -12,10 +12,13 @@ from helpers import (
     FAST,
     assert_one_line_error,
     prompts,
+    read_job,
     read_output,
+    read_stats,
     rows_by_id,
     run_cli,
     run_job,
+    success,
     write_jsonl,
     write_parquet,
 )
@@ -78,8 +81,8 @@ def test_parquet_end_to_end(tmp_path, model, tok):
         assert all(lp <= 0 for lp in r["logprobs"])
         assert r["text"] == tok.decode(r["token_ids"], skip_special_tokens=True)
         assert r["prompt_tokens"] == len(tok(prompts(N)[i])["input_ids"])
-    assert (out / "_SUCCESS").exists()
-    assert json.loads((out / "_job.json").read_text())["max_new_tokens"] == 8
+    assert success(out)
+    assert read_job(out)["max_new_tokens"] == 8
 
 
 def test_output_files_follow_the_umask(tmp_path, model):
@@ -88,8 +91,9 @@ def test_output_files_follow_the_umask(tmp_path, model):
     run_job(src, tmp_path / "out", model, "--max-new-tokens", 2)
     umask = os.umask(0)
     os.umask(umask)
-    for f in (tmp_path / "out").iterdir():
-        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f.name
+    for f in (tmp_path / "out").rglob("*"):  # the parts, and .batchgen/ with what it holds
+        mode = 0o777 if f.is_dir() else 0o666
+        assert f.stat().st_mode & 0o777 == mode & ~umask, f.name
 
 
 def _jsonl(d, n):
@@ -540,7 +544,7 @@ def test_compiled_run_equals_eager(tmp_path, model):
     for i in range(4):
         assert compiled[i]["token_ids"] == eager[i]["token_ids"]
         assert compiled[i]["text"] == eager[i]["text"]
-    stats = json.loads((tmp_path / "compiled" / "_stats.json").read_text())
+    stats = read_stats(tmp_path / "compiled")
     assert stats["compiled"] is True
     assert stats["compiled_shapes"] >= 1  # decode shapes (prefill steps run eagerly)
     assert stats["compile_s"] > 0

@@ -20,6 +20,7 @@ from helpers import (
     run_cli,
     run_job,
     start_cli,
+    success,
     write_parquet,
 )
 
@@ -81,7 +82,7 @@ def test_a_job_of_no_rows_writes_an_empty_part_with_the_schema(tmp_path, model):
     (part,) = out.glob("part-*.parquet")
     table = pq.read_table(part)
     assert table.num_rows == 0 and {"id", "k", "text", "error"} <= set(table.column_names)
-    assert (out / "_SUCCESS").exists() and read_stats(out)["rows"] == 0
+    assert success(out) and read_stats(out)["rows"] == 0
 
 
 def test_input_columns_named_like_output_columns_are_kept_renamed(tmp_path, model, caplog):

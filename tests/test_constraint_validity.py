@@ -13,6 +13,7 @@ from helpers import (
     rows_by_id,
     run_cli,
     run_job,
+    success,
     write_parquet,
 )
 
@@ -46,7 +47,7 @@ def test_unsatisfiable_job_constraint_is_refused_before_the_run(tmp_path, model)
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
     r = run_job(src, tmp_path / "out", model, "--regex", NEVER, exit_code=2)
     assert_one_line_error(r, "--regex", "cannot be met")
-    assert not (tmp_path / "out" / "_SUCCESS").exists()
+    assert not success(tmp_path / "out")
 
 
 def test_unsatisfiable_row_constraint_is_that_rows_error(tmp_path, model):

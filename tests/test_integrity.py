@@ -1,8 +1,7 @@
 """Output integrity under reruns, concurrency and changed files (issue 11), through the real CLI:
-every id exactly once, _SUCCESS only over complete results, and a one-line error otherwise."""
+every id exactly once, SUCCESS only over complete results, and a one-line error otherwise."""
 
 import errno
-import json
 import os
 import shutil
 import signal
@@ -15,14 +14,18 @@ from helpers import (
     assert_one_line_error,
     cli_command,
     prompts,
+    read_job,
     read_stats,
     rows_by_id,
     run_cli,
     run_job,
     start_cli,
+    success,
     wait_for_part,
     write_parquet,
 )
+
+from batchgen.data.layout import MERGED_FILE, META_DIR, STATS_FILE, SUCCESS_FILE
 
 N = 60
 
@@ -36,7 +39,7 @@ def _job(tmp_path, model, n=N, *flags):
 def _complete(out, n=N):
     rows = rows_by_id(out)  # fails on a duplicate id
     assert sorted(rows) == list(range(n))
-    assert (out / "_SUCCESS").exists()
+    assert success(out)
 
 
 # --- 1. a damaged part is never followed by "complete" ---
@@ -96,7 +99,7 @@ def test_part_sizes_and_windows_may_change_between_runs(tmp_path, model):
     others cuts parts differently, and still writes every row once."""
     args, out = _job(tmp_path, model, N, "--rows-per-part", 10)
     run_cli(*args)
-    for name in ("part-00001.parquet", "part-00004.parquet", "_SUCCESS"):
+    for name in ("part-00001.parquet", "part-00004.parquet", SUCCESS_FILE):
         (out / name).unlink()  # what a kill after four parts would have left, roughly
     run_cli(*args[:-2], "--rows-per-part", 7, "--window-rows", 5, "--max-num-seqs", 3)
     _complete(out)
@@ -175,7 +178,7 @@ def test_another_id_column_is_another_job(tmp_path, model):
     part = out / "part-00000.parquet"
     old = pq.read_table(part)
     pq.write_table(old.rename_columns(["id", *old.column_names[1:]]), part)
-    (out / "_SUCCESS").unlink()
+    (out / SUCCESS_FILE).unlink()
     r = run_cli(*args, "--id-column", "a", exit_code=2)
     assert_one_line_error(r, "has no id column 'a'", "--overwrite")
     assert pq.read_table(part).equals(old.rename_columns(["id", *old.column_names[1:]]))
@@ -223,12 +226,13 @@ def test_merged_files_are_durable_and_follow_the_umask(tmp_path, monkeypatch):
     merge(out)
     umask = os.umask(0)
     os.umask(umask)
-    for name in ("merged.parquet", "_stats.json", "_SUCCESS"):
+    for name in (MERGED_FILE, STATS_FILE, SUCCESS_FILE):
         assert (out / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
-        assert any(os.path.basename(s).startswith(f".tmp-{name}.") for s in synced), name
-    assert synced.count(str(out)) >= 3  # and each rename's directory entry
-    assert pq.read_table(out / "merged.parquet").num_rows == 10
-    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
+        temp = f".tmp-{os.path.basename(name)}."
+        assert any(os.path.basename(s).startswith(temp) for s in synced), name
+    assert synced.count(str(out / META_DIR)) >= 3  # and each rename's directory entry
+    assert pq.read_table(out / MERGED_FILE).num_rows == 10
+    assert not list(out.rglob(".tmp-*"))
 
 
 # --- 13. output failures are one line with the fix ---
@@ -243,7 +247,7 @@ def test_full_disk_is_a_one_line_error_and_a_rerun_resumes(tmp_path, model, monk
     monkeypatch.setattr("batchgen.data.writer.pq.write_table", disk_full)
     r = run_cli(*args, exit_code=1)
     assert_one_line_error(r, "No space left on device", "run the same command again to resume")
-    assert not (out / "_SUCCESS").exists()
+    assert not success(out)
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
     monkeypatch.undo()
     run_cli(*args)
@@ -288,7 +292,7 @@ def test_run_help_documents_the_exit_codes():
 def test_job_file_records_the_model_and_input_contents(tmp_path, model):
     args, out = _job(tmp_path, model, 2)
     run_cli(*args)
-    job = json.loads((out / "_job.json").read_text())
+    job = read_job(out)
     assert job["model_files"]["config.json"].startswith("sha256:")
     assert len(job["model_files"]["model.safetensors"]) == 2  # size, mtime
     ((path, size, _mtime),) = job["input_files"]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import yaml
-from helpers import prompts, rows_by_id, run_cli, write_parquet
+from helpers import prompts, read_job, rows_by_id, run_cli, write_parquet
 
 LONG = "the quick brown fox jumps over the lazy dog. " * 8
 
@@ -48,7 +48,7 @@ def test_flags_override_the_spec(tmp_path, spec):
     assert not (tmp_path / "out").exists()
     rows = rows_by_id(tmp_path / "other")
     assert [r["completion_tokens"] for r in rows.values()] == [5] * 5
-    assert json.loads((tmp_path / "other" / "_job.json").read_text())["max_new_tokens"] == 5
+    assert read_job(tmp_path / "other")["max_new_tokens"] == 5
 
 
 def test_a_flag_given_at_its_default_still_overrides(spec):

@@ -1,6 +1,6 @@
 """The field's metrics on tiny real runs: per-row timings (--with-timings), their percentiles
-in _stats.json, model FLOPs and bytes checked by hand on the 2-layer tiny Llama, MFU/MBU, the
-step timeline (_steps.parquet), and timings on resume."""
+in stats.json, model FLOPs and bytes checked by hand on the 2-layer tiny Llama, MFU/MBU, the
+step timeline (.steps.parquet), and timings on resume."""
 
 import json
 import math
@@ -8,6 +8,8 @@ import math
 import pyarrow.parquet as pq
 import pytest
 from helpers import prompts, read_output, read_stats, run_job, write_parquet
+
+from batchgen.data.layout import STEPS_FILE, SUCCESS_FILE
 
 PEAKS = ("--peak-tflops", 1, "--peak-bandwidth-gbs", 10)
 QS = ("p50", "p90", "p99")
@@ -98,7 +100,7 @@ def test_step_timeline_agrees_with_the_stats(model, tmp_path):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(10)})
     out = tmp_path / "out"
     run_job(src, out, model, "--max-num-seqs", 3, "--max-new-tokens", 6)
-    stats, steps = read_stats(out), pq.read_table(out / "_steps.parquet").to_pydict()
+    stats, steps = read_stats(out), pq.read_table(out / STEPS_FILE).to_pydict()
     assert len(steps["t_s"]) == stats["steps"]
     assert steps["t_s"] == sorted(steps["t_s"]) and all(t > 0 for t in steps["step_s"])
     assert sum(steps["decode_rows"]) == stats["decode_rows"]
@@ -117,7 +119,7 @@ def test_a_resumed_run_times_the_rows_it_computed(model, tmp_path):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(9)})
     out = tmp_path / "out"
     run_job(src, out, model, "--with-timings", "--rows-per-part", 4)
-    for name in ("part-00001.parquet", "part-00002.parquet", "_SUCCESS"):  # as if killed
+    for name in ("part-00001.parquet", "part-00002.parquet", SUCCESS_FILE):  # as if killed
         (out / name).unlink()
     first = {r["id"]: r for r in read_output(out).to_pylist()}
     run_job(src, out, model, "--with-timings")

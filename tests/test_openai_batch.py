@@ -10,12 +10,14 @@ from helpers import (
     read_stats,
     rows_by_id,
     run_job,
+    success,
     write_jsonl,
     write_parquet,
 )
 from transformers import AutoTokenizer
 
 from batchgen.data import InputFormat, open_input
+from batchgen.data.layout import RESULTS_FILE
 from batchgen.data.openai_batch import OPENAI_ERROR_COLUMN, is_openai_batch, parse_line
 from batchgen.data.openai_output import write_results
 
@@ -240,7 +242,7 @@ def test_malformed_lines_become_error_rows(tmp_path, model):
     for cid in ("ok0", "ok1"):
         assert rows[cid]["error"] is None and rows[cid]["completion_tokens"] >= 1
     stats = read_stats(out)
-    assert stats["rows_error"] == 3 and (out / "_SUCCESS").exists()
+    assert stats["rows_error"] == 3 and success(out)
 
 
 def test_unsupported_fields_are_reported(tmp_path, model, caplog):
@@ -294,7 +296,7 @@ def test_stop_column_in_a_plain_input_overrides_the_job_stop(tmp_path, model):
 
 
 def _results(out):
-    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / RESULTS_FILE).read_text().splitlines()]
 
 
 def test_openai_output_lines_in_input_order(tmp_path, model):
@@ -340,7 +342,7 @@ def test_openai_output_lines_in_input_order(tmp_path, model):
     # A rerun of the complete job, and one that added the option afterwards, write the same lines.
     plain = tmp_path / "plain"
     _run(src, plain, model)
-    assert not (plain / "results.jsonl").exists()
+    assert not (plain / RESULTS_FILE).exists()
     _run(src, plain, model, "--output-format", "openai")
     strip = [
         {

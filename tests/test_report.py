@@ -14,6 +14,8 @@ from helpers import (
     write_parquet,
 )
 
+from batchgen.data.layout import REPORT_FILE, STATS_FILE, STEPS_FILE
+
 PEAKS = ("--peak-tflops", 1, "--peak-bandwidth-gbs", 10)
 
 
@@ -35,19 +37,19 @@ def test_run_prints_the_hint_and_report_writes_the_page(model, tmp_path):
     r = run_cli("run", src, "-o", out, *flags)
     assert f"plots and metrics: batchgen report {out}" in r.stdout
     r = run_cli("report", out)
-    assert r.stdout.strip() == f"wrote {out / 'report.html'}"
-    page = _check_page(out / "report.html")
+    assert r.stdout.strip() == f"wrote {out / REPORT_FILE}"
+    page = _check_page(out / REPORT_FILE)
     stats = read_stats(out)
     assert f"{stats['mfu']:.2%}" in page
-    # report.html is the output's own file: a rerun finds the job complete, --overwrite clears it
+    # REPORT_FILE is the output's own file: a rerun finds the job complete, --overwrite clears it
     run_cli("run", src, "-o", out, *flags)
     run_cli("run", src, "-o", out, *flags, "--overwrite", "--limit", 2)
-    assert not (out / "report.html").exists()
+    assert not (out / REPORT_FILE).exists()
 
 
 def test_report_names_the_fix_when_there_is_nothing_to_report(tmp_path):
     r = run_cli("report", tmp_path, exit_code=2)
-    assert_one_line_error(r, "_stats.json not found", "batchgen run")
+    assert_one_line_error(r, f"{STATS_FILE} not found", "batchgen run")
     (tmp_path / "shard-00000-of-00002").mkdir()
     r = run_cli("report", tmp_path, exit_code=2)
     assert_one_line_error(r, f"batchgen merge {tmp_path}")
@@ -69,11 +71,11 @@ def test_merged_shards_report_as_one_job(model, tmp_path):
     flops_s = sum(s["model_flops_s"] for s in shards)
     assert abs(stats["mfu"] - stats["model_flops"] / flops_s / 1e12) < 1e-12
     assert 0 < stats["mbu"] <= 1 and stats["peak_flops"] == 1e12
-    steps = pq.read_table(out / "_steps.parquet").to_pydict()
+    steps = pq.read_table(out / STEPS_FILE).to_pydict()
     assert len(steps["t_s"]) == sum(s["steps"] for s in shards)
     assert sorted(set(steps["shard"])) == [0, 1] and steps["t_s"] == sorted(steps["t_s"])
     # the later shard's steps come after the earlier one's start on the one clock
     assert min(t for t, s in zip(steps["t_s"], steps["shard"], strict=True) if s == 1) > 0
     run_cli("report", out)
-    page = _check_page(out / "report.html")
+    page = _check_page(out / REPORT_FILE)
     assert "2 shards merged" in page

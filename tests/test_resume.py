@@ -17,6 +17,7 @@ from helpers import (
     rows_by_id,
     run_cli,
     start_cli,
+    success,
     wait_for_part,
     write_parquet,
 )
@@ -58,7 +59,7 @@ def _check_complete(out, clean, id_column="id"):
     assert sorted(rows) == sorted(clean)
     assert {i: r["text"] for i, r in rows.items()} == clean
     assert all(r["error"] is None and r["completion_tokens"] == 16 for r in rows.values())
-    assert (out / "_SUCCESS").exists()
+    assert success(out)
     assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
 
 
@@ -75,7 +76,7 @@ def test_sigkill_then_rerun_finishes_every_row_once(tmp_path, job, id_column):
     proc.kill()
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    assert not (out / "_SUCCESS").exists()
+    assert not success(out)
     done = set(read_output(out).column(id_column).to_pylist())
     assert 0 < len(done) < N, "the kill should land mid-job"
     parts_before = {p.name: p.read_bytes() for p in out.glob("part-*.parquet")}
@@ -119,7 +120,7 @@ def test_sigterm_saves_finished_rows_and_says_rerun(tmp_path, job):
     saved = rows_by_id(out)
     assert 0 < len(saved) < N, "SIGTERM should land mid-job"
     assert all(r["text"] == clean[i] for i, r in saved.items())  # finished rows are whole
-    assert not (out / "_SUCCESS").exists()
+    assert not success(out)
     stats = read_stats(out)
     assert stats["complete"] is False
     assert stats["rows"] == len(saved)  # every finished row was flushed

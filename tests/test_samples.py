@@ -4,7 +4,9 @@ its own seed, exactly once across reruns; the real CLI on a tiny random model.""
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import FAST, prompts, read_output, read_stats, run_cli, write_parquet
+from helpers import FAST, prompts, read_output, read_stats, run_cli, success, write_parquet
+
+from batchgen.data.layout import MERGED_FILE, SUCCESS_FILE
 
 SAMPLED = (*FAST, "--temperature", 1.0, "--max-new-tokens", 6, "--ignore-eos", "--with-token-ids")
 
@@ -64,12 +66,12 @@ def test_resume_completes_every_sample_exactly_once(tmp_path, model, id_column):
     assert len(parts) >= 3
     for p in parts[1::2]:  # as if the job had been killed before these were written
         p.unlink()
-    (out / "_SUCCESS").unlink()
+    (out / SUCCESS_FILE).unlink()
     run_cli(*args)
     again = _samples(out, id_column)
     assert sorted(again) == sorted(first)
     assert all(again[k]["token_ids"] == first[k]["token_ids"] for k in first)
-    assert (out / "_SUCCESS").exists()
+    assert success(out)
 
 
 def test_n_as_list_gives_one_row_with_the_samples_in_order(tmp_path, model):
@@ -105,7 +107,7 @@ def test_n_as_list_gives_one_row_with_the_samples_in_order(tmp_path, model):
     assert got[2]["text"] == [None] and "bad per-row n" in got[2]["error"]
     assert read_stats(out)["rows"] == 2 + 3 + 1  # samples run
     # a rerun finds every row done; a killed part's rows are redone whole
-    (out / "_SUCCESS").unlink()
+    (out / SUCCESS_FILE).unlink()
     sorted(out.glob("part-*.parquet"))[0].unlink()
     run_cli(
         "run",
@@ -156,6 +158,6 @@ def test_n_as_list_shards_merge(tmp_path, model):
             shard,
         )
     run_cli("merge", out)
-    merged = pq.read_table(out / "merged.parquet")
+    merged = pq.read_table(out / MERGED_FILE)
     assert sorted(merged.column("id").to_pylist()) == list(range(5))
     assert all(len(t) == 2 for t in merged.column("text").to_pylist())

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from helpers import success
 
 from batchgen.cli import main
 from batchgen.errors import ConfigError
@@ -157,7 +158,7 @@ def test_sharded_runs_write_every_row_once(tmp_path, gpt2, id_column):
     for i in range(n):
         cfg = RunConfig(**{**base, "output": str(tmp_path / "lim")}, shard=f"{i}/{n}", limit=10)
         run(cfg)
-        assert (tmp_path / "lim" / Shard(i, n).dirname / "_SUCCESS").exists()
+        assert success(tmp_path / "lim" / Shard(i, n).dirname)
         limited += _ids(cfg.output_dir, id_column or "id")
     assert sorted(limited) == sorted(expected[:10])
 

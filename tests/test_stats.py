@@ -1,4 +1,4 @@
-"""_stats.json agrees with the rows written, and the end-of-run table is printed unless --quiet."""
+"""stats.json agrees with the rows written, and the end-of-run table is printed unless --quiet."""
 
 import json
 import math

@@ -21,6 +21,7 @@ from helpers import (
     run_cli,
     run_job,
     start_cli,
+    success,
     wait_for_part,
     write_parquet,
 )
@@ -81,7 +82,7 @@ def _complete(out, clean):
     """Every row once, as the one-process run wrote it (>= 90%: an all-reduce may move a
     near-tie, tests/test_tensor_parallel_ranks.py checks those)."""
     rows = rows_by_id(out)  # fails on a duplicate id
-    assert sorted(rows) == sorted(clean) and (out / "_SUCCESS").exists()
+    assert sorted(rows) == sorted(clean) and success(out)
     same = sum(rows[i]["text"] == clean[i] for i in clean)
     assert same >= 0.9 * N, f"{same}/{N} rows equal the one-process run"
 
@@ -105,7 +106,7 @@ def test_a_killed_rank_ends_the_job_and_the_rerun_completes(model, job, tmp_path
     _, stderr = proc.communicate(timeout=90)  # bounded: a hang fails here
     assert proc.returncode == 1
     assert_one_line_error(stderr, "tensor-parallel rank 1 was killed by SIGKILL", "run the same")
-    assert 0 < len(rows_by_id(out)) < N and not (out / "_SUCCESS").exists()
+    assert 0 < len(rows_by_id(out)) < N and not success(out)
 
     rerun = subprocess.run(
         cli_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=300

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from helpers import EAGER, cli_command, run_job, write_parquet
+from helpers import EAGER, cli_command, read_job, run_job, write_parquet
 
 
 def test_backslash_escapes_on_the_command_line(tmp_path, model):
@@ -25,7 +25,7 @@ def test_backslash_escapes_on_the_command_line(tmp_path, model):
         "--max-new-tokens",
         2,
     )
-    job = json.loads((out / ".batchgen" / "job.json").read_text())
+    job = read_job(out)
     text = json.dumps(job)
     assert "Review: {{ text }}\\nSentiment:" in text  # a real newline, JSON-escaped
     assert "Review: {{ text }}\\\\nSentiment:" not in text

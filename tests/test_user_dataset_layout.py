@@ -14,7 +14,18 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import run_cli, run_job, write_jsonl, write_parquet
 
-from batchgen.data.writer import JOB_FILE, REPORT_FILE, RESULTS_FILE, STATS_FILE, SUCCESS_FILE
+from batchgen.data.layout import (
+    JOB_FILE,
+    LOCK_FILE,
+    LOCK_PATH,
+    MERGED_FILE,
+    META_DIR,
+    REPORT_FILE,
+    RESULTS_FILE,
+    STATS_FILE,
+    STEPS_FILE,
+    SUCCESS_FILE,
+)
 
 N = 6
 FLAGS = ("--max-new-tokens", "2")
@@ -90,7 +101,7 @@ def test_merged_shards_read_once(tmp_path, model, source):
         run_job(source, out, model, *FLAGS, "--shard", f"{i}/2")
     run_cli("merge", out)
     run_cli("report", out)
-    assert len(pq.read_table(out / ".batchgen" / "merged.parquet")) == N
+    assert len(pq.read_table(out / MERGED_FILE)) == N
     # The rows are in the shard folders: directory readers read them there, once; the
     # top-level glob finds none (read a sharded output with OUT/shard-*/*.parquet).
     assert_dataset(out, list(range(N)), tmp_path, glob_ids=[])
@@ -108,10 +119,10 @@ def test_older_layout_is_moved_on_resume_and_report(tmp_path, model, source):
     old = {JOB_FILE: "_job.json", STATS_FILE: "_stats.json", SUCCESS_FILE: "_SUCCESS"}
     for new, name in old.items():
         os.replace(out / new, out / name)
-    os.replace(out / ".batchgen" / "_lock", out / "_lock")
-    os.rmdir(out / ".batchgen")
+    os.replace(out / LOCK_PATH, out / LOCK_FILE)
+    os.rmdir(out / META_DIR)
     r = run_job(source, out, model, *FLAGS)  # the same job: complete, nothing to redo
     assert "moving _job.json" in r.stderr or (out / JOB_FILE).exists()
-    assert sorted(os.listdir(out)) == [".batchgen", ".steps.parquet", "part-00000.parquet"]
+    assert sorted(os.listdir(out)) == sorted([META_DIR, STEPS_FILE, "part-00000.parquet"])
     assert (out / SUCCESS_FILE).exists() and json.loads((out / JOB_FILE).read_text())
     assert_dataset(out, list(range(N)), tmp_path)

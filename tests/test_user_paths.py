@@ -4,7 +4,7 @@ refused with the form that works; `builtin:` paths work in the Python API as on 
 from __future__ import annotations
 
 import pytest
-from helpers import assert_one_line_error, run_cli, write_parquet
+from helpers import assert_one_line_error, run_cli, success, write_parquet
 
 from batchgen import RunConfig
 from batchgen.errors import ConfigError
@@ -72,4 +72,4 @@ def test_builtin_input_runs_through_the_python_api(tmp_path, model):
         quiet=True,
     )
     run(cfg)
-    assert (out / ".batchgen" / "SUCCESS").exists()
+    assert success(out)
