@@ -25,7 +25,7 @@ import torch
 
 from batchgen.model.attention import decode_attention, decode_mask
 from batchgen.model.kv_cache import PagedKVCache
-from batchgen.model.paged_flex import flex_decode_attention, list_width, paged_block_mask
+from batchgen.model.paged_flex import flex_decode_attention, list_width, paged_mask
 from batchgen.stats.probe import call_seconds
 
 
@@ -54,13 +54,14 @@ def bench_shape(args, rows: int, device: torch.device, dtype: torch.dtype) -> di
     window = args.window or None
 
     sdpa_mask = decode_mask(lens, width * bs, window)
-    block_mask = paged_block_mask(tables, lens, window, cache, g, list_width(cache, args.ctx))
+    mask = paged_mask(tables, lens, window, num_blocks, bs, list_width(cache, args.ctx))
+    compiled = device.type == "cuda"
 
     def gather() -> torch.Tensor:
-        return decode_attention(q, cache, tables, sdpa_mask)
+        return decode_attention(q, cache.k, cache.v, bs, tables, sdpa_mask)
 
     def flex() -> torch.Tensor:
-        return flex_decode_attention(q, cache, block_mask)
+        return flex_decode_attention(q, cache.k, cache.v, mask, window, bs, compiled)
 
     with torch.inference_mode():
         t0 = time.perf_counter()

@@ -23,7 +23,7 @@ from test_tensor_parallel_ranks import _assert_tp_matches
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
-from batchgen.model import attention
+from batchgen.model import attention, decode_ops
 from batchgen.model.attention import (
     DECODE_ATTENTION_ENV,
     DecodeBackend,
@@ -33,10 +33,11 @@ from batchgen.model.attention import (
 )
 from batchgen.model.kv_cache import PagedKVCache
 from batchgen.model.paged_flex import (
+    block_mask,
     flex_decode_attention,
     list_width,
     pad_rows,
-    paged_block_mask,
+    paged_mask,
 )
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -65,11 +66,13 @@ def test_flex_over_the_pool_equals_the_gather(window, g, monkeypatch):
         slots = torch.tensor([row[p // bs] * bs + p % bs for p in range(n)])
         cache.write(slots, torch.randn(n, hkv, d), torch.randn(n, hkv, d))
     q = torch.randn(5, hkv * g, d)
-    want = decode_attention(q, cache, tables, decode_mask(lens, tables.shape[1] * bs, window))
+    mask = decode_mask(lens, tables.shape[1] * bs, window)
+    want = decode_attention(q, cache.k, cache.v, bs, tables, mask)
 
     padded, plens = pad_rows(tables, lens)  # 5 rows -> 8: padding rows on the scratch block
     assert padded.shape == (8, 4) and plens[5:].tolist() == [1, 1, 1]
-    mask = paged_block_mask(padded, plens, window, cache, g, width=num_blocks)
+    paged = paged_mask(padded, plens, window, num_blocks, bs, width=num_blocks)
+    mask = block_mask(paged, window, bs, g)
     assert mask.kv_indices.shape == (8, 1, 1, num_blocks)  # the fixed width, past the tables'
     # the rows' block lists: from the first block inside the window to the last one
     first = [max(0, n - (window or n)) // bs for n in lens.tolist()]
@@ -82,8 +85,9 @@ def test_flex_over_the_pool_equals_the_gather(window, g, monkeypatch):
         raise AssertionError("the flex path copied the KV")
 
     monkeypatch.setattr(PagedKVCache, "gather", no_copy)
+    monkeypatch.setattr(decode_ops, "gather_blocks", no_copy)
     qp = torch.cat([q, q.new_zeros(3, *q.shape[1:])])
-    got = flex_decode_attention(qp, cache, mask)[:5]
+    got = flex_decode_attention(qp, cache.k, cache.v, paged, window, bs, compiled=False)[:5]
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -137,9 +141,9 @@ def flex_calls(monkeypatch) -> list[int]:
     calls = []
     real = attention.flex_decode_attention
 
-    def spy(q, cache, mask):
+    def spy(q, *args):
         calls.append(q.shape[0])
-        return real(q, cache, mask)
+        return real(q, *args)
 
     def no_gather(*a):
         raise AssertionError("a decode went through the gather path")
@@ -191,9 +195,9 @@ def test_two_ranks_on_flex_give_one_rank_tokens(one_kv_head, monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_flex_decode_equals_eager_and_compiles_nothing_twice(model, monkeypatch):
-    """The compiled decode step with the block mask as an input: one graph for 4 rows decoding
-    together, though a row's table grows from 1 to 2 blocks (flex's lists have a fixed width:
-    no table-width axis); none more on a second pass."""
+    """The compiled decode step with the mask's tensors as inputs: one graph for 4 rows
+    decoding together, though a row's table grows from 1 to 2 blocks; none more on a second
+    pass."""
     engine = EngineConfig(max_num_seqs=4, block_size=64, kv_cache_tokens=512)
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 9, 14, 60)]
@@ -204,7 +208,7 @@ def test_compiled_flex_decode_equals_eager_and_compiles_nothing_twice(model, mon
     monkeypatch.setenv(DECODE_ATTENTION_ENV, "flex")
     llm = LLM(model, dtype="float32", device="cpu", compile=True, engine=engine)
     assert [c.token_ids for c in llm.generate(rows, params)] == want
-    assert llm.runner.shapes == {("decode", 4, 0, True, False, False)}  # greedy, no mask or top
+    assert llm.runner.shapes == {(4, True)} and llm.runner.decode.graphs == 1  # greedy
     with CompileEvents() as events, torch._dynamo.config.patch(error_on_recompile=True):
         again = [c.token_ids for c in llm.generate(rows, params)]
     assert again == want and events.n == 0

@@ -23,9 +23,8 @@ from tiny_models import save_tiny_model
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import Completion, Request, SamplingParams
-from batchgen.engine.step_inputs import next_pow2
+from batchgen.engine.step_inputs import padded_batch
 from batchgen.llm import LLM
-from batchgen.model.attention import DecodeBackend
 
 pytestmark = pytest.mark.gpu
 
@@ -145,7 +144,7 @@ def test_decode_is_cuda_graphed_and_steady(llm):
     from torch._inductor import cudagraph_trees
 
     counters.clear()
-    # decode batches of 1, 3, 6 and 8 rows: padded to 1, 4, 8 and 8
+    # decode batches of 1, 3, 6 and 8 rows: padded to 2, 4, 8 and 8
     workloads = [prompts(1)[:1], prompts(2)[:3], prompts(0), prompts(3) + prompts(4)[:2]]
     first = [_engine_run(llm, rows, greedy()) for rows in workloads]
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
@@ -153,18 +152,15 @@ def test_decode_is_cuda_graphed_and_steady(llm):
     assert manager is not None, "no CUDA graph tree was created: decode is not CUDA-graphed"
     assert sum(len(nodes) for nodes in manager.roots.values()) >= 1, "no CUDA graph recorded"
     shapes = set(llm.runner.shapes)
-    assert {k[1] for k in shapes} == {1, 4, 8}  # the padded decode batch sizes
-    # greedy; 1-block tables (flex, CUDA's decode path: lists of a fixed width, no width axis)
-    width = 0 if llm.runner.attention is DecodeBackend.FLEX else 1
-    assert all(k[2] == width and k[3] for k in shapes)
-    # one symbolic-batch graph for 4 and 8 (a CUDA graph recorded for each), one for 1; no
-    # fallback to a graph per size (engine/compiled_step.py)
-    assert llm.runner._decode.dynamic
-    assert counters["stats"]["unique_graphs"] == 2
+    assert shapes == {(2, True), (4, True), (8, True)}  # the padded sizes, greedy
+    # one symbolic-batch graph of the model for every size (a CUDA graph recorded for each at
+    # warm-up), no fallback to a graph per size (engine/compiled_step.py)
+    decode = llm.runner.decode
+    assert decode.forward_graph.dynamic and decode.graphs == 1
     for _, reports in first:
         for r in reports:
             if r.decode_rows and not r.prefill:
-                assert r.decode_rows + r.padded_rows == next_pow2(r.decode_rows)
+                assert r.decode_rows + r.padded_rows == padded_batch(r.decode_rows)
     graphs = counters["stats"]["unique_graphs"]
 
     def again():
@@ -242,8 +238,8 @@ def test_bf16_greedy_agrees_with_transformers(llm, model_dir):
 
 
 def test_constrained_rows_in_cuda_graphed_decode(llm):
-    """--choice rows beside free rows: the mask is an input of the decode graph (one more
-    graph per shape, keyed by mask on/off), every constrained row valid."""
+    """--choice rows beside free rows: the mask is an input of the sampling graph (always
+    given, all ones for free rows), every constrained row valid."""
     import re
 
     from batchgen.engine.sequence import Constraint, ConstraintKind
@@ -255,7 +251,7 @@ def test_constrained_rows_in_cuda_graphed_decode(llm):
     ]
     got = llm.generate(prompts(5), params)
     assert all(re.fullmatch("[a-z]{3,6}", o.text) for o in got[1::2]), [o.text for o in got]
-    assert any(k[4] for k in llm.runner.shapes)  # a masked decode graph ran
+    assert llm.runner.decode.graphs == 1  # the mask is an input of sampling, not a guard
 
 
 def test_scores_in_float32_on_cuda_equal_transformers(model_dir):

@@ -117,6 +117,14 @@ class Engine:
             ahead = list(itertools.islice(stream, self.config.read_ahead))
             self.scheduler = self._start(ahead)
             stream = itertools.chain(ahead, stream)
+            warm = self.runner.warm_up(self.config.max_num_seqs)  # before any row is queued
+            if warm is not None:
+                yield StepReport(
+                    compile_seconds=warm.compile_seconds,
+                    capture_seconds=warm.capture_seconds,
+                    compile_cache=warm.cache,
+                    at=time.perf_counter(),
+                )
         sched = self.scheduler
         exhausted = False
         while True:

@@ -7,14 +7,12 @@ each row's blocks in place from the paged pool; on the CPU, the rows' blocks are
 SDPA runs over the copy (measured faster there; docs/architecture.md).
 
 Eagerly, a step runs at its exact size: no padding rows, no padding tokens. Compiled
-(`compile=True`), decode-only steps, the steady state, run through torch.compile'd graphs,
-CUDA graphs on a GPU: the batch padded to a power of two and the block tables to a
-power-of-two width, so a job sees a bounded set of shapes (log2(max_num_seqs) + 1 batch sizes
-times a few context buckets; with flex, whose block lists have a fixed width, the batch sizes
-alone). The batch axis is symbolic (compiled_step.py): one compile serves every size of 2
-and more, and a GPU records one CUDA graph a size. The graph holds the forward and the
-sampling. Steps with prefill chunks run eagerly: their per-sequence attention has
-data-dependent shapes, and their large matmuls leave little launch overhead to save.
+(`compile=True`), decode-only steps, the steady state, run through engine/compiled_decode.py:
+the forward compiled once over a symbolic batch, sampling a small graph of its own, CUDA
+graphs on a GPU for each capture size (2, 4, then steps of 8 up to max_num_seqs), all warmed
+up before the first request (`warm_up`). Steps with prefill chunks run eagerly: their
+per-sequence attention has data-dependent shapes, and their large matmuls leave little launch
+overhead to save.
 
 With tensor parallelism, rank 0's runner hands each step's `StepInputs` to `broadcast` (the
 other ranks' runners run `forward` on them) before running its own part; only rank 0
@@ -28,13 +26,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
 
-from batchgen.engine.sampler import SamplingColumns, SamplingTensors
+from batchgen.engine.sampler import SamplingColumns
 from batchgen.engine.sequence import StepPlan
-from batchgen.engine.step_inputs import StepInputs, pack_decode, pack_step
+from batchgen.engine.step_inputs import StepInputs, capture_sizes, pack_decode, pack_step
 from batchgen.engine.step_sampling import Sampled, sample_step, to_host, wants_top
 from batchgen.model.attention import (
     DecodeBackend,
@@ -45,6 +43,10 @@ from batchgen.model.attention import (
 )
 from batchgen.model.tp_layers import CollectiveClock
 from batchgen.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from batchgen.engine.compile_cache import CompileCache
+    from batchgen.engine.compiled_decode import CompiledDecode, WarmUp
 
 
 @dataclass(slots=True)
@@ -70,9 +72,11 @@ class ModelRunner:
         compile: bool = False,
         broadcast: Callable[[StepInputs], None] | None = None,
         clock: CollectiveClock | None = None,
+        compile_cache: CompileCache | None = None,
     ) -> None:
         """broadcast: rank 0 of a tensor-parallel group hands it each step's inputs; clock:
-        where the model's collectives add up their time."""
+        where the model's collectives add up their time; compile_cache: where compiled graphs
+        are kept across processes (with compile)."""
         self.model = model
         self.device = model.embed.weight.device
         self.block_size = block_size
@@ -81,24 +85,13 @@ class ModelRunner:
         self.compiled = compile
         self.attention = decode_backend(self.device, block_size, model.cfg.head_dim)
         self.broadcast, self.clock = broadcast, clock
-        self.shapes: set[tuple] = set()  # compiled shapes seen
-        if compile or self.attention is DecodeBackend.FLEX:
-            import torch._dynamo.config as dynamo_config
-
-            # Each (batch, width, greedy) decode shape is one specialisation of the graph, and
-            # each row count one of flex's in eager steps: room for the bounded set (batch
-            # sizes x power-of-two widths x 2), not dynamo's 8. (Past the limit dynamo would
-            # run flex eagerly: dense scores over the whole pool.)
-            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 128)
-            dynamo_config.accumulated_recompile_limit = max(
-                dynamo_config.accumulated_recompile_limit, 1024
-            )
-        if compile:  # rank 0's graph holds the forward and the sampling; other ranks' the forward
+        self.shapes: set[tuple[int, bool]] = set()  # (padded batch, greedy-only) decodes run
+        self.decode: CompiledDecode | None = None
+        if compile:
             # imported here: torch._dynamo takes ~1 s to import, a tenth of a small eager job
-            from batchgen.engine.compiled_step import CompiledStep
+            from batchgen.engine.compiled_decode import CompiledDecode
 
-            self._decode = CompiledStep(self._decode_step, self.device)
-            self._decode_forward = CompiledStep(self._decode_logits, self.device)
+            self.decode = CompiledDecode(model, self.attention, block_size, compile_cache)
 
     def allocate(self, num_blocks: int) -> None:
         """Allocate the paged cache once: num_blocks blocks per layer, block 0 scratch.
@@ -107,6 +100,10 @@ class ModelRunner:
             raise RuntimeError("the KV cache is already allocated")
         self.model.setup_caches(num_blocks, self.block_size)
         self.num_blocks = num_blocks
+        if self.decode is not None:  # the graph takes any pool: a compile cache serves all
+            for cache in self.model.kv_caches:
+                torch._dynamo.maybe_mark_dynamic(cache.k, 0)
+                torch._dynamo.maybe_mark_dynamic(cache.v, 0)
 
     def free_device_bytes(self) -> int | None:
         """Free accelerator memory (None on the CPU, where the pool is sized from the job)."""
@@ -137,64 +134,23 @@ class ModelRunner:
         cfg = self.model.cfg
         return cfg.kv_bytes_per_token(self.model.embed.weight.element_size()) * self.block_size
 
+    def warm_up(self, max_num_seqs: int) -> WarmUp | None:
+        """Compile (and on a GPU capture) the decode graphs for every batch of up to
+        max_num_seqs rows, after allocate() and before the first request. None: eager."""
+        if self.decode is None:
+            return None
+        return self.decode.warm_up(capture_sizes(max_num_seqs), self.broadcast)
+
     # ------------------------------------------------------------------ step
-
-    def _decode_logits(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        blocks: torch.Tensor | None,
-        mask: BlockMask | None,
-    ) -> torch.Tensor:
-        """A decode-only step's logits: (B,) tokens at (B,) positions; gather: tables (B, n),
-        flex: its block mask, built outside the graph (see _tensors)."""
-        b = tokens.shape[0]
-        group = DecodeGroup(0, blocks, positions + 1, mask)
-        step = StepAttention(slots, b, (group,), backend=self.attention)
-        return self.model(tokens, positions, step, torch.arange(b, device=tokens.device))
-
-    def _decode_step(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        blocks: torch.Tensor | None,
-        mask: BlockMask | None,
-        sampling: SamplingTensors,
-        steps: torch.Tensor,
-        greedy_only: bool,
-        bitmask: torch.Tensor | None,
-        top: bool = False,
-    ) -> tuple[torch.Tensor, ...]:
-        """A decode-only step as one graph: the logits, then the sampled tokens."""
-        logits = self._decode_logits(tokens, positions, slots, blocks, mask)
-        return sample_step(logits, sampling, steps, greedy_only, bitmask, top)
-
-    def _tensors(self, x: StepInputs) -> tuple:
-        """A compiled decode step's inputs: tokens, positions, slots, then the tables (gather)
-        or the block mask (flex). Flex's mask is built here, outside the graph, and comes in as
-        an input (inductor's CPU flex kernel read a mask built inside the graph wrongly, torch
-        2.13); its tensors are graph inputs of a fixed width, so a new mask each step compiles
-        nothing and flex's graph has no table-width axis."""
-        dev = self.device
-        tables = torch.tensor(x.decodes[0][1], device=dev)
-        tokens, positions, slots = (
-            torch.tensor(v, device=dev) for v in (x.tokens, x.positions, x.slots)
-        )
-        if self.attention is DecodeBackend.GATHER:
-            return tokens, positions, slots, tables, None
-        group = DecodeGroup(0, tables, positions + 1)
-        step = StepAttention(slots, len(x.tokens), (group,), backend=self.attention)
-        return tokens, positions, slots, None, self.model.step_masks(step).decodes[0].mask
 
     def forward(self, x: StepInputs) -> torch.Tensor:
         """The float32 logits (len(x.logits_index), vocab) of one step's inputs (what a
         tensor-parallel rank other than 0 runs)."""
         if x.compiled:
-            if self.device.type == "cuda":
-                torch.compiler.cudagraph_mark_step_begin()
-            return self._decode_forward(*self._tensors(x))
+            logits = self.decode.logits(x)
+            if x.save_compile_cache and self.decode.cache is not None:
+                self.decode.cache.save()
+            return logits
         dev = self.device
         step = StepAttention(
             backend=self.attention,
@@ -263,6 +219,7 @@ class ModelRunner:
         out = to_host(
             sample_step(logits[:n], samp, steps, sampling.greedy_only, bitmask, top),
             packed.sampled,
+            top,
         )
         decoded = [None] * nd  # back to plan order
         for j, i in enumerate(packed.decode_order):
@@ -278,23 +235,15 @@ class ModelRunner:
         for s in packed.sampled:
             sampling.add(s)
         sampling.pad(pad)
-        greedy_only = sampling.greedy_only
-        samp, steps = sampling.tensors(self.device)
-        if bitmask is not None and pad:  # padding rows allow every token
-            bitmask = torch.cat([bitmask, bitmask.new_full((pad, bitmask.shape[1]), -1)])
-        b, width = x.shape
-        width = width if self.attention is DecodeBackend.GATHER else 0  # flex: no width axis
-        top = wants_top(packed.sampled)
-        key = ("decode", b, width, greedy_only, bitmask is not None, top)
+        key = (len(x.tokens), sampling.greedy_only)
+        graphs = self.decode.graphs + self.decode.sample_graph.graphs
         t0 = time.perf_counter()
         if self.broadcast is not None:
             self.broadcast(x)
-        if self.device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        result = self._decode(*self._tensors(x), samp, steps, greedy_only, bitmask, top)
-        out = to_host(result, packed.sampled[:n])  # the one host sync
+        result = self.decode.sample(self.decode.logits(x), sampling, bitmask)
+        out = to_host(result, packed.sampled[:n], wants_top(packed.sampled))  # the one sync
         dt = time.perf_counter() - t0
-        if key not in self.shapes:
-            self.shapes.add(key)
-            return out, [], StepTiming(0.0, dt, pad, new_shape=True)
+        self.shapes.add(key)
+        if self.decode.graphs + self.decode.sample_graph.graphs > graphs:  # a compile: after
+            return out, [], StepTiming(0.0, dt, pad, new_shape=True)  # warm-up, not expected
         return out, [], StepTiming(dt, 0.0, pad)

@@ -237,7 +237,9 @@ class StepReport:
     padded_rows: int = 0  # decode rows computed only to fill a compiled shape
     preempted: int = 0
     seconds: float = 0.0  # model time, compile excluded
-    compile_seconds: float = 0.0  # first run of a new compiled shape
+    compile_seconds: float = 0.0  # the warm-up's compile (or a compile after it)
+    capture_seconds: float = 0.0  # the warm-up's runs of every capture size (CUDA graphs)
+    compile_cache: str | None = None  # the warm-up's: "hit" or "miss" (None: no cache)
     prefill: bool = False  # the step ran prompt tokens (else decode only)
     cache_lookups: int = 0  # full prompt blocks looked up in the prefix cache by admissions
     cache_hits: int = 0  # of which found

@@ -9,8 +9,9 @@ cached context. `logits_index` names the tokens that reach the LM head: those th
 then the positions of scored label tokens (the score task).
 
 A compiled decode-only step (`pack_decode`) is padded to a bounded set of shapes instead: the
-batch to a power of two, the block tables to a power-of-two width; padding rows decode token 0
-at position 0 into the scratch block.
+batch to the next capture size (2, 4, then steps of 8: vLLM's sizes, with 1 padded to 2, the
+size dynamo would specialise), the block tables to a power-of-two width of 2 or more; padding
+rows decode token 0 at position 0 into the scratch block.
 
 `StepInputs` is everything a model forward needs, so it is also what rank 0 sends the other
 tensor-parallel ranks each step; `PackedStep` adds what only rank 0 needs to sample and score.
@@ -28,6 +29,20 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """The padded batch sizes of compiled decode steps for up to max_num_seqs rows: 2, 4, then
+    multiples of 8, the last at or above max_num_seqs (a CUDA graph each on a GPU)."""
+    sizes = [2, 4]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(sizes[-1] + 8 if sizes[-1] >= 8 else 8)
+    return [s for s in sizes if s < max_num_seqs] + [next(s for s in sizes if s >= max_num_seqs)]
+
+
+def padded_batch(n: int) -> int:
+    """The capture size a decode step of n rows runs at (capture_sizes)."""
+    return 2 if n <= 2 else 4 if n <= 4 else -(-n // 8) * 8
+
+
 @dataclass(slots=True)
 class StepInputs:
     """One forward's inputs. decodes: (first token, block tables (B, n), context lengths (B,))
@@ -39,7 +54,8 @@ class StepInputs:
     logits_index: list[int] = field(default_factory=list)
     decodes: list[tuple[int, list[list[int]], list[int]]] = field(default_factory=list)
     prefills: list[tuple[int, int, int, list[int] | None]] = field(default_factory=list)
-    compiled: bool = False  # a padded decode-only step: one group, batch and width powers of 2
+    compiled: bool = False  # a padded decode-only step: one group (pack_decode's shapes)
+    save_compile_cache: bool = False  # the warm-up's last step: each rank saves its artifacts
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -134,10 +150,11 @@ def pack_step(plan: StepPlan, block_size: int, max_groups: int = 4) -> PackedSte
 
 
 def pack_decode(plan: StepPlan, block_size: int) -> PackedStep:
-    """A decode-only plan padded to a compiled shape: batch and table width to powers of 2."""
+    """A decode-only plan padded to a compiled shape: the batch to its capture size, the
+    table width to a power of 2 (of 2 or more: dynamo would specialise a width of 1)."""
     n = len(plan.decodes)
-    b = next_pow2(n)
-    width = next_pow2(max(len(s.seq.block_table) for s in plan.decodes))
+    b = padded_batch(n)
+    width = max(2, next_pow2(max(len(s.seq.block_table) for s in plan.decodes)))
     inputs = StepInputs(compiled=True)
     for s in plan.decodes:
         _add_tokens(s, inputs, block_size)
@@ -145,10 +162,29 @@ def pack_decode(plan: StepPlan, block_size: int) -> PackedStep:
         s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)) for s in plan.decodes
     ]
     lens = [s.start + 1 for s in plan.decodes]
+    return _padded(inputs, tables, lens, b, block_size, list(plan.decodes))
+
+
+def warmup_decode(rows: int, block_size: int) -> StepInputs:
+    """A compiled decode step of `rows` padding rows only (the warm-up's: every row decodes
+    token 0 at position 0 into the scratch block)."""
+    return _padded(StepInputs(compiled=True), [], [], rows, block_size, []).inputs
+
+
+def _padded(
+    inputs: StepInputs,
+    tables: list[list[int]],
+    lens: list[int],
+    b: int,
+    block_size: int,
+    sampled: list[Scheduled],
+) -> PackedStep:
+    n = len(tables)
+    width = len(tables[0]) if tables else 2
     pad = b - n  # padding rows: token 0 at position 0, written to the scratch block
     inputs.tokens += [0] * pad
     inputs.positions += [0] * pad
     inputs.slots += [NULL_BLOCK * block_size] * pad
     inputs.decodes.append((0, tables + [[NULL_BLOCK] * width] * pad, lens + [1] * pad))
     inputs.logits_index = list(range(b))
-    return PackedStep(inputs, list(plan.decodes), list(range(n)), padded_rows=pad)
+    return PackedStep(inputs, sampled, list(range(n)), padded_rows=pad)

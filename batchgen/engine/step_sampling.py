@@ -36,16 +36,16 @@ def sample_step(
 
 
 def wants_top(sampled: list[Scheduled]) -> bool:
-    """Does a sequence of the step keep its tokens' top alternatives? (A second graph per
-    decode shape, used only by jobs that ask.)"""
+    """Does a sequence of the step keep its tokens' top alternatives?"""
     return any(s.seq.params.top_logprobs for s in sampled)
 
 
-def to_host(result: tuple[torch.Tensor, ...], sampled: list[Scheduled]) -> Sampled:
-    """The step's outputs for the sequences `sampled` (its first rows), on the host."""
+def to_host(result: tuple[torch.Tensor, ...], sampled: list[Scheduled], top: bool) -> Sampled:
+    """The step's outputs for the sequences `sampled` (its first rows), on the host; their top
+    alternatives only where top (a row asks)."""
     n = len(sampled)
     toks, lps = result[0][:n].tolist(), result[1][:n].tolist()
-    if len(result) == 2:
+    if not top:
         return [(t, lp, None) for t, lp in zip(toks, lps, strict=True)]
     vals, ids = result[2][:n].tolist(), result[3][:n].tolist()
     out: Sampled = []

@@ -16,7 +16,8 @@ with no padding. Every token's key/value is written at its own cache slot first;
 That is the gather path (`DecodeBackend.GATHER`, the CPU's). On CUDA the decodes instead
 read the pool in place with FlexAttention (`DecodeBackend.FLEX`, paged_flex.py): one group of
 all decodes, its rows padded to a power of two and its block lists to a fixed width, and no copy
-of the KV.
+of the KV. Inside a compiled decode step, the whole of a layer's attention (cache write
+included) is one custom op of model/decode_ops.py, opaque to inductor.
 
 Sliding-window models (Mistral) add `query - key < window` to every mask. The masks depend
 on the step, not the layer: `StepAttention.with_masks` builds them once per forward and every
@@ -33,10 +34,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask
 
+from batchgen.model.decode_ops import decode_attention, decode_mask, window_ok
 from batchgen.model.kv_cache import PagedKVCache
-from batchgen.model.paged_flex import flex_decode_attention, list_width, pad_rows, paged_block_mask
+from batchgen.model.paged_flex import (
+    PagedMask,
+    flex_decode_attention,
+    list_width,
+    pad_rows,
+    paged_mask,
+)
 
 
 class DecodeBackend(enum.Enum):
@@ -88,8 +95,8 @@ class DecodeGroup:
     # a compiled flex step's, whose mask comes built)
     lens: torch.Tensor  # (B,) context lengths, this token included
     # From StepAttention.with_masks: gather, a (B, 1, 1, n * block_size) SDPA mask; flex, a
-    # BlockMask over the pool (rows, blocks and lens then padded to a power of two).
-    mask: torch.Tensor | BlockMask | None = None
+    # PagedMask over the pool (rows padded to a power of two).
+    mask: torch.Tensor | PagedMask | None = None
 
 
 @dataclass(slots=True)
@@ -102,13 +109,19 @@ class StepAttention:
     decodes: tuple[DecodeGroup, ...] = ()
     prefills: tuple[PrefillSpan, ...] = ()
     backend: DecodeBackend = DecodeBackend.GATHER
+    window: int | None = None  # the model's sliding window, set by with_masks
 
     def with_masks(
         self, window: int | None, cache: PagedKVCache, queries: int, max_positions: int
     ) -> StepAttention:
         """This step with its groups' and spans' attention masks built, for all layers.
         cache: a layer's cache (its pool's shape); queries: query heads per kv head;
-        max_positions: the longest a sequence can be (flex's lists hold its blocks)."""
+        max_positions: the longest a sequence can be (flex's lists hold its blocks). In a
+        compiled decode step the ops build what they need (a flex mask comes built)."""
+        if torch.compiler.is_compiling():
+            return StepAttention(
+                self.slots, self.num_decodes, self.decodes, (), self.backend, window
+            )
         width = list_width(cache, max_positions)
         decodes = tuple(self._decode_mask(g, window, cache, queries, width) for g in self.decodes)
         prefills = tuple(
@@ -121,7 +134,7 @@ class StepAttention:
             )
             for s in self.prefills
         )
-        return StepAttention(self.slots, self.num_decodes, decodes, prefills, self.backend)
+        return StepAttention(self.slots, self.num_decodes, decodes, prefills, self.backend, window)
 
     def _decode_mask(
         self, g: DecodeGroup, window: int | None, cache: PagedKVCache, queries: int, width: int
@@ -130,24 +143,9 @@ class StepAttention:
         if self.backend is DecodeBackend.GATHER:
             mask = decode_mask(g.lens, g.blocks.shape[1] * bs, window)
             return DecodeGroup(g.q_start, g.blocks, g.lens, mask)
-        if g.mask is not None:  # built already: the compiled decode step takes it as an input
-            return g
         blocks, lens = pad_rows(g.blocks, g.lens)
-        mask = paged_block_mask(blocks, lens, window, cache, queries, width)
+        mask = paged_mask(blocks, lens, window, cache.num_blocks, bs, width)
         return DecodeGroup(g.q_start, blocks, lens, mask)
-
-
-def _window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    return (
-        (q_pos - k_pos) < window if window is not None else torch.ones_like(k_pos, dtype=torch.bool)
-    )
-
-
-def decode_mask(lens: torch.Tensor, s: int, window: int | None) -> torch.Tensor:
-    """(B,) context lengths over s gathered key slots -> (B, 1, 1, s) SDPA mask."""
-    k_pos = torch.arange(s, device=lens.device)[None, :]  # (1, S)
-    q_pos = (lens - 1)[:, None]  # (B, 1)
-    return ((k_pos <= q_pos) & _window_ok(q_pos, k_pos, window))[:, None, None, :]
 
 
 def prefill_mask(
@@ -158,25 +156,7 @@ def prefill_mask(
         return None
     q_pos = span.ctx_start + torch.arange(span.q_len, device=device)[:, None]  # (n, 1)
     k_pos = torch.arange(span.ctx_start + span.q_len, device=device)[None, :]  # (1, S)
-    return (k_pos <= q_pos) & _window_ok(q_pos, k_pos, window)
-
-
-def decode_attention(
-    q: torch.Tensor, cache: PagedKVCache, blocks: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """q (B, H, D), one query per sequence, over its blocks (B, n) -> (B, H, D)."""
-    b, h, d = q.shape
-    k, v = cache.gather(blocks)  # (B, S, Hkv, D)
-    hkv = k.shape[2]
-    # Grouped-query attention folded into the query axis: the g query heads of a kv head
-    # are its g "query positions", (B, Hkv, g, D), so K/V need no copy per query head.
-    y = F.scaled_dot_product_attention(
-        q.view(b, hkv, h // hkv, d),
-        k.transpose(1, 2),  # (B, Hkv, S, D)
-        v.transpose(1, 2),
-        attn_mask=mask,
-    )
-    return y.reshape(b, h, d)
+    return (k_pos <= q_pos) & window_ok(q_pos, k_pos, window)
 
 
 def prefill_attention(
@@ -198,7 +178,10 @@ def step_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, step: StepAttention
 ) -> torch.Tensor:
     """q (T, H, D), k, v (T, Hkv, D) of a whole step (masks built) -> (T, H, D)."""
+    if torch.compiler.is_compiling():  # a compiled decode step: one group, B rows
+        return _decode_op(q, k, v, cache, step)
     cache.write(step.slots, k, v)
+    bs = cache.block_size
     parts = []
     for g in step.decodes:
         rows = g.lens.shape[0]
@@ -206,10 +189,28 @@ def step_attention(
         qg = q[g.q_start : g.q_start + n]
         if step.backend is DecodeBackend.FLEX:
             qg = torch.cat([qg, qg.new_zeros(rows - n, *qg.shape[1:])]) if rows > n else qg
-            parts.append(flex_decode_attention(qg, cache, g.mask)[:n])
+            compiled = qg.device.type == "cuda"  # eager flex would score the whole pool
+            out = flex_decode_attention(qg, cache.k, cache.v, g.mask, step.window, bs, compiled)
+            parts.append(out[:n])
         else:
-            parts.append(decode_attention(qg, cache, g.blocks, g.mask))
+            parts.append(decode_attention(qg, cache.k, cache.v, bs, g.blocks, g.mask))
     for s in step.prefills:
         sl = slice(s.q_start, s.q_start + s.q_len)
         parts.append(prefill_attention(q[sl], k[sl], v[sl], cache, s))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _decode_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, step: StepAttention
+) -> torch.Tensor:
+    """A compiled decode step's attention for one layer, as one opaque op (decode_ops.py)."""
+    (g,) = step.decodes
+    bs, window = cache.block_size, step.window
+    if step.backend is DecodeBackend.FLEX:
+        m = g.mask
+        return torch.ops.batchgen.decode_flex(
+            q, k, v, cache.k, cache.v, step.slots, *m.tensors(), bs, window
+        )
+    return torch.ops.batchgen.decode_gather(
+        q, k, v, cache.k, cache.v, step.slots, g.blocks, g.lens, bs, window
+    )

@@ -36,6 +36,7 @@ count, whatever the contexts.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -45,17 +46,16 @@ from batchgen.model.kv_cache import PagedKVCache
 # The CUDA decoding kernel needs the mask's query block size to be a multiple of its query
 # tile (>= 16 and >= the queries, next power of two): 128, flex's default, covers g <= 128.
 Q_BLOCK = 128
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+# Row counts the kernel is compiled for: the powers of two up to 2**12 (a static batch each,
+# which the decoding kernel needs), so at most 13 kernels whatever the job.
+_MAX_FLEX_SIZES = 16
 
 
 def pad_rows(tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Tables (B, W) and lengths (B,) with the rows padded to a power of two: padding rows
     hold the scratch block (0) with length 1."""
     rows = tables.shape[0]
-    r = _next_pow2(rows)
+    r = 1 << (rows - 1).bit_length()
     if r == rows:
         return tables, lens
     return (
@@ -66,30 +66,49 @@ def pad_rows(tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, to
 
 def list_width(cache: PagedKVCache, max_positions: int) -> int:
     """The width of every block list (and table) a flex mask carries. Fixed for a model, so
-    the compiled graphs have no table-width axis: the most blocks a sequence can hold; on the
-    CPU the whole pool (inductor's CPU kernel wants the lists as long as the keys)."""
+    the kernel has no table-width axis: the most blocks a sequence can hold; on the CPU the
+    whole pool (inductor's CPU kernel wants the lists as long as the keys)."""
     if cache.k.device.type == "cpu":
         return cache.num_blocks
     return min(cache.num_blocks, -(-max_positions // cache.block_size))
 
 
-def paged_block_mask(
+@dataclass(slots=True)
+class PagedMask:
+    """A paged block mask as plain tensors, built once a step and shared by every layer; its
+    rows padded to a power of two (R). The compiled decode graph takes them as inputs and
+    hands them to the attention op (model/decode_ops.py), which makes the BlockMask."""
+
+    num: torch.Tensor  # (R,) int32: blocks listed per row
+    indices: torch.Tensor  # (R, W) int32: the listed blocks, the first read first
+    logical: torch.Tensor  # (pool + 1,) int32: a block's index in the tables that hold it
+    tables: torch.Tensor  # (R, W) int32: each row's block table
+    lens: torch.Tensor  # (R,) int32: each row's context length, this token included
+
+    @property
+    def rows(self) -> int:
+        return self.lens.shape[0]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.num, self.indices, self.logical, self.tables, self.lens
+
+
+def paged_mask(
     tables: torch.Tensor,
     lens: torch.Tensor,
     window: int | None,
-    cache: PagedKVCache,
-    queries: int,
+    pool_blocks: int,
+    bs: int,
     width: int,
-) -> BlockMask:
-    """The block mask of decode rows reading cache's pool in place: tables (B, n) padded with
-    the scratch block, lens (B,) context lengths (this token included); queries: the folded
-    query axis (query heads per kv head); width: the lists' fixed width (`list_width`)."""
-    bs, pool_blocks = cache.block_size, cache.num_blocks
+) -> PagedMask:
+    """The mask of decode rows reading a pool of pool_blocks blocks of bs slots in place:
+    tables (R, n) padded with the scratch block, lens (R,) context lengths (this token
+    included); width: the lists' fixed width (`list_width`)."""
     tables, lens = tables[:, :width].to(torch.int32), lens.to(torch.int32)
     rows, n = tables.shape  # columns past width: padding (no sequence holds more blocks)
     cols = torch.arange(n, dtype=torch.int32, device=tables.device)
     lo = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
-    first, last = lo // bs, (lens - 1) // bs  # (B,) the first and last block read
+    first, last = lo // bs, (lens - 1) // bs  # (R,) the first and last block read
     num = last - first + 1
     # The listed blocks, shifted to start at `first`: a buffer of its own, apart from `tables`
     # (inductor's CPU kernel fails to build when mask_mod reads the block list's buffer).
@@ -103,6 +122,14 @@ def paged_block_mask(
         tables, kv_indices = (
             torch.cat([x, x.new_zeros(rows, width - n)], 1) for x in (tables, kv_indices)
         )
+    return PagedMask(num, kv_indices, logical, tables, lens)
+
+
+def block_mask(m: PagedMask, window: int | None, bs: int, queries: int) -> BlockMask:
+    """m as flex's BlockMask over the pool (no kernel runs: Python objects around m's
+    tensors); queries: the folded query axis (query heads per kv head)."""
+    logical, tables, lens = m.logical, m.tables, m.lens
+    pool_blocks = logical.shape[0] - 1
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = kv_idx // bs
@@ -112,8 +139,8 @@ def paged_block_mask(
         return ok & (pos >= lens[b] - window) if window is not None else ok
 
     return BlockMask.from_kv_blocks(
-        num[:, None, None],  # (B, 1, 1): one head group, one query block
-        kv_indices[:, None, None, :],
+        m.num[:, None, None],  # (R, 1, 1): one head group, one query block
+        m.indices[:, None, None, :],
         BLOCK_SIZE=(Q_BLOCK, bs),
         mask_mod=mask_mod,
         seq_lengths=(queries, pool_blocks * bs),
@@ -121,27 +148,64 @@ def paged_block_mask(
     )
 
 
+# Where mark_dynamic and its kin leave their marks on a tensor.
+_MARKS = (
+    "_dynamo_dynamic_indices",
+    "_dynamo_weak_dynamic_indices",
+    "_dynamo_unbacked_indices",
+    "_dynamo_strict_unbacked_indices",
+    "_has_dynamo_dim_marking",
+)
+
+
+def unmark(t: torch.Tensor) -> None:
+    """Clear a tensor's dynamic marks: the static compile below must not see them (it would
+    pin the marked axis and raise), nor must a static fallback (engine/compiled_step.py)."""
+    for name in _MARKS:
+        if hasattr(t, name):
+            delattr(t, name)
+
+
 @functools.cache
 def _compiled_flex():
-    # dynamic=False: the CUDA decoding kernel needs a static batch; callers pad to buckets.
+    # dynamic=False: the CUDA decoding kernel needs a static batch (inductor picks the main
+    # flex template, which pads the queries to its tile and has no split-KV, for a symbolic
+    # one); callers pad rows to powers of two, so the sizes are few.
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_decode_attention(q: torch.Tensor, cache: PagedKVCache, mask: BlockMask) -> torch.Tensor:
-    """q (B, H, D), one query per row, over the pool in place -> (B, H, D). B: the mask's
-    rows (padded). Inside a compiled step flex_attention is captured into its graph; called
-    eagerly, it is compiled on a GPU (its own graph a shape) and eager elsewhere (the CPU
-    runs it only in tests)."""
-    b, h, d = q.shape
-    hkv = cache.k.shape[1]
+def flex_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    m: PagedMask,
+    window: int | None,
+    bs: int,
+    compiled: bool,
+) -> torch.Tensor:
+    """q (R, H, D), one query per row (R: the mask's rows), over the pools (slots, Hkv, D)
+    in place -> (R, H, D). compiled: flex's own compiled kernel (at the static row count; on
+    CUDA always, since eager flex materialises (R, H, pool) scores), else eager flex (exact
+    for every key: the CPU tests')."""
+    r, h, d = q.shape
+    hkv = k_pool.shape[1]
     # The pool as one (1, Hkv, num_blocks * block_size, D) sequence: a view, no copy. Its
     # batch of 1 broadcasts over the rows (the kernels index K/V by batch % 1).
-    k, v = (x.permute(1, 0, 2)[None] for x in (cache.k, cache.v))
-    qf = q.view(b, hkv, h // hkv, d)  # (B, Hkv, g, D): GQA folded into the query axis
-    compiling = torch.compiler.is_compiling()
-    if compiling and q.device.type == "cpu":
-        # Inductor's CPU template reads q's storage as 4-d: a view of the (B, H, D) q fails
-        # to lower (torch 2.13). The softmax scale applied here makes q a tensor of its own.
-        return flex_attention(qf * d**-0.5, k, v, block_mask=mask, scale=1.0).reshape(b, h, d)
-    attend = flex_attention if compiling or q.device.type != "cuda" else _compiled_flex()
-    return attend(qf, k, v, block_mask=mask).reshape(b, h, d)
+    k, v = (x.permute(1, 0, 2)[None] for x in (k_pool, v_pool))
+    mask = block_mask(m, window, bs, h // hkv)
+    if not compiled:
+        qf = q.reshape(r, hkv, h // hkv, d)  # (R, Hkv, g, D): GQA folded into the query axis
+        return flex_attention(qf, k, v, block_mask=mask).reshape(r, h, d)
+    # Inductor's CPU template reads q's storage as 4-d: a view of the (R, H, D) q fails to
+    # lower (torch 2.13). The softmax scale applied to the folded view makes q a tensor of its
+    # own (on CUDA too: one rule). BLOCK_N: the key tile, at most a cache block, so the block mask's KV
+    # block (one cache block) is a multiple of it whichever template inductor picks.
+    qf = q.reshape(r, hkv, h // hkv, d) * d**-0.5
+    for t in m.tensors():  # the compiled decode step's inputs, marked dynamic there
+        unmark(t)
+    opts = {"BLOCK_N": min(bs, 64)} if q.device.type == "cuda" else None
+    import torch._dynamo  # only here: an eager job never pays its import
+
+    with torch._dynamo.config.patch(recompile_limit=_MAX_FLEX_SIZES):  # this kernel's sizes
+        out = _compiled_flex()(qf, k, v, block_mask=mask, scale=1.0, kernel_options=opts)
+    return out.reshape(r, h, d)

@@ -76,7 +76,9 @@ class RunStats:
     load_s: float = 0.0
     prefill_s: float = 0.0  # steps with prompt tokens (decodes riding along included)
     decode_s: float = 0.0
-    compile_s: float = 0.0
+    compile_s: float = 0.0  # the warm-up's compile (and any compile after it)
+    capture_s: float = 0.0  # the warm-up's runs of each capture size (CUDA graphs)
+    compile_cache: str | None = None  # "hit" or "miss": the compile cache at warm-up
     collective_s: float = 0.0  # in tensor-parallel collectives, where timed (eager, CPU)
     kv_pool: KVPool | None = None
     peak_memory_bytes: int = 0
@@ -120,7 +122,10 @@ class RunStats:
         self.output_tokens += sum(c.completion_tokens for c in r.finished)
         for c in r.finished:
             self.latencies.add(c)
-        if not (r.prompt_tokens or r.decode_rows):  # only rows rejected before running
+        self.compile_s += r.compile_seconds
+        self.capture_s += r.capture_seconds
+        self.compile_cache = r.compile_cache or self.compile_cache
+        if not (r.prompt_tokens or r.decode_rows):  # rows rejected before running, or warm-up
             return
         self.timeline.add(r)
         if self.roofline is not None:
@@ -135,7 +140,6 @@ class RunStats:
         self.padded_rows += r.padded_rows
         self.preemptions += r.preempted
         self.compiled_shapes += r.new_shape
-        self.compile_s += r.compile_seconds
         self.collective_s += r.collective_seconds
         if r.prefill:
             self.prefill_s += r.seconds
@@ -218,6 +222,12 @@ class RunStats:
         d.update(self.gpu or {})
         return d
 
+    def _compile_line(self) -> str:
+        if self.info is not None and not self.info.compiled:
+            return "eager (no compile)"
+        cache = f", compile cache {self.compile_cache}" if self.compile_cache else ""
+        return f"{self.compile_s:.2f} s / {self.capture_s:.2f} s{cache}"
+
     def table(self) -> str:
         d = self.to_dict()
         done = f"{self.rows} ({self.rows_error} errors, {self.rows_skipped_done} done before)"
@@ -230,7 +240,7 @@ class RunStats:
             ("prompt tokens/s", f"{d['prompt_tokens_per_s']:.1f}"),
             ("output tokens/s", f"{d['output_tokens_per_s']:.1f}"),
             ("prefill / decode", f"{self.prefill_s:.2f} s / {self.decode_s:.2f} s"),
-            ("compile + warm-up", f"{self.compile_s:.2f} s"),
+            ("compile / capture", self._compile_line()),
             ("model load", f"{self.load_s:.2f} s"),
             ("prompt tokens computed", f"{self.prompt_compute_ratio:.1%} of real ({cached})"),
             ("decode rows live", f"{self.decode_live_share:.1%} ({self.preemptions} preemptions)"),
