@@ -194,7 +194,21 @@ def run_options(f):
             _opt("--dtype", help="auto = bfloat16 on GPU, float32 on CPU."),
             _opt(
                 "--compile/--no-compile",
-                help="torch.compile the decode steps (as CUDA graphs on a GPU; prefill runs eagerly). Default: on with a GPU, off on the CPU, where it measured no faster and compiling a job's two decode graphs takes ~50 s.",
+                help=(
+                    "torch.compile the decode steps (as CUDA graphs on a GPU; prefill runs "
+                    "eagerly): one compile of the model, then a CUDA graph per batch size, "
+                    "before the first row. Default: on with a GPU, off on the CPU (measured "
+                    "no faster there)."
+                ),
+            ),
+            _opt(
+                "--compile-cache",
+                metavar="DIR",
+                help=(
+                    "Where compiled graphs are kept across jobs (a shared filesystem lets a "
+                    "Slurm array's tasks share them); 'off' for none. Default: "
+                    "$BATCHGEN_COMPILE_CACHE, else ~/.cache/batchgen/compile."
+                ),
             ),
             _opt(
                 "--lora",

@@ -67,6 +67,7 @@ RUN_ONLY_OPTIONS = frozenset(
         "kv_cache_tokens",
         "prefix_caching",
         "compile",
+        "compile_cache",
         "workers",
         "threads",
         "output_format",

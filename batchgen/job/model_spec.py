@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from batchgen.choices import Dtype
+from batchgen.engine.compile_cache import default_root
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Grammars
 from batchgen.errors import ConfigError, ModelLoadError
@@ -54,6 +55,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def resolve_compile_cache(root: str | Path | None) -> Path | None:
+    """The compile cache's root: the caller's, else $BATCHGEN_COMPILE_CACHE, else
+    ~/.cache/batchgen/compile; "off" (either way) turns it off."""
+    chosen = str(root) if root is not None else str(default_root())
+    return None if chosen == "off" else Path(chosen).expanduser()
 
 
 def resolve_compile(compile: bool | None, device: torch.device) -> bool:
@@ -150,6 +158,7 @@ class ModelSpec:
     grammars: Grammars  # compiles lazily, caching: a job's constraint is compiled once
     allow_pickle: bool = False
     tensor_parallel_size: int = 1  # ranks the model is split over (one process each)
+    compile_cache: Path | None = None  # the compile cache's root (with compile); None: off
 
     @classmethod
     def resolve(
@@ -166,10 +175,13 @@ class ModelSpec:
         lora: str | Path | None = None,
         quant_group_size: int | None = None,
         tensor_parallel_size: int = 1,
+        compile_cache: str | Path | None = None,
     ) -> ModelSpec:
         """engine: an EngineConfig as it is, or values (None: unset) over the device's
         defaults. ConfigError for a device, dtype or engine value that cannot be;
-        ModelLoadError, LoraError, QuantUnavailableError for the model, adapter, scheme."""
+        ModelLoadError, LoraError, QuantUnavailableError for the model, adapter, scheme.
+        compile_cache: the compile cache's root (None: $BATCHGEN_COMPILE_CACHE, else
+        ~/.cache/batchgen/compile; "off": none)."""
         model_dir = Path(model) if model is not None else DEFAULT_MODEL
         hf = read_hf_config(model_dir)
         model_cfg = config_from_hf(hf)
@@ -201,4 +213,5 @@ class ModelSpec:
             grammars=Grammars(tokenizer, model_cfg.vocab_size, eos),
             allow_pickle=allow_pickle,
             tensor_parallel_size=tensor_parallel_size,
+            compile_cache=resolve_compile_cache(compile_cache) if compiled else None,
         )

@@ -44,6 +44,7 @@ def open_job(cfg: RunConfig) -> Job:
         dtype=cfg.dtype,
         device=cfg.device,
         compile=cfg.compile,
+        compile_cache=cfg.compile_cache,
         engine={
             "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
@@ -61,7 +62,6 @@ def open_job(cfg: RunConfig) -> Job:
     )
     source = open_input(cfg.input)
     check_input_outside_output(source, cfg.output)
-    if cfg.output_format is OutputFormat.OPENAI and not isinstance(source, OpenAIBatchSource):
     if cfg.n > 1 and cfg.temperature == 0 and "temperature" not in source.columns:
         log.warning(
             "--n %d with --temperature 0 (greedy) writes %d identical completions per row; "
@@ -69,6 +69,7 @@ def open_job(cfg: RunConfig) -> Job:
             cfg.n,
             cfg.n,
         )
+    if cfg.output_format is OutputFormat.OPENAI and not isinstance(source, OpenAIBatchSource):
         raise ConfigError(
             f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is "
             "not an OpenAI batch request file (lines with custom_id and body)"
