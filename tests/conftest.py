@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_adapter
 from tiny_models import FAMILIES, SHARPEN, save_tiny_model
 
 # Tiny test models gain nothing from a second thread, and a busy machine stalls it.
@@ -42,6 +43,17 @@ def sharp_dirs(tmp_path_factory) -> dict[str, Path]:
 def model(tiny_dirs) -> Path:
     """The tiny Llama: the model most tests run."""
     return tiny_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def lora_dir(tiny_dirs, tmp_path_factory) -> Path:
+    """A PEFT LoRA adapter (r 4, every linear layer) on the tiny Llama."""
+    from peft import LoraConfig
+
+    d = tmp_path_factory.mktemp("lora") / "adapter"
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    make_adapter(tiny_dirs["llama"], d, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    return d
 
 
 @pytest.fixture(scope="session")

@@ -175,3 +175,19 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new: int) -> list[list[in
     for r in out.tolist():
         rows.append(r[: r.index(eos) + 1] if eos in r else r)
     return rows
+
+
+def make_adapter(base_dir, out_dir, config, seed: int = 0):
+    """A PEFT adapter on base_dir with random A and B (peft starts B at zero), saved to out_dir;
+    returns the PeftModel."""
+    from peft import get_peft_model
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(hf, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(out_dir)
+    return model

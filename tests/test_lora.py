@@ -9,8 +9,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
-from helpers import FAST, prompts, read_stats, rows_by_id, run_cli, run_job, write_parquet
-from peft import IA3Config, LoraConfig, get_peft_model
+from helpers import (
+    FAST,
+    make_adapter,
+    prompts,
+    read_stats,
+    rows_by_id,
+    run_cli,
+    run_job,
+    write_parquet,
+)
+from peft import IA3Config, LoraConfig
 from test_exactness import MAX_NEW, _prompts, hf_greedy
 from tiny_models import save_tiny_model
 
@@ -24,20 +33,6 @@ from batchgen.model.lora import LoraError, check_adapter, merge_lora
 
 LLAMA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GPT2_ALL = ["c_attn", "c_proj", "c_fc"]
-
-
-def make_adapter(base_dir, out_dir, config, seed: int = 0):
-    """A PEFT adapter on base_dir with random A and B (peft starts B at zero), saved to out_dir;
-    returns the PeftModel."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model = get_peft_model(hf, config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    model.save_pretrained(out_dir)
-    return model
 
 
 def _llm(model_dir, **kw) -> LLM:
