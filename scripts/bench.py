@@ -234,6 +234,7 @@ def sweep_workload(a, name: str, model: Path, root: Path) -> dict:
         r = timed(cmd, root / "logs" / f"{name}-seqs-{v}.log")
         s = json.loads((out / STATS_FILE).read_text())
         point = {"max_num_seqs": v, "wall_s": r["wall_s"], "out_tok_s": s["output_tokens_per_s"]}
+        point.update({k: s.get(k) for k in ("compile_s", "capture_s", "compile_cache", "mbu")})
         for key in ("ttft_s", "tpot_s"):
             point.update({f"{key[:4]}_{q}_s": s[key][q] for q in ("p50", "p99")})
         points.append(point)
