@@ -35,6 +35,8 @@ FIELDS = (
     "prefill_s",
     "decode_s",
     "compile_s",
+    "capture_s",
+    "compile_cache",
     "peak_memory_bytes",
     "wall_s",
     "rows_per_s",
@@ -185,13 +187,14 @@ def test_table_is_printed(job):
         "prompt tokens/s",
         "output tokens/s",
         "prefill / decode",
-        "compile + warm-up",
+        "compile / capture",
         "model load",
         "peak memory",
     ):
         assert label in stdout, label
     assert f"prompt tokens computed  {stats['prompt_compute_ratio']:.1%} of real" in stdout
     assert f"decode rows live        {stats['decode_live_share']:.1%}" in stdout
+    assert "eager (no compile)" in stdout  # the CPU's default
 
 
 def test_quiet_prints_one_line(tmp_path, tiny_dirs):
