@@ -19,11 +19,19 @@ So the fingerprint also records:
 A rewrite in place changes the mtime even where the size stays, and nothing is read beyond the
 small files, so this costs milliseconds. A copy of the same files with new mtimes counts as a
 change: the fix (--overwrite, or a new output) is named where the mismatch is refused.
+
+What the weights became is known only once the model is loaded: int4 judges each layer by its
+input width on a rank, so a layer that tensor parallelism splits to a width no group size
+divides is kept at int8 (quant/quantize.py), and `-tp 2` and `-tp 1` of the same options load
+two different models. Every part file records the scheme its rows were made with; after the
+load, `check_weights` compares the effective per-layer scheme (`effective_weights`) with the
+last part's and refuses a resume that would mix two models in one output.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,9 +39,11 @@ from typing import TYPE_CHECKING, Any
 from batchgen.choices import Task
 from batchgen.data import InputSource
 from batchgen.engine.sequence import ConstraintKind
+from batchgen.errors import InputError
 from batchgen.job.config import RunConfig, choice_fields
 
 if TYPE_CHECKING:
+    from batchgen.data import OutputDir
     from batchgen.job.open import Job
 
 # Small files of a model directory that change its outputs: hashed in full.
@@ -146,3 +156,44 @@ def input_files(source: InputSource) -> list[list[Any]]:
 def _stat(path: Path) -> list[int]:
     st = path.stat()
     return [st.st_size, st.st_mtime_ns]
+
+
+def effective_weights(quantization: dict[str, Any]) -> dict[str, str]:
+    """How each quantized layer's weights are stored, from a scheme's `to_dict()` (as stats and
+    every part file record it): {"layers.*.mlp.w_out": "int8 per channel (torchao)", ...}."""
+    method = quantization.get("method", "none")
+    if method == "none":
+        return {}
+    how = {m: f"{method} per channel" for m in quantization.get("modules", ())}
+    how.update(
+        (m, f"{method}, group of {g}") for m, g in quantization.get("group_sizes", {}).items()
+    )
+    how.update((m, "int8 per channel") for m in quantization.get("int8_layers", {}))
+    return {m: f"{v} ({quantization.get('backend')})" for m, v in sorted(how.items())}
+
+
+def check_weights(out: OutputDir, quantization: dict[str, Any]) -> None:
+    """Refuse (InputError) to add rows made with weights stored otherwise than the output's
+    rows so far: each resume checks, so the last part file speaks for them all."""
+    parts = out.part_files()
+    if not parts:
+        return
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(os.path.join(out.path, parts[-1])).metadata or {}
+    stored = json.loads(meta.get(b"batchgen", b"{}")).get("quantization")
+    if stored is None:  # an empty last part of an older batchgen: nothing to compare with
+        return
+    before, now = effective_weights(stored), effective_weights(quantization)
+    diff = [
+        f"{m}: {before.get(m, 'not quantized')} there, {now.get(m, 'not quantized')} now"
+        for m in sorted(before.keys() | now.keys())
+        if before.get(m) != now.get(m)
+    ]
+    if diff:
+        raise InputError(
+            f"output {out.path} holds rows made with other weights ({'; '.join(diff)}); int4 "
+            "fits each layer's groups (or int8) to its width on a rank, which the tensor-parallel "
+            "size changes: resume with the earlier run's --tensor-parallel-size (its stats.json "
+            "says which), or pass --overwrite, or pick another output directory"
+        )

@@ -21,10 +21,11 @@ from batchgen.data.openai_output import write_results
 from batchgen.data.reader import OpenAIBatchSource
 from batchgen.data.records import Row, SampleLists
 from batchgen.data.writer import RESULTS_FILE, STEPS_FILE
-from batchgen.engine.sequence import Request
+from batchgen.engine.constraints import as_written
+from batchgen.engine.sequence import Constraint, Request
 from batchgen.errors import JobInterrupted
 from batchgen.job.config import RunConfig
-from batchgen.job.fingerprint import job_fingerprint
+from batchgen.job.fingerprint import check_weights, job_fingerprint
 from batchgen.job.open import Job, open_job
 from batchgen.llm import LLM
 from batchgen.runner.deadline import Watchdog, deadlines
@@ -98,6 +99,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     longest = _job_longest_row(job, done)
     t0 = time.perf_counter()
     llm = job_scope.enter_context(LLM.from_spec(spec))  # closed (its ranks ended) at the end
+    check_weights(out, llm.quant.to_dict())  # what the weights became, before any row is added
     if longest is not None:  # a pool sized for every row, not only the first window's
         llm.engine.reserve(longest)
     info = _run_info(llm)
@@ -116,6 +118,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
     progress = _progress(cfg, source.num_rows)
     rows: dict[int, Row] = {}  # rows in flight, by request index
+    choices: dict[int, Constraint] = {}  # their choice constraints (the label as written)
     lists = SampleLists() if prep.as_list else None
 
     def gather(finished: list[Row], records: list[dict]) -> list[dict]:
@@ -137,6 +140,8 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
             progress.update(window.skipped + len(errors))
             for r in window.requests:
                 rows[n] = window.rows[r.index]
+                if r.params.constraint is not None:
+                    choices[n] = r.params.constraint
                 yield dataclasses.replace(r, index=n)
                 n += 1
 
@@ -160,6 +165,8 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
                 stats.add_step(report)  # its cost and its finished rows
                 if report.finished:
                     finished = [rows.pop(c.index) for c in report.finished]
+                    for c in report.finished:
+                        c.text = as_written(choices.pop(c.index, None), c.text)
                     pairs = zip(finished, report.finished, strict=True)
                     records = [shape.record(r, c, timings(c)) for r, c in pairs]
                     buffer.add(gather(finished, records))
