@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,9 +18,11 @@ from typing import Any
 
 import torch
 
+from batchgen.choices import ModelImpl
 from batchgen.data.prompts import PromptBuilder
 from batchgen.engine import sequence
 from batchgen.engine.compile_cache import CompileCache
+from batchgen.engine.completions import error_completion
 from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Completion, Request
@@ -27,9 +30,10 @@ from batchgen.errors import RowError
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.sampling import RequestOutput, SamplingParams
 from batchgen.model.attention import DECODE_ATTENTION_ENV
+from batchgen.model.hf_backend import load_hf_model
 from batchgen.model.tensor_parallel import TPShard
 from batchgen.model.tp_layers import CollectiveClock
-from batchgen.parallel.rank_model import RankSpec, load_rank_model
+from batchgen.parallel.rank_model import RankModel, RankSpec, load_rank_model
 from batchgen.parallel.ranks import RankedRunner, Ranks
 from batchgen.quant import weight_bytes
 
@@ -47,7 +51,8 @@ class LLM:
         options, resolved as `batchgen run` resolves its flags (ModelSpec.resolve, where
         their defaults are): dtype, device, compile, engine (an EngineConfig), allow_pickle,
         quantize, quant_backend, quant_group_size, lora, tensor_parallel_size (ranks to split
-        the model over: processes started here, ended by `close()`)."""
+        the model over: processes started here, ended by `close()`), model_impl (auto|native|
+        transformers: batchgen's decoder or transformers' modeling code)."""
         self._load(ModelSpec.resolve(model, **options))
 
     @classmethod
@@ -72,7 +77,11 @@ class LLM:
             self.ranks = Ranks(rank_spec, threads=torch.get_num_threads())
         try:
             tp = TPShard(0, n)
-            part = load_rank_model(rank_spec, tp, self.ranks and self.ranks.group.data, clock)
+            if spec.model_cfg.impl is ModelImpl.TRANSFORMERS:  # one rank, float, no adapter
+                hf = load_hf_model(spec.model_dir, spec.model_cfg, spec.dtype, spec.device)
+                part = RankModel(hf, spec.quant, None)
+            else:
+                part = load_rank_model(rank_spec, tp, self.ranks and self.ranks.group.data, clock)
             if self.ranks is not None:
                 self.ranks.loaded()
         except BaseException:
@@ -144,13 +153,36 @@ class LLM:
         prompts or one each. use_tqdm: a progress bar over the completions."""
         if isinstance(prompts, str | dict) or _is_token_ids(prompts):
             prompts = [prompts]
-        texts, ids = [], []
+        texts, ids, errors = [], [], []
         for p in prompts:
             if isinstance(p, dict):
                 p = p.get("prompt_token_ids", p.get("prompt"))
             texts.append(p if isinstance(p, str) else None)
-            ids.append(list(p) if not isinstance(p, str) else self.tokenizer(p)["input_ids"])
-        return self._generate(texts, ids, sampling_params or params, use_tqdm)
+            p_ids, error = self._prompt_ids(p)
+            ids.append(p_ids)
+            errors.append(error)
+        return self._generate(texts, ids, sampling_params or params, use_tqdm, errors)
+
+    def _prompt_ids(self, p: str | Sequence[int]) -> tuple[list[int], str | None]:
+        """A prompt's token ids, and why it cannot run (None: it can). Such a prompt gets an
+        error result, as the command line writes an error row, and never reaches the engine:
+        an empty or out-of-vocabulary prompt there fails the call and leaves the engine's
+        queue holding it."""
+        if isinstance(p, str):
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate, which no tokenizer takes
+                return [], f"prompt is not valid Unicode text ({e.reason} at character {e.start})"
+            ids = self.tokenizer(p)["input_ids"]
+        else:
+            ids = list(p)
+        if not ids:
+            return ids, "prompt tokenized to zero tokens"
+        vocab = self.spec.model_cfg.vocab_size
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            return ids, f"token id {bad!r} is not in the model's vocabulary (0 to {vocab - 1})"
+        return ids, None
 
     def chat(
         self,
@@ -186,24 +218,35 @@ class LLM:
         ids: list[list[int]],
         params: sequence.SamplingParams | Sequence[sequence.SamplingParams] | None,
         use_tqdm: bool,
+        errors: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         params = params or SamplingParams()
         per_row = [params] * len(ids) if isinstance(params, sequence.SamplingParams) else params
         if len(per_row) != len(ids):
             raise ValueError(f"{len(per_row)} sampling params for {len(ids)} prompts")
-        requests, owner = [], []  # owner: each request's (prompt, sample)
-        for i, (p, sp) in enumerate(zip(ids, per_row, strict=True)):
+        for sp in per_row:  # the engine's own class takes a NaN temperature
+            if not (math.isfinite(sp.temperature) and math.isfinite(sp.top_p)):
+                raise ValueError(f"temperature and top_p must be finite numbers, got {sp}")
+        errors = errors or [None] * len(ids)
+        requests, owner, failed = [], [], []  # owner: each request's (prompt, sample)
+        for i, (p, sp, error) in enumerate(zip(ids, per_row, errors, strict=True)):
             n = getattr(sp, "n", 1)
             for k in range(n):
-                requests.append(Request(len(requests), p, sp.sample(k) if n > 1 else sp))
-                owner.append((i, k))
+                r = Request(len(requests), p, sp.sample(k) if n > 1 else sp)
+                if error is None:
+                    requests.append(r)
+                    owner.append((i, k))
+                else:
+                    failed.append(((i, k), error_completion(r, error)))
         if any(getattr(sp, "n", 1) > 1 and sp.greedy for sp in per_row):
             _warn_greedy_samples()
-        done = self._run(requests, use_tqdm)
+        done = self._run(requests, use_tqdm) if requests else []
         outs = [RequestOutput(i, t, p, []) for i, (t, p) in enumerate(zip(texts, ids, strict=True))]
-        for c, (i, k) in zip(done, owner, strict=True):
+        for (i, k), c in [*zip(owner, done, strict=True), *failed]:
             c.index = k
             outs[i].outputs.append(c)
+        for o in outs:
+            o.outputs.sort(key=lambda c: c.index)
         return outs
 
     def score(

@@ -4,6 +4,7 @@ names too, with `n` samples) and RequestOutput (one prompt's completions)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,9 @@ class SamplingParams(sequence.SamplingParams):
             raise ValueError(f"logprobs {logprobs} and top_logprobs {top_logprobs}: pass one")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        for name, v in (("temperature", temperature), ("top_p", top_p)):
+            if not math.isfinite(v):  # NaN passes every comparison the engine's checks make
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
         sequence.SamplingParams.__init__(
             self,
             max_new_tokens=next((v for v in (max_tokens, max_new_tokens) if v is not None), 64),
