@@ -31,6 +31,7 @@ from batchgen.job.model_spec import ModelSpec
 from batchgen.job.sampling import RequestOutput, SamplingParams
 from batchgen.model.attention import DECODE_ATTENTION_ENV
 from batchgen.model.hf_backend import load_hf_model
+from batchgen.model.host_malloc import release_freed_memory
 from batchgen.model.tensor_parallel import TPShard
 from batchgen.model.tp_layers import CollectiveClock
 from batchgen.parallel.rank_model import RankModel, RankSpec, load_rank_model
@@ -69,10 +70,14 @@ class LLM:
         rank_spec = RankSpec.of(spec)
         n = spec.tensor_parallel_size
         self.ranks: Ranks | None = None
+        # What this LLM changed in the process, put back by close() (docs/architecture.md)
+        self._threads_before: int | None = None
+        self._holds_malloc_tuning = False
         clock = None
         if n > 1:  # start ranks 1..n-1; this process is rank 0
             if spec.device.type == "cpu":  # the cores, shared between the ranks
-                torch.set_num_threads(max(1, torch.get_num_threads() // n))
+                self._threads_before = torch.get_num_threads()
+                torch.set_num_threads(max(1, self._threads_before // n))
                 clock = CollectiveClock()  # gloo's collectives block: their time is measured
             self.ranks = Ranks(rank_spec, threads=torch.get_num_threads())
         try:
@@ -82,6 +87,7 @@ class LLM:
                 part = RankModel(hf, spec.quant, None)
             else:
                 part = load_rank_model(rank_spec, tp, self.ranks and self.ranks.group.data, clock)
+            self._holds_malloc_tuning = part.holds_malloc_tuning
             if self.ranks is not None:
                 self.ranks.loaded()
         except BaseException:
@@ -124,11 +130,19 @@ class LLM:
         return weight_bytes(self.model)
 
     def close(self) -> None:
-        """End the other tensor-parallel ranks (nothing to do with one). An LLM is also a
-        context manager that closes on exit."""
+        """End the other tensor-parallel ranks, and put back what loading changed in the
+        process: torch's thread count (tensor parallelism on the CPU halves it) and, once the
+        last CPU model closes, glibc malloc's thresholds (model/host_malloc.py). An LLM is
+        also a context manager that closes on exit."""
         if getattr(self, "ranks", None) is not None:
             self.ranks.close()
             self.ranks = None
+        if getattr(self, "_threads_before", None) is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+        if getattr(self, "_holds_malloc_tuning", False):
+            self._holds_malloc_tuning = False
+            release_freed_memory()
 
     def __enter__(self) -> LLM:
         return self

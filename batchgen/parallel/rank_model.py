@@ -62,6 +62,7 @@ class RankModel:
     model: Transformer
     quant: QuantScheme  # as produced (group sizes, weight format filled in)
     lora: LoraAdapter | None
+    holds_malloc_tuning: bool = False  # whoever ends the model calls release_freed_memory
 
 
 def load_rank_model(
@@ -72,8 +73,8 @@ def load_rank_model(
 ) -> RankModel:
     """Rank tp's part of the model, ready to run (the whole model for one rank)."""
     device = spec.device_of(tp.rank)
-    if device.type == "cpu":  # activations are malloc'd: keep freed blocks for the next step
-        keep_freed_memory()
+    # activations are malloc'd: keep freed blocks for the next step
+    tuned = device.type == "cpu" and keep_freed_memory()
     # When quantizing, load on the host: the pass moves one block at a time to the device
     # and quantizes it there, so the device never holds the float model.
     load_device = torch.device("cpu") if spec.quant.enabled else device
@@ -91,4 +92,4 @@ def load_rank_model(
         pack_linears(model)
     if tp.size > 1:  # after quantizing: some backends replace the linear modules
         apply_tensor_parallel(model, tp, group, clock)
-    return RankModel(model, quant, lora)
+    return RankModel(model, quant, lora, tuned)
