@@ -6,6 +6,10 @@ in which at least one kernel ran, not how many SMs were busy; `util.memory` is t
 which device memory was being read or written (the memory controller's load), not bandwidth
 used; power is the board's draw in milliwatts. Each query is tried on its own: a GPU that does
 not report power (some do not) still reports the rest.
+
+Which GPU: NVML counts every GPU in the machine and ignores CUDA_VISIBLE_DEVICES (which
+`--workers` sets per worker), so a torch device index is no NVML index: `cuda:0` of a worker
+given GPU 3 is NVML's GPU 3. The GPU is found by its UUID, which torch and NVML share.
 """
 
 from __future__ import annotations
@@ -63,11 +67,20 @@ def gpu_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def nvml_uuid(device_index: int) -> str:
+    """NVML's UUID ("GPU-...") of torch's CUDA device device_index (as this process sees it)."""
+    import torch
+
+    uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
 class NvmlSampler:
     """Samples one GPU every `interval` seconds between start() and stop().
 
-    Does nothing (samples stays None) where NVML or the GPU is unavailable, so the run
-    goes on without GPU statistics rather than failing.
+    device_index is torch's (`cuda:N`, counted among the visible devices). Does nothing
+    (samples stays None) where NVML or the GPU is unavailable, so the run goes on without GPU
+    statistics rather than failing.
     """
 
     def __init__(self, device_index: int = 0, interval: float = 0.5) -> None:
@@ -82,11 +95,17 @@ class NvmlSampler:
         try:
             import pynvml  # from the nvidia-ml-py package
 
+            uuid = nvml_uuid(self.device_index)
             pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(self.device_index)
+        except Exception:  # no driver, no GPU, no library: no GPU stats
+            return self
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
             name = pynvml.nvmlDeviceGetName(handle)
             total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
-        except Exception:  # no driver, no GPU, no library: no GPU stats
+        except Exception:  # initialised, but not this GPU: let NVML go
+            with contextlib.suppress(Exception):
+                pynvml.nvmlShutdown()
             return self
         self._nvml = pynvml
         self.samples = GpuSamples(
