@@ -63,11 +63,19 @@ class CompiledStep:
     (see the module's docstring), or after a failed symbolic compile one graph per size."""
 
     def __init__(self, fn: Callable, device: torch.device, dims: Dims) -> None:
-        self.mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs
+        # CUDA graphs on a GPU (mode="reduce-overhead", whose one option this is), one recorded
+        # per capture size: up to 34 of them at --max-num-seqs 256, on purpose, so without the
+        # warning inductor gives past 8 sizes.
+        cuda = device.type == "cuda"
+        self.options = (
+            {"triton.cudagraphs": True, "triton.cudagraph_dynamic_shape_warn_limit": None}
+            if cuda
+            else None
+        )
         fn = _own_code(fn)
         self.code = (fn.__func__ if isinstance(fn, types.MethodType) else fn).__code__
         self.dims = tuple(dims)
-        self.fn = torch.compile(fn, fullgraph=True, dynamic=None, mode=self.mode)
+        self.fn = torch.compile(fn, fullgraph=True, dynamic=None, options=self.options)
         self._static_of = fn
         self.dynamic = True  # False once the symbolic graph failed to compile
 
@@ -98,5 +106,7 @@ class CompiledStep:
             self.dynamic = False
             for t in marked:
                 unmark(t)
-            self.fn = torch.compile(self._static_of, fullgraph=True, dynamic=False, mode=self.mode)
+            self.fn = torch.compile(
+                self._static_of, fullgraph=True, dynamic=False, options=self.options
+            )
             return self.fn(*args)
