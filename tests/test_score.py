@@ -146,7 +146,8 @@ def test_score_task_writes_label_probabilities_equal_to_transformers(tmp_path, l
     table = read_output(out)
     assert {"label", "scores", "text"} <= set(table.column_names)  # text: the input's, passed on
     tok = transformers.AutoTokenizer.from_pretrained(llama)
-    cands = [tok(x, add_special_tokens=False)["input_ids"] for x in labels]
+    # the prompts end in a word: a bare label is scored after a space (row_options.py)
+    cands = [tok(" " + x, add_special_tokens=False)["input_ids"] for x in labels]
     ref = hf_loglik(llama, [tok(t)["input_ids"] for t in texts], [cands] * len(texts))
     for r in table.to_pylist():
         probs = dict(r["scores"])

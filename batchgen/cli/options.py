@@ -175,7 +175,7 @@ def run_options(f):
             ),
             _opt(
                 "--choice",
-                help='Structured output: the output is one of these comma-separated labels, e.g. "positive,negative,neutral" (a choice list column overrides per row).',
+                help='Structured output: the output is one of these comma-separated labels, e.g. "positive,negative,neutral" (a choice list column overrides per row). After a prompt ending in a word ("Sentiment:"), a label also matches its space-prefixed form (" positive", as tokenizers write it); the output is the label as written.',
             ),
             _opt(
                 "--regex",

@@ -205,21 +205,23 @@ class Preparer:
                 row.error = error
         token_lists = self._tokenize(texts, chats)
         requests: list[Request] = []
-        for (first, rec, todo), (ids_, cut) in zip(pending, token_lists, strict=True):
+        pairs = zip(pending, texts, token_lists, strict=True)
+        for (first, rec, todo), text, (ids_, cut) in pairs:
             samples = rows[first : first + len(todo)]
+            tail = text[-1:]  # a choice label's word boundary (row_options.py)
             try:
                 fitted = fit_length(ids_, self.max_prompt_len, self.cfg.truncate, cut)
                 if not self._warned_cut:
                     self._warned_cut = warn_cut(fitted, len(ids_), self.cfg.truncate)
                 ids_ = fitted
-                params = [self.options.params(rec, samples[0].id, k) for k in todo]
+                params = [self.options.params(rec, samples[0].id, k, tail) for k in todo]
             except RowError as e:
                 for row in samples:
                     row.error = e.message
                 continue
             if self.score:
                 try:
-                    labels, cands = self.options.labels(rec)
+                    labels, cands = self.options.labels(rec, tail)
                 except RowError as e:
                     samples[0].error = e.message
                     continue

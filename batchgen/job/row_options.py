@@ -3,6 +3,11 @@
 Sampling values (`max_new_tokens`, `temperature`, `top_p`, `seed` columns), stop strings (a
 `stop` column), a constraint (`choice` / `regex` / `json_schema` columns) and, for a score
 job, the labels to score (a `choice` column, else the job's `--choice`).
+
+Choice labels meet the prompt at a word boundary: where a row's prompt does not end in
+whitespace, a label written with no leading whitespace also matches (and is scored as) its
+space-prefixed form, which is how BPE tokenizers write a word after "Sentiment:"; the output
+keeps the label as written (engine/constraints.py, `word_boundary`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import math
 from collections.abc import Collection
 from typing import Any
 
-from batchgen.engine.constraints import ConstraintError, parse_choices
+from batchgen.engine.constraints import ConstraintError, parse_choices, word_boundary
 from batchgen.engine.sequence import Constraint, ConstraintKind, SamplingParams
 from batchgen.errors import ConfigError, RowError
 from batchgen.job.config import RunConfig, Task, read_json_schema
@@ -108,7 +113,8 @@ class RowOptions:
                     "choice column (a list of labels per row)"
                 )
             self.job_labels = _parse_labels(cfg.choice) if cfg.choice is not None else ()
-            self.job_label_ids = self._label_ids(self.job_labels)
+            self.job_label_ids = {w: self._label_ids(self.job_labels, w) for w in (False, True)}
+        self._warned: set[str] = set()  # the label warnings given (once a job each)
         self.defaults = SamplingParams(
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
@@ -118,14 +124,19 @@ class RowOptions:
             ignore_eos=cfg.ignore_eos,
             constraint=job_constraint(cfg),
         )
+        if cfg.choice is not None:
+            self._check_round_trip(_parse_labels(cfg.choice))
 
     @property
     def columns(self) -> set[str]:
         """The input columns the options read."""
         return {*self.overrides, *self.constraint_columns, *filter(None, [self.stop_column])}
 
-    def params(self, rec: dict, row_id: Any, sample: int = 0) -> SamplingParams:
-        """Sample `sample` of the row `rec` (of id row_id): the job's options, with the row's."""
+    def params(
+        self, rec: dict, row_id: Any, sample: int = 0, prompt_tail: str = ""
+    ) -> SamplingParams:
+        """Sample `sample` of the row `rec` (of id row_id): the job's options, with the row's.
+        prompt_tail: the rendered prompt's last character (a choice's word boundary)."""
         values = {c: rec[c] for c in self.overrides if rec.get(c) is not None}
         try:
             for c, v in values.items():
@@ -134,7 +145,12 @@ class RowOptions:
                 values["seed"] = row_seed(values["seed"], row_id, sample)
             values.setdefault("seed", row_seed(self.cfg.seed, row_id, sample))
             constraint = row_constraint(rec, self.constraint_columns, self.cfg.json_any_whitespace)
-            if constraint is not None:
+            constraint = constraint or self.defaults.constraint
+            if constraint is not None and constraint.kind is ConstraintKind.CHOICE:
+                self._warn_boundary(constraint.spec, prompt_tail)
+                if _after_word(prompt_tail):
+                    constraint = word_boundary(constraint)
+            if constraint is not self.defaults.constraint:
                 values["constraint"] = constraint
             if self.stop_column and rec[self.stop_column] is not None:
                 values["stop"] = _stop_strings(rec[self.stop_column])
@@ -142,23 +158,64 @@ class RowOptions:
         except (ValueError, TypeError) as e:
             raise RowError(f"bad per-row sampling value: {e}") from e
 
-    def labels(self, rec: dict) -> Labels:
-        """A score row's labels (its choice column's, else the job's) and their token ids."""
+    def labels(self, rec: dict, prompt_tail: str = "") -> Labels:
+        """A score row's labels (its choice column's, else the job's) and their token ids, a
+        bare label's after a space where the prompt (ending in prompt_tail) ends in a word."""
+        after = _after_word(prompt_tail)
         if rec.get("choice") is None:
             if not self.job_labels:
                 raise RowError(
                     "no labels to score: the row's choice is null and there is no --choice"
                 )
-            return self.job_labels, self.job_label_ids
+            self._warn_boundary(self.job_labels, prompt_tail)
+            return self.job_labels, self.job_label_ids[after]
         try:
             labels = _parse_labels(rec["choice"])
-            return labels, self._label_ids(labels)
+            self._warn_boundary(labels, prompt_tail)
+            return labels, self._label_ids(labels, after)
         except ConfigError as e:
             raise RowError(str(e)) from None
 
-    def _label_ids(self, labels: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """Each label's tokens as a continuation of the prompt (no special tokens)."""
-        ids = tokenize(self.tokenizer, list(labels), add_special_tokens=False)
+    def _warn_boundary(self, labels: tuple[str, ...], prompt_tail: str) -> None:
+        """Warn once a job where labels meet prompts at a boundary a tokenizer splits badly."""
+        if prompt_tail == " " and any(not s[:1].isspace() for s in labels):
+            self._warn_once(
+                "space",
+                "prompts end in a space before --choice labels: tokenizers keep a word's "
+                "space in its token, so the model seldom writes a label after a lone space; end "
+                "the prompt without it (a bare label then matches ' label' too)",
+            )
+        elif prompt_tail.isspace() and any(s[:1].isspace() for s in labels):
+            self._warn_once(
+                "double",
+                f"prompts end in whitespace and labels {[s for s in labels if s[:1].isspace()]}"
+                " start with it too: write the labels without the leading space",
+            )
+
+    def _check_round_trip(self, labels: tuple[str, ...]) -> None:
+        """Warn about labels the tokenizer cannot write back exactly (unknown characters)."""
+        ids = tokenize(self.tokenizer, [" " + s for s in labels], add_special_tokens=False)
+        for label, x in zip(labels, ids, strict=True):
+            if self.tokenizer.decode(x) != " " + label:
+                self._warn_once(
+                    f"trip {label}",
+                    f"choice: the tokenizer does not write the label {label!r} back exactly "
+                    f"(it decodes as {self.tokenizer.decode(x)[1:]!r}); the model cannot write "
+                    "it: use characters of its vocabulary",
+                )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s", message)
+
+    def _label_ids(
+        self, labels: tuple[str, ...], after_word: bool = False
+    ) -> tuple[tuple[int, ...], ...]:
+        """Each label's tokens as a continuation of the prompt (no special tokens); after a
+        word, a bare label's with its space."""
+        texts = [" " + s if after_word and not s[:1].isspace() else s for s in labels]
+        ids = tokenize(self.tokenizer, texts, add_special_tokens=False)
         for label, x in zip(labels, ids, strict=True):
             if not x:
                 raise ConfigError(f"choice: the label {label!r} tokenizes to no tokens")
@@ -177,6 +234,11 @@ def row_number(name: str, v: Any, integer: bool) -> int | float:
             raise ValueError(f"{name} is {v!r}, not an integer")
         return int(v)
     return float(v)
+
+
+def _after_word(prompt_tail: str) -> bool:
+    """A prompt ending in prompt_tail ends in a word (or punctuation), not in whitespace."""
+    return bool(prompt_tail) and not prompt_tail.isspace()
 
 
 def _parse_labels(value: Any) -> tuple[str, ...]:
