@@ -31,6 +31,14 @@ class Dtype(Choice):
     FLOAT16 = "float16"
 
 
+class ModelImpl(Choice):
+    """Which code runs the model (vLLM's --model-impl)."""
+
+    AUTO = "auto"  # native where batchgen has the family, else transformers
+    NATIVE = "native"  # batchgen's own decoder (model/transformer.py)
+    TRANSFORMERS = "transformers"  # transformers' modeling code, batchgen's attention
+
+
 class QuantMethod(Choice):
     NONE = "none"
     INT8 = "int8"  # symmetric, one scale per output channel

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from batchgen.choices import Dtype
+from batchgen.choices import Dtype, ModelImpl
 from batchgen.engine.compile_cache import default_root
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Grammars
 from batchgen.errors import ConfigError, ModelLoadError
 from batchgen.model.config import ModelConfig
-from batchgen.model.hf_config import config_from_hf, read_hf_config
+from batchgen.model.hf_config import native_config, read_hf_config
+from batchgen.model.hf_support import backend_config, resolve_impl
 from batchgen.model.lora import LoraAdapter, check_adapter
 from batchgen.model.tensor_parallel import check_sizes
 from batchgen.quant import QuantScheme, make_scheme
@@ -91,6 +92,26 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, device: torch.device) -> Non
                 f"tensor_parallel_size {n} needs {n} GPUs and {visible} are visible; lower it "
                 "or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
             )
+
+
+def check_backend_options(
+    compile: bool | None, lora: object, quantize: str, tensor_parallel_size: int
+) -> bool:
+    """ConfigError for what the transformers backend does not do (yet); its compile flag
+    (None: eager)."""
+    refused = {
+        "--compile (its compiled decode is native-only; the backend runs eager)": compile,
+        "LoRA adapters (not yet: merge the adapter into the weights first)": lora is not None,
+        "--quantize (its pass replaces native layers; load a smaller --dtype)": quantize
+        not in ("none", None),
+        "tensor parallelism (its sharding is native-only)": tensor_parallel_size != 1,
+    }
+    for what, asked in refused.items():
+        if asked:
+            raise ConfigError(
+                f"the transformers backend (--model-impl transformers) does not support {what}"
+            )
+    return False
 
 
 def eos_token_ids(model_dir: Path, hf: dict, tokenizer) -> list[int]:
@@ -176,15 +197,25 @@ class ModelSpec:
         quant_group_size: int | None = None,
         tensor_parallel_size: int = 1,
         compile_cache: str | Path | None = None,
+        model_impl: str = "auto",
     ) -> ModelSpec:
         """engine: an EngineConfig as it is, or values (None: unset) over the device's
         defaults. ConfigError for a device, dtype or engine value that cannot be;
         ModelLoadError, LoraError, QuantUnavailableError for the model, adapter, scheme.
         compile_cache: the compile cache's root (None: $BATCHGEN_COMPILE_CACHE, else
-        ~/.cache/batchgen/compile; "off": none)."""
+        ~/.cache/batchgen/compile; "off": none). model_impl: auto|native|transformers."""
         model_dir = Path(model) if model is not None else DEFAULT_MODEL
-        hf = read_hf_config(model_dir)
-        model_cfg = config_from_hf(hf)
+        hf = read_hf_config(model_dir, native=False)
+        try:
+            impl = resolve_impl(model_impl, hf.get("model_type"))
+        except ValueError:
+            names = "|".join(m.value for m in ModelImpl)
+            raise ConfigError(f"model_impl {model_impl!r}: use one of {names}") from None
+        if impl is ModelImpl.TRANSFORMERS:
+            model_cfg = backend_config(model_dir)
+            compile = check_backend_options(compile, lora, quantize, tensor_parallel_size)
+        else:
+            model_cfg = native_config(model_dir, hf)
         adapter = check_adapter(lora, model_cfg) if lora is not None else None
         try:
             dev = resolve_device(device)

@@ -33,7 +33,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from batchgen.model.decode_ops import decode_attention, decode_mask, window_ok
 from batchgen.model.kv_cache import PagedKVCache
@@ -44,6 +43,7 @@ from batchgen.model.paged_flex import (
     pad_rows,
     paged_mask,
 )
+from batchgen.model.sdpa import DEFAULT, AttnParams, sdpa
 
 
 class DecodeBackend(enum.Enum):
@@ -160,24 +160,33 @@ def prefill_mask(
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, span: PrefillSpan
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: PagedKVCache,
+    span: PrefillSpan,
+    params: AttnParams = DEFAULT,
 ) -> torch.Tensor:
-    """q (n, H, D) and the chunk's own k, v (n, Hkv, D) -> (n, H, D)."""
+    """q (n, H, D) and the chunk's own k, v (n, Hkv, D) -> (n, H, Dv)."""
     n = q.shape[0]
     if span.blocks is not None:  # earlier tokens are cached: read them (and the chunk) back
         k, v = cache.gather(span.blocks)
         k, v = k[: span.ctx_start + n], v[: span.ctx_start + n]
     qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, heads, len, D)
-    y = F.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True
-    )
+    y = sdpa(qh, kh, vh, span.mask, params, causal=span.mask is None)
     return y[0].transpose(0, 1)
 
 
 def step_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, step: StepAttention
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: PagedKVCache,
+    step: StepAttention,
+    params: AttnParams = DEFAULT,
 ) -> torch.Tensor:
-    """q (T, H, D), k, v (T, Hkv, D) of a whole step (masks built) -> (T, H, D)."""
+    """q (T, H, D), k, v (T, Hkv, D) of a whole step (masks built) -> (T, H, D). params: a
+    scale, soft-cap or sinks (the transformers backend's; gather decodes only)."""
     if torch.compiler.is_compiling():  # a compiled decode step: one group, B rows
         return _decode_op(q, k, v, cache, step)
     cache.write(step.slots, k, v)
@@ -193,10 +202,10 @@ def step_attention(
             out = flex_decode_attention(qg, cache.k, cache.v, g.mask, step.window, bs, compiled)
             parts.append(out[:n])
         else:
-            parts.append(decode_attention(qg, cache.k, cache.v, bs, g.blocks, g.mask))
+            parts.append(decode_attention(qg, cache.k, cache.v, bs, g.blocks, g.mask, params))
     for s in step.prefills:
         sl = slice(s.q_start, s.q_start + s.q_len)
-        parts.append(prefill_attention(q[sl], k[sl], v[sl], cache, s))
+        parts.append(prefill_attention(q[sl], k[sl], v[sl], cache, s, params))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from batchgen.choices import ModelImpl
+
 
 class Family(str, enum.Enum):
     GPT2 = "gpt2"
@@ -49,7 +51,10 @@ class RopeScaling:
 
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
-    family: Family
+    """A native family's architecture; or, for a model the transformers backend runs
+    (impl TRANSFORMERS, family None), the sizes the engine and stats read."""
+
+    family: Family | None
     vocab_size: int
     dim: int
     n_layers: int
@@ -70,7 +75,10 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     tie_embeddings: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # every layer's window; None if any layer sees all
+    impl: ModelImpl = ModelImpl.NATIVE
+    model_type: str = ""  # config.json's
+    param_count: int | None = None  # counted from the built model (the backend's), not sized
 
     def __post_init__(self) -> None:
         sizes = (
@@ -98,6 +106,8 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
+        if self.param_count is not None:
+            return self.param_count
         attn = self.dim * self.qkv_dim + self.n_heads * self.head_dim * self.dim
         mlp = (3 if self.gated_mlp else 2) * self.dim * self.intermediate_size
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)

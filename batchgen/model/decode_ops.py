@@ -19,10 +19,10 @@ graph serves every pool and every context. Eager steps call the same math direct
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from batchgen.model.kv_cache import gather_blocks
 from batchgen.model.paged_flex import PagedMask, flex_decode_attention
+from batchgen.model.sdpa import DEFAULT, AttnParams, sdpa
 
 
 def window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -45,20 +45,23 @@ def decode_attention(
     block_size: int,
     blocks: torch.Tensor,
     mask: torch.Tensor,
+    params: AttnParams = DEFAULT,
 ) -> torch.Tensor:
-    """q (B, H, D), one query per sequence, over its blocks (B, n) of the pools -> (B, H, D)."""
+    """q (B, H, D), one query per sequence, over its blocks (B, n) of the pools -> (B, H, Dv)."""
     b, h, d = q.shape
     k, v = gather_blocks(k_pool, v_pool, blocks, block_size)  # (B, S, Hkv, D)
     hkv = k.shape[2]
     # Grouped-query attention folded into the query axis: the g query heads of a kv head
     # are its g "query positions", (B, Hkv, g, D), so K/V need no copy per query head.
-    y = F.scaled_dot_product_attention(
+    y = sdpa(
         q.view(b, hkv, h // hkv, d),
         k.transpose(1, 2),  # (B, Hkv, S, D)
         v.transpose(1, 2),
-        attn_mask=mask,
+        mask,
+        params,
+        grouped=True,
     )
-    return y.reshape(b, h, d)
+    return y.reshape(b, h, -1)
 
 
 @torch.library.custom_op("batchgen::decode_gather", mutates_args=("k_pool", "v_pool"))

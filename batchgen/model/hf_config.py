@@ -18,8 +18,9 @@ class UnsupportedModelError(ModelLoadError):
     pass
 
 
-def read_hf_config(path: Path) -> dict:
-    """config.json as a dict, checked to describe a model we can build (config_from_hf)."""
+def read_hf_config(path: Path, native: bool = True) -> dict:
+    """config.json as a dict; native: checked to describe a model batchgen's own decoder
+    builds (config_from_hf; the transformers backend checks its own, hf_support.py)."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(
@@ -36,11 +37,17 @@ def read_hf_config(path: Path) -> dict:
         raise ModelLoadError(
             f"{cfg_file} must hold a JSON object; restore it from the model's source"
         )
-    try:
-        config_from_hf(hf)
-    except ModelLoadError as e:
-        raise type(e)(f"{cfg_file}: {e}") from None
+    if native:
+        native_config(path, hf)
     return hf
+
+
+def native_config(path: Path, hf: dict) -> ModelConfig:
+    """config_from_hf(hf), its errors naming path's config.json."""
+    try:
+        return config_from_hf(hf)
+    except ModelLoadError as e:
+        raise type(e)(f"{path / 'config.json'}: {e}") from None
 
 
 def _rope(hf: dict) -> tuple[float, RopeScaling]:
@@ -109,6 +116,7 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         dim, n_heads = hf["n_embd"], hf["n_head"]
         return ModelConfig(
             family=family,
+            model_type=model_type,
             vocab_size=hf["vocab_size"],
             dim=dim,
             n_layers=hf["n_layer"],
@@ -138,6 +146,7 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         sliding = None
     return ModelConfig(
         family=family,
+        model_type=model_type,
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],

@@ -1,0 +1,166 @@
+"""The transformers backend: a transformers causal LM on batchgen's engine (vLLM's
+Transformers backend, small).
+
+The seam is transformers' `AttentionInterface`: the model is loaded with
+`attn_implementation="batchgen"`, and every layer's attention calls `_attention` below with
+its q, k, v and its own scale, soft-cap, sinks and sliding window. That function runs
+batchgen's step attention (model/attention.py): the keys/values written at the step's cache
+slots, decodes over their gathered blocks, each prefill span over its own. Everything else
+(embeddings, norms, RoPE variants, MoE, the LM head's soft-cap or scaling) is transformers'
+own code, unchanged.
+
+A step is one packed run, batch 1 x T tokens with explicit position_ids; transformers builds
+no mask (the "batchgen" mask function returns None: the step's masks are batchgen's). The
+step's description reaches the attention as a forward kwarg, `batchgen_step`, which
+transformers hands down to every layer's attention call; each layer finds its cache by
+`module.layer_idx`. The LM head runs on the step's sampled rows only (`logits_to_keep` as an
+index tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from batchgen.errors import ModelLoadError
+from batchgen.model.attention import DecodeBackend, StepAttention, step_attention
+from batchgen.model.config import ModelConfig
+from batchgen.model.kv_cache import PagedKVCache
+from batchgen.model.memory import check_allocation
+from batchgen.model.sdpa import AttnParams
+
+ATTN_IMPLEMENTATION = "batchgen"
+
+
+@dataclass(slots=True)
+class BackendStep:
+    """One forward's attention context, shared by its layers: the step, the caches, and the
+    step's masks per sliding window (built once per window value, at its first layer)."""
+
+    step: StepAttention
+    caches: list[PagedKVCache]
+    max_positions: int
+    queries: int  # query heads per kv head
+    _masks: dict[int | None, StepAttention] = field(default_factory=dict)
+
+    def masked(self, window: int | None) -> StepAttention:
+        if window not in self._masks:
+            self._masks[window] = self.step.with_masks(
+                window, self.caches[0], self.queries, self.max_positions
+            )
+        return self._masks[window]
+
+
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query (1, H, T, D), key, value (1, Hkv, T, D) of one layer -> (1, T, H, Dv)."""
+    ctx: BackendStep | None = kwargs.get("batchgen_step")
+    if ctx is None:
+        raise RuntimeError(
+            f"{type(module).__name__} was called without batchgen's step: this model's layers "
+            "do not pass their forward kwargs to attention"
+        )
+    # The layer's window: a kwarg where the layer passes it (None on a full layer), else its
+    # attribute.
+    window = (
+        kwargs["sliding_window"]
+        if "sliding_window" in kwargs
+        else getattr(module, "sliding_window", None)
+    )
+    params = AttnParams(scaling, kwargs.get("softcap"), kwargs.get("s_aux"))
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, D)
+    y = step_attention(q, k, v, ctx.caches[module.layer_idx], ctx.masked(window), params)
+    return y[None], None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """transformers' mask for the "batchgen" implementation: none (the step's are used)."""
+    return None
+
+
+def register() -> None:
+    """Register the attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+class HFModel(nn.Module):
+    """A transformers causal LM behind the interface the engine expects of Transformer:
+    forward(tokens, positions, step, logits_index), setup_caches, kv_caches, cfg, embed."""
+
+    def __init__(self, hf: nn.Module, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.hf, self.cfg = hf, cfg
+        self.caches: list[PagedKVCache] = []
+
+    @property
+    def embed(self) -> nn.Module:
+        return self.hf.get_input_embeddings()
+
+    def setup_caches(self, num_blocks: int, block_size: int) -> None:
+        w, cfg = self.embed.weight, self.cfg
+        self.caches = [
+            PagedKVCache(num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim, w.dtype, w.device)
+            for _ in range(cfg.n_layers)
+        ]
+
+    @property
+    def kv_caches(self) -> list[PagedKVCache]:
+        return self.caches
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        step: StepAttention,
+        logits_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """As Transformer.forward: (T,) packed tokens and positions -> float32 logits (S,
+        vocab) of the rows at logits_index."""
+        if step.backend is not DecodeBackend.GATHER:  # soft-caps and sinks: the gather's math
+            step = StepAttention(step.slots, step.num_decodes, step.decodes, step.prefills)
+        cfg = self.cfg
+        ctx = BackendStep(
+            step, self.caches, cfg.max_position_embeddings, cfg.n_heads // cfg.n_kv_heads
+        )
+        out = self.hf(
+            input_ids=tokens[None],
+            position_ids=positions[None],
+            logits_to_keep=logits_index,
+            use_cache=False,
+            batchgen_step=ctx,
+        )
+        return out.logits[0].float()
+
+
+def load_hf_model(
+    path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> HFModel:
+    """The model in path, loaded by transformers (offline) with batchgen's attention."""
+    from transformers import AutoModelForCausalLM
+
+    register()
+    nbytes = cfg.num_params * dtype.itemsize
+    check_allocation(nbytes, f"the weights ({path})", "--dtype", torch.device(device))
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"transformers could not load {path}: {e}") from None
+    hf = hf.to(device).eval().requires_grad_(False)
+    return HFModel(hf, cfg)

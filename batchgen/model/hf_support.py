@@ -1,0 +1,114 @@
+"""Which implementation runs a model (`--model-impl`), and whether the transformers backend
+(model/hf_backend.py) can serve it exactly: decided from config.json and the modeling class,
+before any weight loads.
+
+The backend replaces one thing in a transformers model, its attention function, so it serves
+exactly the models whose every layer is softmax attention called through transformers'
+`AttentionInterface` (the class says so with `_supports_attention_backend`), full or with a
+sliding window. Refused, naming why: recurrent or linear-attention layers (Mamba state,
+Gated DeltaNet: Qwen3-Next, Granite 4 hybrids, Jamba), chunked attention (Llama 4), keys and
+values of different head sizes (DeepSeek's MLA), encoder-decoders and pre-quantized
+checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from batchgen.choices import ModelImpl
+from batchgen.model.config import ModelConfig
+from batchgen.model.hf_config import SUPPORTED_FAMILIES, UnsupportedModelError
+
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+
+
+def resolve_impl(choice: ModelImpl | str, model_type: str | None) -> ModelImpl:
+    """auto: native where batchgen has the family, else transformers."""
+    choice = ModelImpl(choice)
+    native = model_type in SUPPORTED_FAMILIES
+    if choice is ModelImpl.AUTO:
+        return ModelImpl.NATIVE if native else ModelImpl.TRANSFORMERS
+    if choice is ModelImpl.NATIVE and not native:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} has no native implementation (native: "
+            f"{', '.join(SUPPORTED_FAMILIES)}); use --model-impl auto or transformers"
+        )
+    return choice
+
+
+def _refusal(config, cls) -> str | None:
+    """Why the backend cannot serve this model exactly; None if it can."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder; the backend runs decoder-only causal LMs"
+    if getattr(config, "quantization_config", None):
+        return "its checkpoint is pre-quantized; the backend loads float weights only"
+    if not getattr(cls, "_supports_attention_backend", False):
+        return (
+            f"{cls.__name__}'s layers do not call transformers' attention interface (recurrent "
+            "or linear-attention layers, or attention written into the model)"
+        )
+    text = config.get_text_config()
+    other = sorted(set(getattr(text, "layer_types", None) or ()) - ATTENTION_LAYERS)
+    if other:
+        return (
+            f"it has {', '.join(other)} layers; the backend's paged cache holds softmax "
+            "attention's keys and values only (full or sliding-window layers)"
+        )
+    v_dim = getattr(text, "v_head_dim", None)
+    if v_dim is not None and v_dim != _head_dim(text):
+        return "its keys and values have different head sizes (multi-head latent attention)"
+    return None
+
+
+def _head_dim(text) -> int:
+    qk = getattr(text, "qk_nope_head_dim", None), getattr(text, "qk_rope_head_dim", None)
+    if None not in qk:
+        return qk[0] + qk[1]
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def backend_config(path: Path) -> ModelConfig:
+    """The sizes the engine and stats read of the model in path, as the transformers backend
+    runs it; UnsupportedModelError (before weights load) for one it cannot serve exactly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (ValueError, KeyError, OSError) as e:
+        raise UnsupportedModelError(
+            f"{path}: transformers has no causal LM for this config.json ({e})"
+        ) from None
+    why = _refusal(config, cls)
+    if why is not None:
+        raise UnsupportedModelError(
+            f"model_type {config.model_type!r} cannot run on the transformers backend: {why}"
+        )
+    with torch.device("meta"):  # sizes only: no memory, no init
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    layer_types = getattr(text, "layer_types", None) or ()
+    window = getattr(text, "sliding_window", None)
+    if any(t != "sliding_attention" for t in layer_types):
+        window = None  # some layer sees the whole context
+    dim = text.hidden_size
+    return ModelConfig(
+        family=None,
+        vocab_size=text.vocab_size,
+        dim=dim,
+        n_layers=text.num_hidden_layers,
+        n_heads=heads,
+        n_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=_head_dim(text),
+        intermediate_size=getattr(text, "intermediate_size", None) or 4 * dim,
+        max_position_embeddings=getattr(text, "max_position_embeddings", None) or 4096,
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        sliding_window=window,
+        impl=ModelImpl.TRANSFORMERS,
+        model_type=config.model_type,
+        param_count=params,
+    )
