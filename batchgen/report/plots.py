@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from batchgen.stats.latency import LOW, RATIO, LogHistogram
+from batchgen.stats.roofline import compute_ceiling_s
 
 BINS = 120  # time bins of the series plots
 MAX_POINTS = 20_000  # steps drawn in the roofline scatter
@@ -172,15 +173,30 @@ def roofline(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
     ax.set(xscale="log", yscale="log", xlabel="tokens computed in the step", ylabel="step time")
     ax.yaxis.set_major_formatter(FuncFormatter(_seconds))
     ax.set_title("Step time against tokens per step, under the hardware's ceilings")
-    flops, bw = stats.get("peak_flops"), stats.get("peak_bandwidth")
-    per_token, weights = stats.get("model_flops_per_token"), stats.get("weights_read_bytes")
-    if flops and bw and per_token and weights and tokens:
+    bw, weights = stats.get("peak_bandwidth"), stats.get("weights_read_bytes")
+    if compute_ceiling_s(stats, 1, 1) and bw and weights and tokens:
         xs = [1.0, max(tokens) * 2.0]
         xs = [xs[0] * (xs[1] / xs[0]) ** (i / 50) for i in range(51)]
-        compute = [per_token * x / flops for x in xs]
+        # A decode step's every row goes through the LM head, a prefill step's last prompt
+        # token only: at least one row.
+        decode = [compute_ceiling_s(stats, x, x) for x in xs]
+        compute = [compute_ceiling_s(stats, x, 1) for x in xs]
         memory = weights / bw
         ax.plot(
-            xs, compute, color="tab:green", lw=1, ls="--", label="compute ceiling (FLOPs / peak)"
+            xs,
+            decode,
+            color="tab:green",
+            lw=1,
+            ls=":",
+            label="compute ceiling, decode (FLOPs / peak)",
+        )
+        ax.plot(
+            xs,
+            compute,
+            color="tab:green",
+            lw=1,
+            ls="--",
+            label="compute ceiling, prefill (one row's LM head)",
         )
         ax.axhline(
             memory, color="tab:purple", lw=1, ls="--", label="bandwidth ceiling (weights / peak)"

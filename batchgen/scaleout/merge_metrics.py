@@ -23,7 +23,7 @@ from batchgen.scaleout.shard_report import ShardReport
 from batchgen.stats.latency import Latencies
 
 # Per-token costs: the same model in every shard, taken from the first.
-_SAME = ("model_flops_per_token", "weights_read_bytes", "kv_bytes_per_token")
+_SAME = ("model_flops_per_token", "head_flops_per_row", "weights_read_bytes", "kv_bytes_per_token")
 
 
 def merged_metrics(reports: list[ShardReport]) -> dict[str, Any]:

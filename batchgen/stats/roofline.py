@@ -69,6 +69,7 @@ class ModelCost:
     def to_dict(self) -> dict[str, int]:
         return {
             "model_flops_per_token": 2 * (self.layer_params + self.head_params),
+            "head_flops_per_row": 2 * self.head_params,  # only rows whose logits are used
             "weights_read_bytes": self.weight_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
         }
@@ -107,3 +108,17 @@ class Roofline:
             "mfu": achieved / peak_flops if achieved and peak_flops else None,
             "mbu": bw / peak_bandwidth if bw and peak_bandwidth else None,
         }
+
+
+def compute_ceiling_s(stats: dict[str, Any], tokens: float, logits_rows: float) -> float | None:
+    """The least time a step's matmuls take at the peak (attention left out): `tokens`
+    computed tokens through the decoder, `logits_rows` of them through the LM head (a prefill
+    step runs it for a prompt's last token only). From stats.json's keys; None without a peak.
+    An older stats.json, without head_flops_per_row, charges the head for every token."""
+    peak, per_token = stats.get("peak_flops"), stats.get("model_flops_per_token")
+    if not peak or not per_token:
+        return None
+    head = stats.get("head_flops_per_row")
+    if head is None:
+        return per_token * tokens / peak
+    return ((per_token - head) * tokens + head * logits_rows) / peak
