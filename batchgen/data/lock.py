@@ -54,3 +54,21 @@ def lock_directory(directory: str) -> IO[str]:
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def lock_holder(directory: str | os.PathLike[str]) -> str | None:
+    """The pid a live run wrote into directory's lock file ("unknown" if none), or None when
+    no run holds the lock. Asks with a shared flock, let go at once."""
+    path = os.path.join(os.fspath(directory), LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "unknown"
+    return None  # closing the file let the shared lock go

@@ -1,5 +1,10 @@
 """What a report is drawn from: an output directory's stats and step timeline, of one
-run or of merged shards (`batchgen merge` writes both for the whole job)."""
+run or of merged shards (`batchgen merge` writes both for the whole job).
+
+Both describe the directory's last run, and stats.json is written when a run ends while the
+timeline grows at each flush: a report made while a run writes the directory (its lock is
+held) shows the previous run's table beside the running one's steps, and a resumed job's
+figures leave out the rows earlier runs did. `notes` says so, on the page and in the log."""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.data.writer import JOB_FILE, STATS_FILE, STEPS_FILE, migrate_old_layout
+from batchgen.data.lock import lock_holder
+from batchgen.data.writer import JOB_FILE, META_DIR, STATS_FILE, STEPS_FILE, migrate_old_layout
 from batchgen.errors import InputError
 
 
@@ -20,6 +26,7 @@ class RunData:
     out: Path
     stats: dict[str, Any]
     steps: dict[str, list] | None  # STEPS_FILE's columns; None: no timeline
+    notes: list[str]  # what the figures do not cover (a running or resumed job)
 
     @property
     def merged(self) -> bool:
@@ -34,7 +41,13 @@ def load(out: str | Path) -> RunData:
         raise InputError(f"{root}: {what}; pass a batchgen output directory")
     migrate_old_layout(root)  # an older batchgen's output: its report goes beside the rest
     path = root / STATS_FILE
+    writer = lock_holder(root / META_DIR)
     if not path.exists():
+        if writer is not None:
+            raise InputError(
+                f"{path} not found: a batchgen run (pid {writer}) is writing {root} now and "
+                "writes its statistics when it ends; report then"
+            )
         raise InputError(f"{path} not found: {_no_stats_fix(root)}")
     try:
         stats = json.loads(path.read_text())
@@ -53,7 +66,23 @@ def load(out: str | Path) -> RunData:
             f"cannot read the step timeline {steps_path}: {e}; delete it for a report "
             "without the timeline, or run the job again"
         ) from None
-    return RunData(root, stats, steps)
+    return RunData(root, stats, steps, _notes(stats, writer))
+
+
+def _notes(stats: dict[str, Any], writer: str | None) -> list[str]:
+    if writer is not None:
+        return [
+            f"a batchgen run (pid {writer}) is writing this output now: the table is the "
+            "previous run's, the plots are the running one's steps so far; report again when "
+            "it ends"
+        ]
+    done = stats.get("rows_skipped_done") or 0
+    if done and "per_shard" not in stats:
+        return [
+            f"this output was resumed: the table and the plots cover its last run only "
+            f"({done} rows were done by earlier runs and are not in their figures)"
+        ]
+    return []
 
 
 def _no_stats_fix(root: Path) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from batchgen.errors import InputError
 from batchgen.report import plots
 from batchgen.report.load import RunData, load
 
+log = logging.getLogger(__name__)
+
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
@@ -23,6 +26,7 @@ table { border-collapse: collapse; font-size: 0.92em; }
 td, th { padding: 0.25em 0.9em; border-bottom: 1px solid #ddd; text-align: left; }
 td.v { font-variant-numeric: tabular-nums; }
 img { max-width: 100%; } p.note { color: #555; font-size: 0.9em; max-width: 60em; }
+p.warn { background: #fff4d6; border-left: 4px solid #e0a000; padding: 0.5em 0.9em; }
 """
 
 
@@ -97,6 +101,7 @@ def stats_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
 def render(data: RunData) -> str:
     s = data.stats
     parts = [f"<h1>batchgen report: {html.escape(str(data.out))}</h1>"]
+    parts += [f'<p class="warn">Note: {html.escape(n)}.</p>' for n in data.notes]
     if data.merged:
         parts.append(
             f'<p class="note">{s["shards"]} shards merged; the timeline puts them on one clock.</p>'
@@ -137,4 +142,6 @@ def write_report(out: str | Path) -> Path:
             f"({type(e).__name__}: {e}); run the job again to write them anew"
         ) from None
     write_file(data.out, REPORT_FILE, lambda f: f.write(page))
+    for note in data.notes:
+        log.warning("%s: %s", data.out, note)
     return data.out / REPORT_FILE
