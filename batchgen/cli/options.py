@@ -193,6 +193,15 @@ def run_options(f):
             _opt("--device", help="auto, cpu, cuda, cuda:N."),
             _opt("--dtype", help="auto = bfloat16 on GPU, float32 on CPU."),
             _opt(
+                "--model-impl",
+                help=(
+                    "Which code runs the model: native (batchgen's decoder: gpt2, llama, "
+                    "mistral, qwen2, qwen3), transformers (transformers' modeling code with "
+                    "batchgen's paged attention: other causal LMs), or auto (native where it "
+                    "has the family)."
+                ),
+            ),
+            _opt(
                 "--compile/--no-compile",
                 help=(
                     "torch.compile the decode steps (as CUDA graphs on a GPU; prefill runs "

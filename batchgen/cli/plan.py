@@ -51,6 +51,8 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
         "warnings": memory_warnings(spec, kv_bytes, weights),
         "input": cfg.input,
         "model": str(spec.model_dir),
+        "model_type": spec.model_cfg.model_type,
+        "model_impl": spec.model_cfg.impl.value,
         "dtype": str(spec.dtype).removeprefix("torch."),
         "rows": rows,
         "rows_error": errors,
@@ -100,7 +102,7 @@ def memory_warnings(spec: ModelSpec, kv_bytes: int | None, weights: int) -> list
 def format_plan(p: dict[str, Any]) -> str:
     lines = [
         f"input   {p['input']}",
-        f"model   {p['model']} ({p['dtype']})",
+        f"model   {p['model']} ({p['model_type']}, {p['model_impl']}, {p['dtype']})",
         f"rows    {p['rows']} ({p['rows_error']} would get an error record)",
         f"tokens  {p['prompt_tokens']} prompt, up to {p['max_output_tokens']} output; "
         f"longest row {p['longest_row_tokens']}",

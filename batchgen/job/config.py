@@ -14,6 +14,7 @@ from batchgen.choices import (
     BOUNDS,
     Choice,
     Dtype,
+    ModelImpl,
     OutputFormat,
     QuantBackend,
     QuantMethod,
@@ -62,6 +63,7 @@ class RunConfig:
     # engine
     device: str = "auto"
     dtype: Dtype = Dtype.AUTO
+    model_impl: ModelImpl = ModelImpl.AUTO  # auto: native where it has the family, else HF
     compile: bool | None = None  # None: on a GPU yes, on the CPU no (measured: no faster there)
     compile_cache: str | None = None  # None: $BATCHGEN_COMPILE_CACHE or ~/.cache; "off": none
     quantize: QuantMethod = QuantMethod.NONE

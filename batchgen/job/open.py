@@ -42,6 +42,7 @@ def open_job(cfg: RunConfig) -> Job:
     spec = ModelSpec.resolve(
         cfg.model,
         dtype=cfg.dtype,
+        model_impl=cfg.model_impl,
         device=cfg.device,
         compile=cfg.compile,
         compile_cache=cfg.compile_cache,

@@ -199,7 +199,8 @@ def _run_info(llm: LLM) -> RunInfo:
     spec = llm.spec
     return RunInfo(
         model=str(spec.model_dir),
-        family=spec.model_cfg.family.value,
+        family=spec.model_cfg.model_type,
+        model_impl=spec.model_cfg.impl.value,
         device=str(spec.device),
         dtype=str(spec.dtype).removeprefix("torch."),
         compiled=spec.compile,

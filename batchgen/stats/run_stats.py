@@ -34,7 +34,7 @@ class RunInfo:
     """What ran, known once the model is loaded."""
 
     model: str
-    family: str
+    family: str  # config.json's model_type
     device: str
     dtype: str
     compiled: bool
@@ -46,6 +46,7 @@ class RunInfo:
     lora: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
     weights_bytes_per_rank: int = 0  # parameters a rank holds, at their stored precision
+    model_impl: str = "native"  # what ran it: batchgen's decoder, or transformers' modeling code
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

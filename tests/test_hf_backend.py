@@ -1,0 +1,167 @@
+"""The transformers backend (model/hf_backend.py): families batchgen has no native code for run
+on its engine, token for token equal to transformers' greedy generate, under every scheduling
+mode (packed prefill, chunked prefill, preemption, prefix-cache hits). Controls: without the
+layer's soft-cap, sliding window, scale or sinks the tokens change, so the equality is not
+luck. Refusals exit 2 before any weight loads."""
+
+import json
+
+import pytest
+from helpers import (
+    assert_one_line_error,
+    hf_greedy,
+    prompts,
+    random_prompts,
+    read_stats,
+    run_cli,
+    write_parquet,
+)
+from tiny_hf_models import FAMILIES, HYBRIDS, save_tiny_hf_model
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.sequence import SamplingParams
+from batchgen.errors import UsageError
+from batchgen.llm import LLM
+from batchgen.model import hf_backend
+
+MAX_NEW = 12
+PARAMS = SamplingParams(max_new_tokens=MAX_NEW)
+# chunks of <= 5 tokens, 3 rows at a time, 10 usable blocks of 4 (rows need up to 8): chunked
+# prefill, decodes beside chunks, preemption; the prefixed rows hit the cached prefix.
+TIGHT = EngineConfig(max_num_seqs=3, max_num_batched_tokens=5, block_size=4, kv_cache_tokens=44)
+
+
+def _prompts() -> list[list[int]]:
+    (prefix,) = random_prompts([13], seed=7)
+    return random_prompts([3, 11, 6, 17, 1]) + [prefix + p for p in random_prompts([2, 5, 4], 1)]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """model_type -> a tiny checkpoint directory, written at first use."""
+    made = {}
+
+    def get(model_type):
+        if model_type not in made:
+            made[model_type] = save_tiny_hf_model(model_type, tmp_path_factory.mktemp(model_type))
+        return made[model_type]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def references(hf_dirs):
+    cache = {}
+
+    def get(model_type):
+        if model_type not in cache:
+            cache[model_type] = hf_greedy(hf_dirs(model_type), _prompts(), MAX_NEW)
+        return cache[model_type]
+
+    return get
+
+
+def _generate(model_dir, engine=None, model_impl="transformers"):
+    """auto picks native for llama: the backend unless told otherwise."""
+    llm = LLM(model_dir, dtype="float32", device="cpu", engine=engine, model_impl=model_impl)
+    return llm, [c.token_ids for c in llm.generate(_prompts(), PARAMS)]
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_greedy_equals_transformers_packed(model_type, hf_dirs, references):
+    llm, got = _generate(hf_dirs(model_type))
+    assert llm.spec.model_cfg.impl == "transformers"
+    assert got == references(model_type)
+    want = references(model_type)
+    assert sum(len(set(row)) > 2 for row in want) > len(want) // 2, want  # a live reference
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_greedy_equals_transformers_chunked_preempted_prefix_hit(model_type, hf_dirs, references):
+    llm, got = _generate(hf_dirs(model_type), TIGHT)
+    assert got == references(model_type)
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0 and sched.pool.hits > 0
+    assert sched.pool.num_free == sched.pool.num_usable
+
+
+def test_llama_backend_equals_native(hf_dirs):
+    d = hf_dirs("llama")
+    native, got_native = _generate(d, model_impl="native")
+    backend, got_backend = _generate(d, TIGHT, model_impl="transformers")
+    assert native.spec.model_cfg.impl == "native" and backend.spec.model_cfg.impl != "native"
+    assert got_backend == got_native
+
+
+def _without(monkeypatch, **dropped):
+    """The backend's attention called with some of its layer's arguments replaced."""
+
+    def attention(module, q, k, v, mask, scaling=None, **kw):
+        kw = {**kw, **dropped}
+        return hf_backend._attention(module, q, k, v, mask, kw.pop("scaling", scaling), **kw)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "batchgen", attention)
+
+
+@pytest.mark.parametrize(
+    "model_type, dropped",
+    [
+        ("gemma2", {"softcap": None}),
+        ("gemma3_text", {"sliding_window": None}),
+        ("granite", {"scaling": None}),  # attention_multiplier 0.5, not 1/sqrt(16)
+        ("gpt_oss", {"s_aux": None}),
+    ],
+)
+def test_removing_a_feature_changes_the_tokens(
+    model_type, dropped, hf_dirs, references, monkeypatch
+):
+    llm = LLM(hf_dirs(model_type), dtype="float32", device="cpu", model_impl="transformers")
+    _without(monkeypatch, **dropped)
+    got = [c.token_ids for c in llm.generate(_prompts(), PARAMS)]
+    assert got != references(model_type)
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
+def test_hybrids_are_refused_before_loading(model_type, hf_dirs):
+    with pytest.raises(UsageError, match="cannot run on the transformers backend"):
+        LLM(hf_dirs(model_type), device="cpu")
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"compile": True}, "--compile"),
+        ({"tensor_parallel_size": 2}, "tensor parallelism"),
+        ({"quantize": "int8"}, "--quantize"),
+    ],
+)
+def test_backend_refuses_what_it_does_not_do(options, words, hf_dirs):
+    with pytest.raises(UsageError, match=words):
+        LLM(hf_dirs("phi3"), device="cpu", **options)
+
+
+def test_native_is_refused_for_a_family_it_lacks(hf_dirs):
+    with pytest.raises(UsageError, match="no native implementation"):
+        LLM(hf_dirs("phi3"), device="cpu", model_impl="native")
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe", "phi3", "gpt_oss"])
+def test_cli_run_and_plan(model_type, hf_dirs, tmp_path):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
+    out = tmp_path / "out"
+    run_cli("run", src, "-o", out, "--model", hf_dirs(model_type), "--max-new-tokens", 4)
+    stats = read_stats(out)
+    assert stats["model_impl"] == "transformers" and stats["family"] == model_type
+    plan = json.loads(run_cli("plan", src, "--model", hf_dirs(model_type), "--json").stdout)
+    assert plan["model_impl"] == "transformers" and plan["model_type"] == model_type
+
+
+def test_cli_refusals_exit_2(hf_dirs, tmp_path):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    r = run_cli("run", src, "-o", tmp_path / "a", "--model", hf_dirs("qwen3_next"), exit_code=2)
+    assert_one_line_error(r, "qwen3_next", "transformers backend")
+    r = run_cli(
+        "run", src, "-o", tmp_path / "b", "--model", hf_dirs("phi3"), "--compile", exit_code=2
+    )
+    assert_one_line_error(r, "--compile")

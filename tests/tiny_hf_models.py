@@ -1,0 +1,83 @@
+"""Tiny random checkpoints of families batchgen runs through the transformers backend (hidden
+64, 2 layers, vocab 512), each with the feature that makes it differ from Llama set small
+enough to matter: Gemma 2's attention soft-cap, Gemma 3's per-layer sliding window and
+query_pre_attn_scalar scale, gpt-oss's sinks and windows, Granite's multipliers. Queries and
+keys are sharpened (tiny_models.sharpen_attention) so a missing feature changes the tokens.
+
+    python tests/tiny_hf_models.py gemma3_text /tmp/tiny-gemma3
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from tiny_models import SHARPEN, sharpen_attention, tiny_tokenizer
+
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=1,
+)
+SLIDING_FULL = ["sliding_attention", "full_attention"]
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+FAMILIES = {
+    "llama": {},
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "mixtral": MOE,
+    "gemma2": dict(
+        head_dim=16,
+        sliding_window=8,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+        query_pre_attn_scalar=64,
+    ),
+    "gemma3_text": dict(
+        head_dim=16, sliding_window=8, query_pre_attn_scalar=64, layer_types=SLIDING_FULL
+    ),
+    "phi3": {},
+    "olmo2": {},
+    "granite": dict(attention_multiplier=0.5, logits_scaling=2.0, residual_multiplier=0.5),
+    # its head is tied to the embedding by default, which at this size repeats the last token
+    "smollm3": dict(no_rope_layer_interval=2, tie_word_embeddings=False),
+    "gpt_oss": dict(head_dim=16, sliding_window=8, layer_types=SLIDING_FULL, **MOE),
+}
+# Refused by the backend: their configs build, their layers are not all softmax attention.
+HYBRIDS = {
+    "qwen3_next": dict(head_dim=16, layer_types=["linear_attention", "full_attention"]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+}
+
+
+def save_tiny_hf_model(model_type: str, path: str | Path, seed: int = 0) -> Path:
+    """A checkpoint directory with weights and tokenizer; a hybrid's config.json only (it is
+    refused before anything else is read)."""
+    path = Path(path)
+    torch.manual_seed(seed)
+    extra = FAMILIES.get(model_type, HYBRIDS.get(model_type, {}))
+    cfg = transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra})
+    if model_type in HYBRIDS:
+        cfg.save_pretrained(path)
+        return path
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):  # initialised at 0: make each head's differ
+                p.normal_(0.0, 2.0)
+    sharpen_attention(model, SHARPEN)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+if __name__ == "__main__":
+    print(save_tiny_hf_model(sys.argv[1], sys.argv[2]))
