@@ -22,6 +22,8 @@ from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import SUPPORTED_FAMILIES, UnsupportedModelError
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+# The attention-interface kwargs and mask hooks the backend uses are transformers 5's.
+TESTED_MAJOR, TESTED_ON = 5, "5.25"
 
 
 def resolve_impl(choice: ModelImpl | str, model_type: str | None) -> ModelImpl:
@@ -72,9 +74,15 @@ def _head_dim(text) -> int:
 def backend_config(path: Path) -> ModelConfig:
     """The sizes the engine and stats read of the model in path, as the transformers backend
     runs it; UnsupportedModelError (before weights load) for one it cannot serve exactly."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    if int(transformers.__version__.split(".")[0]) != TESTED_MAJOR:
+        raise UnsupportedModelError(
+            f"the transformers backend runs on transformers {TESTED_MAJOR}.x (tested on "
+            f"{TESTED_ON}); this is {transformers.__version__}"
+        )
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
