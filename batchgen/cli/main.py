@@ -22,7 +22,8 @@ EXIT_CODES = """\b
 Exit codes:
   0    done (or already complete)
   1    a runtime failure: a full disk, another run holding OUTPUT, a too-long prompt under
-       --truncate error, a failed worker; what is finished is kept, rerun to resume
+       --truncate error, a failed worker; what is finished is kept, rerun to resume;
+       or more error rows than --max-error-rate (every row written)
   2    a usage or input error, reported before the model loads where it can be: a bad flag
        or job spec value, an unreadable input, model or config.json, another job's OUTPUT
   128+N  stopped by signal N (143: SIGTERM, 130: SIGINT); finished rows are saved, rerun to resume
@@ -121,6 +122,15 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
         )
         errors = f"{stats.rows_error} error{'s' * (stats.rows_error != 1)}"
         click.echo(f"wrote {cfg.output_dir}: {stats.rows} rows ({errors}), {rate}")
+        if stats.error_reasons:
+            click.echo("\n".join(["error rows by reason:", *stats.error_lines()]), err=True)
+    if stats.error_rate > cfg.max_error_rate:
+        _fail(
+            f"{stats.error_records} of {stats.rows} rows ({stats.error_rate:.0%}) are error rows, "
+            f"over --max-error-rate {cfg.max_error_rate:g} (every row is written); fix the "
+            "reasons above, or pass --max-error-rate 1 to accept them",
+            1,
+        )
 
 
 @main.command("plan")

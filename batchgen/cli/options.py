@@ -183,7 +183,7 @@ def run_options(f):
             ),
             _opt(
                 "--json-schema",
-                help="Structured output: a JSON schema file the output must match (a json_schema column of schema text overrides per row).",
+                help="Structured output: a JSON schema the output must match, inline ('{\"type\": ...}': it starts with {) or a file (a json_schema column of schema text overrides per row).",
             ),
             _opt(
                 "--json-any-whitespace",
@@ -232,6 +232,16 @@ def run_options(f):
             ),
             _opt("--rows-per-part", type=int, help="Rows per output Parquet part file."),
             _opt("--flush-seconds", type=float, help="Write a part at least this often."),
+            _opt(
+                "--max-error-rate",
+                type=click.FloatRange(0, 1),
+                help="Exit 1, after writing every row, when more than this share of the run's rows are error rows (their reasons are listed at the end). A few bad rows (a null, an outlier past --max-prompt-len) are normal in real data; more than 1 in 10 almost always means a wrong template, column or limit. 1.0: never.",
+            ),
+            _opt(
+                "--progress-seconds",
+                type=click.FloatRange(0),
+                help="When stderr is not a terminal (a Slurm log, a pipe), print a progress line this often: rows done/total, output tok/s, ETA, errors (also under --quiet). 0: never.",
+            ),
             _opt("--with-token-ids", is_flag=True, help="Add a token_ids column."),
             _opt(
                 "--with-logprobs",

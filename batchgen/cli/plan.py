@@ -23,9 +23,10 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
     spec = job.spec
     eng = spec.engine
     hist: Counter = Counter()
-    rows = errors = prompt_tokens = output_tokens = longest = 0
+    rows = prompts = errors = prompt_tokens = output_tokens = longest = 0
     for _, window in job.prep.windows(done=set()):
-        rows += len(window.rows)
+        rows += len(window.rows)  # output records: one a sample (n) of each prompt
+        prompts += len({row.id for row in window.rows})
         errors += len(window.errors)
         for r in window.requests:
             hist[_edge(r.prompt_len)] += 1
@@ -55,6 +56,7 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
         "model_impl": spec.model_cfg.impl.value,
         "dtype": str(spec.dtype).removeprefix("torch."),
         "rows": rows,
+        "prompts": prompts,
         "rows_error": errors,
         "prompt_tokens": prompt_tokens,
         "max_output_tokens": output_tokens,
@@ -99,11 +101,18 @@ def memory_warnings(spec: ModelSpec, kv_bytes: int | None, weights: int) -> list
     return []
 
 
+def _rows(p: dict[str, Any]) -> str:
+    """The input's prompts, and the output rows their samples make where that is more."""
+    if p["rows"] == p["prompts"]:
+        return str(p["rows"])
+    return f"{p['prompts']} prompts, {p['rows']} output rows (samples)"
+
+
 def format_plan(p: dict[str, Any]) -> str:
     lines = [
         f"input   {p['input']}",
         f"model   {p['model']} ({p['model_type']}, {p['model_impl']}, {p['dtype']})",
-        f"rows    {p['rows']} ({p['rows_error']} would get an error record)",
+        f"rows    {_rows(p)} ({p['rows_error']} would get an error record)",
         f"tokens  {p['prompt_tokens']} prompt, up to {p['max_output_tokens']} output; "
         f"longest row {p['longest_row_tokens']}",
         "",

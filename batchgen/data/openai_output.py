@@ -3,7 +3,8 @@
 One line per request with a result, in the input's order, as OpenAI's Batch API and
 `vllm run-batch` write them: `id`, `custom_id`, `response` (`status_code`, `request_id`, and a
 `chat.completion` or `text_completion` body with `choices` and `usage`) and `error`. A row that
-failed gets status 400, no body, and `error` {code, message}. The ids are the request's place in
+failed (finish_reason error) gets status 400, no body, and `error` {code, message}; one cut at
+max_tokens is a 200 with finish_reason "length", as OpenAI's. The ids are the request's place in
 the input, so a rerun writes the same ids. Where the results hold several samples of a request
 (a `sample_index` column), they are its choices, in sample order. A request that asked for
 `logprobs` gets each generated token's: a chat choice's `logprobs.content` ({token, logprob,
@@ -94,7 +95,9 @@ def output_line(
     rows = sorted(rows, key=lambda r: r.get("sample_index") or 0)
     request_id = f"batchgen-req-{index}"
     line: dict[str, Any] = {"id": f"batchgen-{index}", "custom_id": custom_id}
-    failed = next((r for r in rows if r["error"] is not None), None)
+    # A constrained (JSON-mode) row cut at max_tokens keeps its text and a note in `error`:
+    # OpenAI answers it 200 with finish_reason "length", so only error rows fail.
+    failed = next((r for r in rows if r["finish_reason"] == "error"), None)
     if failed is not None:
         line["response"] = {"status_code": 400, "request_id": request_id, "body": None}
         line["error"] = {"code": "invalid_request", "message": failed["error"]}

@@ -86,6 +86,9 @@ class RunConfig:
     output_format: OutputFormat = OutputFormat.PARQUET
     overwrite: bool = False
     quiet: bool = False
+    # failures: a share of error rows above this exits 1 once everything is written (1.0: never)
+    max_error_rate: float = 0.1
+    progress_seconds: float = 30.0  # a progress line this often where stderr is no TTY (0: off)
     allow_pickle: bool = False
     threads: int | None = None  # CPU threads for torch; None: torch's default (all cores)
     workers: int | str = 1  # processes over shards of the input; "auto": one per visible GPU
@@ -125,6 +128,10 @@ class RunConfig:
             value = getattr(self, key)
             if value is not None and value not in bound:
                 raise ConfigError(f"{key} must be {bound}, got {value}")
+        if not 0.0 <= self.max_error_rate <= 1.0:
+            raise ConfigError(f"max_error_rate must be in [0, 1], got {self.max_error_rate}")
+        if not self.progress_seconds >= 0:
+            raise ConfigError(f"progress_seconds must be >= 0, got {self.progress_seconds}")
         if self.quant_group_size is not None:
             from batchgen.quant.scheme import INT4_GROUP_SIZES
 
@@ -205,7 +212,9 @@ class RunConfig:
             )
         missing = [k for k in ("input", "output") if values.get(k) is None]
         if missing:
-            raise ConfigError(f"{source}: missing {', '.join(missing)}")
+            flags = {"input": "SOURCE (the first argument)", "output": "-o/--output DIR"}
+            need = ", ".join(f"{k} ({flags[k]})" for k in missing)
+            raise ConfigError(f"{source}: missing {need}; pass it on the command line or as a key")
         try:
             return cls(**values)
         except TypeError as e:
@@ -213,9 +222,16 @@ class RunConfig:
 
 
 def read_json_schema(path: str) -> str:
-    """The text of a JSON schema file, checked to be JSON; ConfigError naming the fix."""
+    """The text of a JSON schema: inline (it starts with `{`) or a file's, checked to be JSON;
+    ConfigError naming the fix."""
     import json
 
+    if path.lstrip().startswith("{"):
+        try:
+            json.loads(path)
+        except ValueError as e:
+            raise ConfigError(f"json_schema: the inline schema is not JSON ({e})") from None
+        return path
     try:
         text = Path(path).read_text(encoding="utf-8")
         json.loads(text)

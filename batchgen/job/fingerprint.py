@@ -84,6 +84,8 @@ RUN_ONLY_OPTIONS = frozenset(
         "tensor_parallel_size",
         "peak_tflops",
         "peak_bandwidth_gbs",
+        "max_error_rate",
+        "progress_seconds",
     }
 )
 
@@ -115,7 +117,7 @@ def options_fingerprint(cfg: RunConfig) -> dict[str, Any]:
         if out[key] is None:
             del out[key]
     for key in ("json_schema", "lora"):
-        if key in out:
+        if key in out and not str(out[key]).lstrip().startswith("{"):  # a path, not inline JSON
             out[key] = str(Path(out[key]).resolve())
     if cfg.n == 1:  # so do jobs of one sample a row
         del out["n"]

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -117,6 +118,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     nvml = NvmlSampler(device.index or 0).start() if device.type == "cuda" else None
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
     progress = _progress(cfg, source.num_rows)
+    log_line = _ProgressLine(cfg.progress_seconds)
     rows: dict[int, Row] = {}  # rows in flight, by request index
     choices: dict[int, Constraint] = {}  # their choice constraints (the label as written)
     lists = SampleLists() if prep.as_list else None
@@ -137,6 +139,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
             errors = [shape.record(r, None) for r in window.errors]
             buffer.add(gather(window.errors, errors))
             stats.add_error_rows(len(errors))
+            stats.add_error_reasons(errors)
             progress.update(window.skipped + len(errors))
             for r in window.requests:
                 rows[n] = window.rows[r.index]
@@ -170,8 +173,10 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
                     pairs = zip(finished, report.finished, strict=True)
                     records = [shape.record(r, c, timings(c)) for r, c in pairs]
                     buffer.add(gather(finished, records))
+                    stats.add_error_reasons(records)
                     progress.update(len(finished))
                     progress.set_postfix_str(_postfix(stats, report), refresh=False)
+                    log_line.maybe(progress, stats)
                 if time.monotonic() - last_flush > cfg.flush_seconds:
                     flush()
                     last_flush = time.monotonic()
@@ -226,10 +231,36 @@ def _model_cost(llm: LLM, info: RunInfo) -> ModelCost:
 
 
 def _postfix(stats: RunStats, report) -> str:
-    """The progress bar's: output tokens/s and the KV cache in use."""
+    """The progress bar's: output tokens/s, the KV cache in use and the error rows."""
     used, free = report.kv_blocks_used, report.kv_blocks_free
     kv = f", KV {used / (used + free):.0%}" if used + free else ""
-    return f"{stats.rate(stats.output_tokens):.0f} out tok/s{kv}"
+    return f"{stats.rate(stats.output_tokens):.0f} out tok/s{kv}, {stats.error_records} errors"
+
+
+class _ProgressLine:
+    """Where stderr is no terminal (a Slurm log, a pipe), a plain line every `seconds` in place
+    of the bar (which --quiet or a log would lose): rows done/total, out tok/s, ETA, errors,
+    as vLLM's periodic stats do. BATCHGEN_PROGRESS_SECONDS overrides (tests)."""
+
+    def __init__(self, seconds: float) -> None:
+        seconds = float(os.environ.get("BATCHGEN_PROGRESS_SECONDS", seconds))
+        self.seconds = seconds if seconds > 0 and not sys.stderr.isatty() else 0.0
+        self.last = time.monotonic()
+
+    def maybe(self, bar, stats: RunStats) -> None:
+        if not self.seconds or time.monotonic() - self.last < self.seconds:
+            return
+        self.last = time.monotonic()
+        done, total = stats.rows + stats.rows_skipped_done, bar.total  # bar.n: 0 if disabled
+        rate = stats.rate(stats.rows)
+        eta = f"{(total - done) / rate:.0f} s" if total and rate > 0 else "?"
+        print(
+            f"batchgen: {done}/{total if total is not None else '?'} rows, "
+            f"{stats.rate(stats.output_tokens):.1f} out tok/s, ETA {eta}, "
+            f"{stats.error_records} errors",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _write_openai_results(out: OutputDir, job: Job) -> None:

@@ -7,6 +7,7 @@ _stats.json, `table` the printed summary."""
 
 from __future__ import annotations
 
+import re
 import resource
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -62,6 +63,7 @@ class RunStats:
     info: RunInfo | None = None  # None: the run ended before loading the model
     rows: int = 0  # rows written in this run (ok + error)
     rows_error: int = 0
+    error_reasons: dict[str, int] = field(default_factory=dict)  # error records, by reason
     prompt_tokens: int = 0  # real prompt tokens of the rows run
     computed_prompt_tokens: int = 0  # prompt tokens run through the model (recomputes included)
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
@@ -114,6 +116,32 @@ class RunStats:
         """Rows that became error records before reaching the engine."""
         self.rows += n
         self.rows_error += n
+
+    def add_error_reasons(self, records: list[dict[str, Any]]) -> None:
+        """The error records among records written, grouped by their reason with its numbers
+        as N ("prompt of N tokens ...")."""
+        for rec in records:
+            if rec.get("finish_reason") == "error":
+                reason = re.sub(r"\d+(\.\d+)?", "N", str(rec.get("error")))[:200]
+                self.error_reasons[reason] = self.error_reasons.get(reason, 0) + 1
+
+    @property
+    def error_records(self) -> int:
+        """Rows written as errors (finish_reason error; not a constrained row's note)."""
+        return sum(self.error_reasons.values())
+
+    @property
+    def error_rate(self) -> float:
+        return self.error_records / self.rows if self.rows else 0.0
+
+    def error_lines(self, most: int = 5) -> list[str]:
+        """The commonest error reasons with their counts, for the end of a run."""
+        top = sorted(self.error_reasons.items(), key=lambda kv: -kv[1])
+        lines = [f"  {n:>6} x {reason}" for reason, n in top[:most]]
+        if len(top) > most:
+            rest = sum(n for _, n in top[most:])
+            lines.append(f"  {rest:>6} x {len(top) - most} other reasons (.batchgen/stats.json)")
+        return lines
 
     def add_step(self, r: StepReport) -> None:
         """One engine step: the rows it finished and what it ran."""
@@ -257,4 +285,8 @@ class RunStats:
             rows.append(("MFU / MBU", f"{pct[0]} / {pct[1]} (peaks: {d['peak_source']})"))
         rows += gpu_rows(d)
         width = max(len(k) for k, _ in rows)
-        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+        table = "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+        if self.error_reasons:
+            table += f"\nerror rows ({self.error_records}), by reason:\n"
+            table += "\n".join(self.error_lines())
+        return table
