@@ -24,7 +24,7 @@ from helpers import FAST, ROOT, assert_one_line_error, prompts, wait_for_part, w
 from batchgen.engine.sequence import SamplingParams
 from batchgen.errors import RankFailed
 from batchgen.llm import LLM
-from batchgen.parallel import ranks
+from batchgen.parallel import watchdog
 
 PROMPTS = [[2, 3, 5, 7, 11], [13, 17, 19]]
 PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -146,7 +146,7 @@ def test_the_store_listens_on_loopback_under_a_secret_token(model):
 
 
 def test_a_stopped_rank_is_named_within_the_bound(model, monkeypatch):
-    monkeypatch.setattr(ranks, "STOPPED_S", 1.0)
+    monkeypatch.setattr(watchdog, "STOPPED_S", 1.0)
     with LLM(model, device="cpu", tensor_parallel_size=2) as llm:
         follower = llm.ranks.procs[0]
         os.kill(follower.pid, signal.SIGSTOP)
@@ -161,9 +161,10 @@ def test_a_stopped_rank_is_named_within_the_bound(model, monkeypatch):
 
 def test_a_silent_rank_is_named_after_the_answer_bound(model, monkeypatch):
     """A rank that does not answer and is not seen stopped (hung, say): ended after ANSWER_S."""
-    monkeypatch.setattr(ranks, "ANSWER_S", 2.0)
-    monkeypatch.setattr(ranks, "_state", lambda pid: "S")  # its stop goes unseen
     with LLM(model, device="cpu", tensor_parallel_size=2) as llm:
+        # Set once started: under load a rank's start alone (torch's import) can take 2 s.
+        monkeypatch.setattr(watchdog, "ANSWER_S", 2.0)
+        monkeypatch.setattr(watchdog, "_state", lambda pid: "S")  # its stop goes unseen
         os.kill(llm.ranks.procs[0].pid, signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.raises(RankFailed, match=r"rank 1 did not answer for 2 s"):
@@ -172,7 +173,7 @@ def test_a_silent_rank_is_named_after_the_answer_bound(model, monkeypatch):
 
 
 def test_a_stopped_rank_ends_the_cli_job_with_one_line(job, tmp_path, start_cli):
-    proc = start_cli("import batchgen.parallel.ranks as r\nr.STOPPED_S = 2.0", *job)
+    proc = start_cli("import batchgen.parallel.watchdog as w\nw.STOPPED_S = 2.0", *job)
     wait_for_part(tmp_path / "out", proc)
     found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
     (follower,) = map(int, found.stdout.split())

@@ -1,4 +1,5 @@
-"""The layout of an output directory, and moving an older batchgen's into it.
+"""The layout of an output directory (which names in it are batchgen's), and moving an older
+batchgen's into it.
 
 The part files are the dataset, and everything else is under a
 hidden name, so that pd.read_parquet(OUT), pyarrow.dataset.dataset(OUT), OUT/*.parquet and
@@ -24,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
-from batchgen.data.atomic import WriteFn, os_error, write_atomic
+from batchgen.data.atomic import TMP_PREFIX, WriteFn, os_error, write_atomic
 from batchgen.data.lock import LOCK_FILE, lock_directory
 from batchgen.errors import InputError
 
@@ -52,6 +54,27 @@ OLD_NAMES = {
     "report.html": REPORT_FILE,
     "_SUCCESS": SUCCESS_FILE,  # last: a crash mid-move leaves the job incomplete, not wrong
 }
+
+PART_RE = re.compile(r"part-(\d+)\.parquet")  # the dataset's files; part_name(n) writes one
+# What write_atomic's mkstemp names look like: TMP_PREFIX, the final name, "." and a random tail.
+# Any other ".tmp-..." entry is not ours, so it is neither deleted nor taken as a sign of ownership.
+TMP_RE = re.compile(
+    rf"{re.escape(TMP_PREFIX)}(part-\d+\.parquet|job\.json|stats\.json|\.?_?steps\.parquet"
+    r"|SUCCESS|results\.jsonl|report\.html|_job\.json|_stats\.json|_SUCCESS)\.\w+"
+)
+
+
+def part_name(n: int) -> str:
+    return f"part-{n:05d}.parquet"
+
+
+def is_ours(name: str) -> bool:
+    """A top-level name batchgen writes (today's or an older layout's)."""
+    return (
+        name in (META_DIR, STEPS_FILE, LOCK_FILE, *OLD_NAMES)
+        or TMP_RE.fullmatch(name) is not None
+        or PART_RE.fullmatch(name) is not None
+    )
 
 
 def write_file(directory: str | os.PathLike[str], name: str, write: WriteFn) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from typing import Any, BinaryIO
 
@@ -33,13 +32,16 @@ from batchgen.data.layout import (
     LOCK_PATH,
     MERGED_FILE,
     META_DIR,
-    OLD_NAMES,
+    PART_RE,
     REPORT_FILE,
     RESULTS_FILE,
     STATS_FILE,
     STEPS_FILE,
     SUCCESS_FILE,
+    TMP_RE,
+    is_ours,
     migrate_old_layout,
+    part_name,
     write_file,
 )
 from batchgen.data.lock import LOCK_FILE, lock_directory
@@ -62,14 +64,6 @@ __all__ = [
     "migrate_old_layout",
     "write_file",
 ]
-
-_PART_RE = re.compile(r"part-(\d+)\.parquet")
-# What write_atomic's mkstemp names look like: TMP_PREFIX, the final name, "." and a random tail.
-# Any other ".tmp-..." entry is not ours, so it is neither deleted nor taken as a sign of ownership.
-_TMP_RE = re.compile(
-    r"\.tmp-(part-\d+\.parquet|job\.json|stats\.json|\.?_?steps\.parquet|SUCCESS|results\.jsonl"
-    r"|report\.html|_job\.json|_stats\.json|_SUCCESS)\.\w+"
-)
 
 
 class OutputDir:
@@ -126,7 +120,7 @@ class OutputDir:
         return os.path.exists(os.path.join(self.path, SUCCESS_FILE))
 
     def part_files(self) -> list[str]:
-        return [_part_name(n) for n in sorted(self._part_numbers())]
+        return [part_name(n) for n in sorted(self._part_numbers())]
 
     def done_ids(self, id_column: str = DEFAULT_ID_COLUMN) -> set[Any]:
         """Ids of rows with a result ((id, sample_index) pairs in a job with n samples), read
@@ -162,7 +156,7 @@ class OutputDir:
 
     def write_part(self, table: pa.Table) -> str:
         """Write the next part atomically; returns its file name."""
-        name = _part_name(self._next_part)
+        name = part_name(self._next_part)
         write_atomic(self.path, name, lambda f: pq.write_table(table, f))
         self._next_part += 1
         return name
@@ -192,7 +186,7 @@ class OutputDir:
         names = os.listdir(self.path)
         if os.path.exists(os.path.join(self.path, JOB_FILE)) or "_job.json" in names:
             return  # ours; other files in it (notes, logs/) are left alone
-        foreign = [n for n in names if not _is_ours(n)]
+        foreign = [n for n in names if not is_ours(n)]
         if foreign:
             shown = ", ".join(sorted(foreign)[:5]) + (", ..." if len(foreign) > 5 else "")
             raise InputError(
@@ -257,33 +251,20 @@ class OutputDir:
             )
 
     def _part_numbers(self) -> list[int]:
-        return [int(m.group(1)) for n in os.listdir(self.path) if (m := _PART_RE.fullmatch(n))]
+        return [int(m.group(1)) for n in os.listdir(self.path) if (m := PART_RE.fullmatch(n))]
 
     def _bookkeeping_and_parts(self) -> list[str]:
         """Every file of ours in the directory but the lock, as paths relative to it."""
-        top = [n for n in os.listdir(self.path) if n != META_DIR and _is_ours(n)]
+        top = [n for n in os.listdir(self.path) if n != META_DIR and is_ours(n)]
         meta = os.listdir(os.path.join(self.path, META_DIR))
         return top + [f"{META_DIR}/{n}" for n in meta if n != LOCK_FILE]
 
     def _remove_temp_files(self) -> None:
         for folder in (self.path, os.path.join(self.path, META_DIR)):
             for n in os.listdir(folder):
-                if _TMP_RE.fullmatch(n):
+                if TMP_RE.fullmatch(n):
                     log.warning("removing leftover temp file %s from an interrupted run", n)
                     _remove(os.path.join(folder, n))
-
-
-def _part_name(n: int) -> str:
-    return f"part-{n:05d}.parquet"
-
-
-def _is_ours(name: str) -> bool:
-    """A top-level name batchgen writes (today's or an older layout's)."""
-    return (
-        name in (META_DIR, STEPS_FILE, LOCK_FILE, *OLD_NAMES)
-        or _TMP_RE.fullmatch(name) is not None
-        or _PART_RE.fullmatch(name) is not None
-    )
 
 
 def _changed_keys(stored: Any, current: dict[str, Any]) -> list[str]:

@@ -9,7 +9,7 @@ local process cannot check in as a rank. The store does not wait for the other r
 (`wait_for_workers=False`): rank 0 polls each rank's check-in while watching the rank's
 process, so a rank that dies while starting is reported within a second instead of after the
 rendezvous timeout. Collectives time out after `TIMEOUT`, a backstop behind rank 0's watchdog
-(ranks.py), which ends a step that waits on a stopped or silent rank sooner.
+(watchdog.py), which ends a step that waits on a stopped or silent rank sooner.
 """
 
 from __future__ import annotations

@@ -13,10 +13,8 @@ Failures end the whole job within a bounded time, with no process left behind:
     and exits 1, and `close` ends the remaining ranks; one that dies while starting is seen
     within a second of the rendezvous (group.py);
   - a rank that stops answering while rank 0 waits on it (a step, the load barrier, the
-    rendezvous) is ended by rank 0's watchdog thread, which names it: a stopped process
-    (SIGSTOP) after `STOPPED_S`, any other silence after `ANSWER_S`, under the collectives'
-    own timeout (group.TIMEOUT);
-  - on NCCL a dead peer can leave a collective waiting: the watchdog sees the process exit,
+    rendezvous) is ended by the watchdog (watchdog.py), which names it;
+  - on NCCL a dead peer can leave a collective waiting: the watchdog's thread sees it exit,
     aborts the group (the waiting call then fails) and, should rank 0 still not have stopped
     after `GRACE` seconds, exits the process;
   - an error of rank 0's own (out of memory, a compile error) is raised as itself; a command
@@ -33,16 +31,13 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -55,15 +50,14 @@ from batchgen.errors import RankFailed
 from batchgen.model.tp_layers import CollectiveClock
 from batchgen.model.transformer import Transformer
 from batchgen.parallel import channel
+from batchgen.parallel.error_files import ErrorFiles
 from batchgen.parallel.group import Group, init_group, listen, rendezvous
 from batchgen.parallel.rank_model import RankSpec
+from batchgen.parallel.watchdog import Watchdog
 
 GRACE = 60.0  # seconds rank 0 may take to stop after a rank died, before it is ended
-STOPPED_S = 10.0  # a rank stopped (SIGSTOP) this long while rank 0 waits on it is ended
-ANSWER_S = 540.0  # any wait on the ranks (a step, compiles included) ends after this long
 SETTLE_S = 5.0  # after a collective failed: how long the dead rank's exit may take to show
 CLOSE_S = 5.0  # close(): the ranks' time to exit (under deadline.FATAL_GRACE_S)
-_DIR_PREFIX = "batchgen-ranks-"  # + rank 0's pid: the error files' directory
 # A failure's advice: a job's (`batchgen run`), or the Python API's.
 RESUME = (
     "the job stops, its finished rows are saved; fix the cause and run the same command again "
@@ -84,17 +78,15 @@ class Ranks:
             raise RuntimeError(
                 "another tensor-parallel LLM is open in this process; close() it first"
             )
-        _remove_stale_dirs()
-        self._tmp = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-"))
+        self._errors = ErrorFiles()
         self._advice = RESUME if resumable else REOPEN
         self._closing = False
         self._closed = threading.Event()
         self._failed: str | None = None  # set once the ranks cannot go on: why
-        self._hung: dict[int, str] = {}  # ranks the watchdog ended, and why
-        self._waiting_since: float | None = None  # rank 0 waits on the ranks from then
         self._sent = 0  # commands sent
         self.token = secrets.token_hex(16)  # the store's keys: only the job's ranks know it
         self.procs: list[subprocess.Popen] = []
+        self._watchdog = Watchdog(self.procs)
         sock = None
         try:
             sock = listen()
@@ -106,7 +98,7 @@ class Ranks:
             self._keeper.start()
             started.result()
             self.send(("start", spec, threads, self.token))
-            with self._waiting():
+            with self._watchdog.waiting():
                 store = rendezvous(0, size, self.port, self.token, self.check, sock)
             self.group: Group = init_group(store, 0, size, spec.device_of(0))
         except BaseException:
@@ -115,9 +107,6 @@ class Ranks:
             self.close()
             raise
 
-    def _error_file(self, rank: int) -> Path:
-        return self._tmp / f"rank-{rank}.error"
-
     def _keep(self, size: int, started: Future[None]) -> None:
         """The ranks' thread: start them, watch them, and live until `close` (their
         PR_SET_PDEATHSIG fires when the thread that started them ends)."""
@@ -125,7 +114,7 @@ class Ranks:
             for r in range(1, size):
                 cmd = [sys.executable, "-m", "batchgen.parallel.follower"]
                 cmd += ["--rank", str(r), "--size", str(size), "--port", str(self.port)]
-                cmd += ["--parent", str(os.getpid()), "--error-file", str(self._error_file(r))]
+                cmd += ["--parent", str(os.getpid()), "--error-file", str(self._errors.path(r))]
                 self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE))
         except BaseException as e:
             started.set_exception(e)
@@ -170,21 +159,12 @@ class Ranks:
         self._fail(f"a tensor-parallel rank stopped answering; {self._advice}")
 
     @contextlib.contextmanager
-    def _waiting(self) -> Iterator[None]:
-        """Rank 0 waits on the other ranks here: the watchdog times it."""
-        self._waiting_since = time.monotonic()
-        try:
-            yield
-        finally:
-            self._waiting_since = None
-
-    @contextlib.contextmanager
     def failures(self) -> Iterator[None]:
         """A collective that fails because a rank died or stopped answering becomes
         RankFailed; rank 0's own error stays itself."""
         sent = self._sent
         try:
-            with self._waiting():
+            with self._watchdog.waiting():
                 yield
         except RankFailed:
             raise
@@ -198,7 +178,7 @@ class Ranks:
     def _peer_failed(self, e: RuntimeError) -> bool:
         """Did this error come from another rank? One has exited or was ended, or the error
         is a collective's (whose peer may take a moment to be seen exiting)."""
-        if self._hung or any(p.poll() is not None for p in self.procs):
+        if self._watchdog.hung or any(p.poll() is not None for p in self.procs):
             return True
         return isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "NCCL"))
 
@@ -214,25 +194,18 @@ class Ranks:
 
     def _why(self, rank: int, proc: subprocess.Popen) -> str:
         code = proc.returncode
-        if rank in self._hung:
-            how = self._hung[rank]
+        if rank in self._watchdog.hung:
+            how = self._watchdog.hung[rank]
         elif code < 0:
             how = f"was killed by {signal.Signals(-code).name}"
         else:
             how = f"exited with {code}"
-        error = self._error_file(rank)
-        said = f" ({error.read_text().strip()})" if error.is_file() else ""
-        return f"tensor-parallel rank {rank} {how}{said}; {self._advice}"
+        return f"tensor-parallel rank {rank} {how}{self._errors.said(rank)}; {self._advice}"
 
     def _watch(self) -> None:
-        """Until close: end a rank that stops answering; when a rank dies, abort an NCCL
-        group, and end this process if that does not stop it."""
-        stopped: dict[int, float] = {}  # rank: since when it is seen stopped
-        while not self._closing and self._failed is None:
-            if any(p.poll() is not None for p in self.procs):
-                break
-            self._find_silent(stopped)
-            time.sleep(0.2)
+        """Until close: the watchdog's looks; when a rank dies, abort an NCCL group, and end
+        this process if that does not stop it."""
+        self._watchdog.watch(lambda: self._closing or self._failed is not None)
         if self._closing or self._failed is not None:
             return
         group = getattr(self, "group", None)
@@ -249,28 +222,6 @@ class Ranks:
                 self._kill()
                 os._exit(1)
 
-    def _find_silent(self, stopped: dict[int, float]) -> None:
-        """While rank 0 waits on the ranks: kill those stopped for `STOPPED_S`, or all of
-        them once the wait has lasted `ANSWER_S` (their exit then fails rank 0's wait)."""
-        began, now = self._waiting_since, time.monotonic()
-        if began is None:
-            stopped.clear()
-            return
-        for rank, proc in enumerate(self.procs, 1):
-            if _state(proc.pid) == "T":
-                if now - stopped.setdefault(rank, now) >= STOPPED_S:
-                    self._hung[rank] = (
-                        f"was stopped (SIGSTOP) and did not answer for {STOPPED_S:.0f} s"
-                    )
-            else:
-                stopped.pop(rank, None)
-        if not self._hung and now - began >= ANSWER_S:
-            for rank in range(1, len(self.procs) + 1):
-                self._hung[rank] = f"did not answer for {ANSWER_S:.0f} s"
-        for rank in self._hung:
-            with contextlib.suppress(OSError):
-                self.procs[rank - 1].kill()
-
     def close(self) -> None:
         """Tell the ranks to exit, wait `CLOSE_S` for them (then kill those left), drop the
         group and the error files."""
@@ -286,7 +237,7 @@ class Ranks:
         if getattr(self, "group", None) is not None:
             with contextlib.suppress(Exception):
                 self.group.close()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._errors.remove()
         self._closed.set()
 
     def _kill(self) -> None:
@@ -297,37 +248,6 @@ class Ranks:
             if proc.stdin is not None:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()
-
-
-def _state(pid: int) -> str:
-    """A process's state letter (R, S, T for stopped...), '' if unknown (or not Linux)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rpartition(")")[2].split()[0]
-
-
-def _remove_stale_dirs() -> None:
-    """Error-file directories of killed rank-0 processes (their pid is gone): a SIGKILL, or
-    a deadline's exit, skips `close`."""
-    for d in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*"):
-        pid = d.name.removeprefix(_DIR_PREFIX).partition("-")[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        with contextlib.suppress(OSError):
-            if d.stat().st_uid == os.getuid():
-                shutil.rmtree(d)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 class RankedRunner(ModelRunner):
