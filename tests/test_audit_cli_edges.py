@@ -7,7 +7,8 @@ import os
 import pytest
 from helpers import assert_one_line_error, prompts, run_cli, run_job, write_parquet
 
-from batchgen.data.writer import JOB_FILE, STATS_FILE, STEPS_FILE, SUCCESS_FILE
+from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE
+from batchgen.stats.steps import STEPS_DIR
 
 
 @pytest.fixture
@@ -90,7 +91,7 @@ def test_merge_and_report_on_a_missing_directory(tmp_path, command):
 
 
 def test_report_on_a_killed_first_run_says_it_is_unfinished(finished):
-    for name in (STATS_FILE, SUCCESS_FILE, STEPS_FILE):  # as if killed before its end
+    for name in (STATS_FILE, SUCCESS_FILE):  # as if killed before its end
         (finished / name).unlink(missing_ok=True)
     assert (finished / JOB_FILE).exists()
     r = run_cli("report", finished, exit_code=2)
@@ -101,7 +102,7 @@ def test_report_on_a_killed_first_run_says_it_is_unfinished(finished):
 @pytest.mark.parametrize(
     ("name", "content", "words"),
     [
-        (STEPS_FILE, b"PAR1 not really parquet", ["cannot read the step timeline"]),
+        (f"{STEPS_DIR}/part-00000.parquet", b"PAR1 not", ["cannot read the step timeline"]),
         (STATS_FILE, b"[1, 2]", ["JSON list", "run the job again"]),
         (STATS_FILE, b'{"output_tokens_per_s": "fast"}', ["do not hold what batchgen writes"]),
     ],

@@ -5,11 +5,11 @@ step timeline (.steps.parquet), and timings on resume."""
 import json
 import math
 
-import pyarrow.parquet as pq
 import pytest
 from helpers import prompts, read_output, read_stats, run_job, write_parquet
 
-from batchgen.data.layout import STEPS_FILE, SUCCESS_FILE
+from batchgen.data.layout import SUCCESS_FILE
+from batchgen.stats.steps import read_steps
 
 PEAKS = ("--peak-tflops", 1, "--peak-bandwidth-gbs", 10)
 QS = ("p50", "p90", "p99")
@@ -100,7 +100,7 @@ def test_step_timeline_agrees_with_the_stats(model, tmp_path):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(10)})
     out = tmp_path / "out"
     run_job(src, out, model, "--max-num-seqs", 3, "--max-new-tokens", 6)
-    stats, steps = read_stats(out), pq.read_table(out / STEPS_FILE).to_pydict()
+    stats, steps = read_stats(out), read_steps(out).to_pydict()
     assert len(steps["t_s"]) == stats["steps"]
     assert steps["t_s"] == sorted(steps["t_s"]) and all(t > 0 for t in steps["step_s"])
     assert sum(steps["decode_rows"]) == stats["decode_rows"]

@@ -26,6 +26,7 @@ from batchgen.data.layout import (
     STEPS_FILE,
     SUCCESS_FILE,
 )
+from batchgen.stats.steps import STEPS_DIR
 
 N = 6
 FLAGS = ("--max-new-tokens", "2")
@@ -120,6 +121,8 @@ def test_older_layout_is_moved_on_resume_and_report(tmp_path, model, source):
     for new, name in old.items():
         os.replace(out / new, out / name)
     os.replace(out / LOCK_PATH, out / LOCK_FILE)
+    os.replace(out / STEPS_DIR / "part-00000.parquet", out / "_steps.parquet")  # one flush
+    os.rmdir(out / STEPS_DIR)
     os.rmdir(out / META_DIR)
     r = run_job(source, out, model, *FLAGS)  # the same job: complete, nothing to redo
     assert "moving _job.json" in r.stderr or (out / JOB_FILE).exists()

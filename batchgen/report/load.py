@@ -13,19 +13,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchgen.data.lock import lock_holder
-from batchgen.data.writer import JOB_FILE, META_DIR, STATS_FILE, STEPS_FILE, migrate_old_layout
+from batchgen.data.writer import JOB_FILE, META_DIR, STATS_FILE, migrate_old_layout
 from batchgen.errors import InputError
+from batchgen.stats.steps import read_steps, steps_files
 
 
 @dataclass(slots=True)
 class RunData:
     out: Path
     stats: dict[str, Any]
-    steps: dict[str, list] | None  # STEPS_FILE's columns; None: no timeline
+    steps: dict[str, np.ndarray] | None  # the timeline's columns (stats/steps.py); None: none
     notes: list[str]  # what the figures do not cover (a running or resumed job)
 
     @property
@@ -58,14 +59,16 @@ def load(out: str | Path) -> RunData:
             f"{path} holds a JSON {type(stats).__name__}, not the object of statistics batchgen "
             "writes; run the job again to write it anew"
         )
-    steps_path = root / STEPS_FILE
     try:
-        steps = pq.read_table(steps_path).to_pydict() if steps_path.exists() else None
+        table = read_steps(root)
     except (pa.ArrowException, OSError) as e:
+        files = ", ".join(map(str, steps_files(root)))
         raise InputError(
-            f"cannot read the step timeline {steps_path}: {e}; delete it for a report "
+            f"cannot read the step timeline {files}: {e}; delete it for a report "
             "without the timeline, or run the job again"
         ) from None
+    # numpy columns: the plots bin millions of steps without a Python object per value
+    steps = None if table is None else {n: table.column(n).to_numpy() for n in table.column_names}
     return RunData(root, stats, steps, _notes(stats, writer))
 
 

@@ -118,7 +118,7 @@ def render(data: RunData) -> str:
         "(weights + live KV) / decode time / peak bandwidth. See docs/metrics.md.</p>"
     )
     parts += ["<h2>Latency distributions</h2>", _png(plots.distributions(s))]
-    if data.steps and data.steps["t_s"]:
+    if data.steps and len(data.steps["t_s"]):
         parts += ["<h2>Throughput</h2>", _png(plots.throughput(data.steps))]
         parts += ["<h2>Batch and KV cache</h2>", _png(plots.occupancy(data.steps))]
         parts += ["<h2>Roofline</h2>", _png(plots.roofline(data.steps, s))]

@@ -9,8 +9,10 @@ roofline scatter keeps every k-th step, so a plot costs the same for any run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -36,26 +38,26 @@ def _figure(width: float = 9.0, height: float = 3.6) -> Figure:
 
 
 def _binned(
-    t: list[float], values: dict[str, list[float]], rate: bool
-) -> tuple[list[float], dict[str, list[float]]]:
+    t: Sequence[float], values: dict[str, Sequence[float]], rate: bool
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Bin centres over the steps' span and each series per bin: its sum per second (rate),
     or its mean over the bin's steps (bins without a step left out). About 8 steps a bin at
     least, so a short run's rates are not one step's noise."""
-    start, end = min(t), max(t)
+    t = np.asarray(t, dtype=np.float64)
+    start, end = t.min(), t.max()
     n = max(1, min(BINS, len(t) // 8))
     width = (end - start) / n or 1.0
-    sums = {k: [0.0] * n for k in values}
-    counts = [0] * n
-    for i, x in enumerate(t):
-        b = min(n - 1, int((x - start) / width))
-        counts[b] += 1
-        for k, v in values.items():
-            sums[k][b] += v[i]
-    keep = [b for b in range(n) if rate or counts[b]]
-    centres = [start + (b + 0.5) * width for b in keep]
+    bins = np.minimum(n - 1, ((t - start) / width).astype(np.int64))
+    counts = np.bincount(bins, minlength=n)
+    sums = {
+        k: np.bincount(bins, weights=np.asarray(v, dtype=np.float64), minlength=n)
+        for k, v in values.items()
+    }
+    keep = np.arange(n) if rate else np.flatnonzero(counts)
+    centres = start + (keep + 0.5) * width
     if rate:
-        return centres, {k: [v[b] / width for b in keep] for k, v in sums.items()}
-    return centres, {k: [v[b] / counts[b] for b in keep] for k, v in sums.items()}
+        return centres, {k: v[keep] / width for k, v in sums.items()}
+    return centres, {k: v[keep] / counts[keep] for k, v in sums.items()}
 
 
 def throughput(steps: dict[str, list]) -> Figure:
@@ -93,8 +95,9 @@ def _legend(*axes) -> None:
 def occupancy(steps: dict[str, list]) -> Figure:
     fig = _figure()
     ax = fig.add_subplot()
-    used, free = steps["kv_blocks_used"], steps["kv_blocks_free"]
-    pct = [100 * u / (u + f) if u + f else 0.0 for u, f in zip(used, free, strict=True)]
+    used = np.asarray(steps["kv_blocks_used"], dtype=np.float64)
+    total = used + np.asarray(steps["kv_blocks_free"], dtype=np.float64)
+    pct = np.divide(100 * used, total, out=np.zeros_like(used), where=total > 0)
     t, means = _binned(
         steps["t_s"],
         {"rows": steps["decode_rows"], "waiting": steps["waiting"], "kv": pct},
@@ -156,15 +159,17 @@ def roofline(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
     ax = fig.add_subplot()
     n = len(steps["t_s"])
     k = max(1, n // MAX_POINTS)
-    tokens = [d + p for d, p in zip(steps["decode_rows"], steps["prefill_tokens"], strict=True)]
+    prompt = np.asarray(steps["prefill_tokens"])[::k]
+    tokens = np.asarray(steps["decode_rows"])[::k] + prompt
+    step_s = np.asarray(steps["step_s"])[::k]
     for prefill, colour, label in (
         (False, "tab:blue", "decode-only steps"),
         (True, "tab:orange", "steps with prefill"),
     ):
-        idx = [i for i in range(0, n, k) if (steps["prefill_tokens"][i] > 0) == prefill]
+        idx = (prompt > 0) == prefill
         ax.scatter(
-            [tokens[i] for i in idx],
-            [steps["step_s"][i] for i in idx],
+            tokens[idx],
+            step_s[idx],
             s=6,
             alpha=0.5,
             color=colour,
@@ -174,8 +179,8 @@ def roofline(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
     ax.yaxis.set_major_formatter(FuncFormatter(_seconds))
     ax.set_title("Step time against tokens per step, under the hardware's ceilings")
     bw, weights = stats.get("peak_bandwidth"), stats.get("weights_read_bytes")
-    if compute_ceiling_s(stats, 1, 1) and bw and weights and tokens:
-        xs = [1.0, max(tokens) * 2.0]
+    if compute_ceiling_s(stats, 1, 1) and bw and weights and len(tokens):
+        xs = [1.0, float(tokens.max()) * 2.0]
         xs = [xs[0] * (xs[1] / xs[0]) ** (i / 50) for i in range(51)]
         # A decode step's every row goes through the LM head, a prefill step's last prompt
         # token only: at least one row.

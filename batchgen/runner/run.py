@@ -17,11 +17,10 @@ import torch
 
 from batchgen.choices import OutputFormat
 from batchgen.data import InputSource, OutputDir, PartBuffer
-from batchgen.data.atomic import write_atomic
 from batchgen.data.openai_output import write_results
 from batchgen.data.reader import OpenAIBatchSource
 from batchgen.data.records import Row, SampleLists
-from batchgen.data.writer import RESULTS_FILE, STEPS_FILE
+from batchgen.data.writer import RESULTS_FILE
 from batchgen.engine.constraints import as_written
 from batchgen.engine.sequence import Constraint, Request
 from batchgen.errors import JobInterrupted
@@ -35,6 +34,7 @@ from batchgen.stats.nvml import NvmlSampler
 from batchgen.stats.peaks import resolve_peaks
 from batchgen.stats.roofline import ModelCost
 from batchgen.stats.run_stats import RunInfo, RunStats, peak_memory_bytes
+from batchgen.stats.steps import clear_steps
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     schema = schema.with_metadata({"batchgen": json.dumps(meta)})
     device = spec.device
     nvml = NvmlSampler(device.index or 0).start() if device.type == "cuda" else None
+    clear_steps(out.path)  # the timeline is this run's, as stats.json will be
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
     progress = _progress(cfg, source.num_rows)
     log_line = _ProgressLine(cfg.progress_seconds)
@@ -152,8 +153,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
         """The finished rows into a part file (final: the job's last, an empty one if it has
         no rows), and the step timeline so far."""
         buffer.flush(final=final)
-        if len(stats.timeline):
-            write_atomic(out.path, STEPS_FILE, stats.timeline.write)
+        stats.timeline.append_to(out.path)  # the steps since the last flush, as one part
 
     def timings(c) -> dict | None:
         return row_timings(c, stats.started) if shape.with_timings else None

@@ -21,6 +21,7 @@ from batchgen.data.atomic import write_atomic
 from batchgen.data.writer import STEPS_FILE
 from batchgen.scaleout.shard_report import ShardReport
 from batchgen.stats.latency import Latencies
+from batchgen.stats.steps import read_steps
 
 # Per-token costs: the same model in every shard, taken from the first.
 _SAME = ("model_flops_per_token", "head_flops_per_row", "weights_read_bytes", "kv_bytes_per_token")
@@ -68,10 +69,9 @@ def merge_steps(reports: list[ShardReport], root: str | os.PathLike[str]) -> int
     starts = [r.stats.get("started_unix") for r in reports]
     first = min((s for s in starts if s is not None), default=0.0)
     for r, start in zip(reports, starts, strict=True):
-        path = r.path / STEPS_FILE
-        if not path.exists():
+        t = read_steps(r.path)
+        if t is None:
             continue
-        t = pq.read_table(path)
         shifted = pc.add(t.column("t_s"), (start or first) - first)
         t = t.set_column(0, "t_s", shifted)
         tables.append(t.append_column("shard", pa.array([r.shard.index] * t.num_rows, pa.int32())))

@@ -1,21 +1,31 @@
 """The step timeline: one row per engine step, kept in columns of machine numbers and written
-as OUTPUT/.steps.parquet (atomically, at each flush and at the end) for `batchgen report`.
+for `batchgen report` as OUTPUT/.batchgen/steps/part-NNNNN.parquet: each flush appends the steps
+since the last as one part (rewriting the whole timeline at every flush was quadratic in a long
+job's length). Outputs of earlier versions hold it in one file, OUTPUT/.steps.parquet, which
+`read_steps` still reads, and which `batchgen merge` writes for a sharded job.
 
 Recording a step appends ten numbers to ten `array`s (8 bytes each, no Python object per
 value): about 1.5 us a step measured (docs/metrics.md), against steps of milliseconds, and
-80 bytes a step of memory (a million steps, 80 MB). The file describes the last run of the
-output directory, as .batchgen/stats.json does.
+80 bytes a step of memory (a million steps, 80 MB). The timeline describes the last run of the
+output directory, as .batchgen/stats.json does: a run starts it anew (`clear_steps`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 from array import array
+from pathlib import Path
 from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.data.layout import META_DIR, PART_RE, STEPS_FILE, part_name, write_file
 from batchgen.engine.sequence import StepReport
+
+STEPS_DIR = f"{META_DIR}/steps"  # the timeline's part files, in the order written
 
 # column: (array typecode, arrow type, what it is)
 COLUMNS = {
@@ -37,6 +47,8 @@ class StepRecorder:
         """origin: time.perf_counter() at the job's start."""
         self.origin = origin
         self.cols = {name: array(code) for name, (code, _, _) in COLUMNS.items()}
+        self.written = 0  # steps already in part files
+        self.parts = 0
 
     def __len__(self) -> int:
         return len(self.cols["t_s"])
@@ -54,13 +66,52 @@ class StepRecorder:
         c["preemptions"].append(r.preempted)
         c["waiting"].append(r.waiting)
 
-    def table(self) -> pa.Table:
+    def table(self, start: int = 0) -> pa.Table:
+        """The steps from `start` on."""
         schema = pa.schema(
             [pa.field(n, t, metadata={"doc": d}) for n, (_, t, d) in COLUMNS.items()]
         )
-        return pa.table(
-            {n: pa.array(self.cols[n], type=schema.field(n).type) for n in COLUMNS}, schema=schema
-        )
+        cols = {n: pa.array(self.cols[n][start:], type=schema.field(n).type) for n in COLUMNS}
+        return pa.table(cols, schema=schema)
 
     def write(self, f: BinaryIO) -> None:
         pq.write_table(self.table(), f)
+
+    def append_to(self, directory: str | os.PathLike[str]) -> None:
+        """Write the steps recorded since the last call as the next part of directory's
+        timeline (atomically, as every file of an output directory)."""
+        if len(self) == self.written:
+            return
+        table = self.table(self.written)
+        name = f"{STEPS_DIR}/{part_name(self.parts)}"
+        write_file(directory, name, lambda f: pq.write_table(table, f))
+        self.written, self.parts = len(self), self.parts + 1
+
+
+def clear_steps(directory: str | os.PathLike[str]) -> None:
+    """Drop an earlier run's timeline (its parts, or an older batchgen's single file)."""
+    shutil.rmtree(os.path.join(directory, STEPS_DIR), ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(directory, STEPS_FILE))
+
+
+def steps_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The timeline's files in order: its parts, or the single file of an older batchgen or a
+    merge; [] where there is none."""
+    folder = Path(directory) / STEPS_DIR
+    found = {
+        int(m.group(1)): p
+        for p in (folder.iterdir() if folder.is_dir() else ())
+        if (m := PART_RE.fullmatch(p.name))
+    }
+    parts = [found[k] for k in sorted(found)]
+    single = Path(directory) / STEPS_FILE
+    return parts or ([single] if single.exists() else [])
+
+
+def read_steps(directory: str | os.PathLike[str]) -> pa.Table | None:
+    """The timeline as one table; None where there is none. Arrow and OS errors pass on."""
+    files = steps_files(directory)
+    if not files:
+        return None
+    return pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")

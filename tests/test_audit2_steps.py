@@ -1,0 +1,54 @@
+"""Audit 2, item 18: the step timeline grows by a part file per flush (each holding only the
+steps since the last) instead of being rewritten whole; the report reads the parts, or an older
+output's single file, and bins them with numpy."""
+
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from helpers import prompts, read_stats, run_cli, run_job, write_parquet
+
+from batchgen.data.layout import REPORT_FILE, STEPS_FILE
+from batchgen.report.load import load
+from batchgen.report.plots import _binned
+from batchgen.stats.steps import STEPS_DIR, read_steps, steps_files
+
+
+def test_each_flush_appends_only_its_steps(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(6)})
+    out = tmp_path / "out"
+    flags = ("--max-new-tokens", 6, "--max-num-seqs", 2, "--rows-per-part", 1)
+    run_job(src, out, model, *flags, "--flush-seconds", 0)  # a flush after every step
+    parts = steps_files(out)
+    assert len(parts) > 2 and all(p.parent == out / STEPS_DIR for p in parts)
+    assert not (out / STEPS_FILE).exists()
+    sizes = [pq.read_metadata(p).num_rows for p in parts]
+    t = read_steps(out).column("t_s").to_pylist()
+    assert sum(sizes) == len(t) == read_stats(out)["steps"]  # every step once
+    assert t == sorted(t)
+    # a rerun starts the timeline anew, as stats.json
+    run_job(src, out, model, *flags, "--overwrite")
+    assert len(steps_files(out)) == 1 and len(read_steps(out)) == read_stats(out)["steps"]
+
+
+def test_an_older_outputs_single_timeline_file_still_reads(tmp_path, model):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
+    out = tmp_path / "out"
+    run_job(src, out, model, "--max-new-tokens", 3)
+    table = read_steps(out)
+    pq.write_table(table, out / STEPS_FILE)  # as batchgen wrote it before
+    shutil.rmtree(out / STEPS_DIR)
+    assert steps_files(out) == [out / STEPS_FILE]
+    assert len(load(out).steps["t_s"]) == len(table)
+    run_cli("report", out)
+    assert "Throughput" in (out / REPORT_FILE).read_text()
+
+
+def test_binning_in_numbers():
+    t = [0.0, 1.0, 2.0, 3.0] * 4  # 16 steps: 2 bins of 1.5 s
+    centres, rates = _binned(t, {"x": [1.0] * 16}, rate=True)
+    assert centres.tolist() == [0.75, 2.25]
+    assert rates["x"].tolist() == pytest.approx([8 / 1.5, 8 / 1.5])
+    _, means = _binned(t, {"x": np.arange(16.0)}, rate=False)
+    assert means["x"].tolist() == pytest.approx([np.mean([0, 1, 4, 5, 8, 9, 12, 13]), 8.5])
