@@ -54,16 +54,17 @@ class LLM:
         quantize, quant_backend, quant_group_size, lora, tensor_parallel_size (ranks to split
         the model over: processes started here, ended by `close()`), model_impl (auto|native|
         transformers: batchgen's decoder or transformers' modeling code)."""
-        self._load(ModelSpec.resolve(model, **options))
+        self._load(ModelSpec.resolve(model, **options), resumable=False)
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec) -> LLM:
-        """Build from a spec already resolved (open_job's)."""
+    def from_spec(cls, spec: ModelSpec, resumable: bool = True) -> LLM:
+        """Build from a spec already resolved (open_job's). resumable: a failed rank's
+        advice is a job's (run the same command again), else the API's (a new LLM)."""
         llm = cls.__new__(cls)
-        llm._load(spec)
+        llm._load(spec, resumable)
         return llm
 
-    def _load(self, spec: ModelSpec) -> None:
+    def _load(self, spec: ModelSpec, resumable: bool) -> None:
         self.spec = spec
         self.tokenizer, self.device, self.dtype = spec.tokenizer, spec.device, spec.dtype
         self.compile, self.config = spec.compile, spec.engine
@@ -79,7 +80,7 @@ class LLM:
                 self._threads_before = torch.get_num_threads()
                 torch.set_num_threads(max(1, self._threads_before // n))
                 clock = CollectiveClock()  # gloo's collectives block: their time is measured
-            self.ranks = Ranks(rank_spec, threads=torch.get_num_threads())
+            self.ranks = Ranks(rank_spec, threads=torch.get_num_threads(), resumable=resumable)
         try:
             tp = TPShard(0, n)
             if spec.model_cfg.impl is ModelImpl.TRANSFORMERS:  # one rank, float, no adapter

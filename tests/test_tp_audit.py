@@ -215,14 +215,12 @@ def test_an_llm_made_in_a_thread_that_ended_keeps_its_ranks(model):
         assert len(llm.generate(PROMPTS, PARAMS)[1].token_ids) == 4
 
 
-# A Python program on the API whose rank 1 gets SIGTERM. (LLM does not yet pass
-# resumable=False to Ranks itself: it is passed here.)
+# A Python program on the API whose rank 1 gets SIGTERM.
 SIGTERM_UNDER_THE_API = """
-import functools, os, signal, sys
+import os, signal, sys
 import batchgen.llm
 from batchgen.engine.sequence import SamplingParams
 from batchgen.errors import RankFailed
-batchgen.llm.Ranks = functools.partial(batchgen.llm.Ranks, resumable=False)
 llm = batchgen.llm.LLM(sys.argv[1], device="cpu", tensor_parallel_size=2)
 os.kill(llm.ranks.procs[0].pid, signal.SIGTERM)
 llm.ranks.procs[0].wait(10)
