@@ -7,6 +7,7 @@ import math
 import random
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -122,8 +123,8 @@ class _FakeNvml(types.ModuleType):
     def nvmlShutdown(self):
         self.shut = True
 
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return ("handle", i)
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return ("handle", uuid)
 
     def nvmlDeviceGetName(self, handle):
         return b"NVIDIA H100 80GB HBM3"
@@ -145,8 +146,13 @@ class _FakeNvml(types.ModuleType):
 def test_nvml_sampler_with_a_fake_pynvml(monkeypatch, power):
     fake = _FakeNvml(power)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
+    props = types.SimpleNamespace(uuid="0000-1111")  # the GPU is found by torch's UUID
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
     sampler = NvmlSampler(device_index=0, interval=0.001).start()
+    assert sampler.samples is not None
+    deadline = time.monotonic() + 30
     while len(sampler.samples.util_pct) < 4:  # the thread samples; wait for a few
+        assert time.monotonic() < deadline, "the sampler took no 4 samples in 30 s"
         threading.Event().wait(0.001)
     s = sampler.stop()
     assert fake.shut and s["gpu_name"] == "NVIDIA H100 80GB HBM3" and s["gpu_samples"] >= 4

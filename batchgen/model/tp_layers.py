@@ -37,7 +37,6 @@ class CollectiveClock:
     """Wall seconds spent in collectives, where they can be timed (eager, on the CPU)."""
 
     seconds: float = 0.0
-    calls: int = 0
 
 
 class _Collectives:
@@ -54,7 +53,6 @@ class _Collectives:
         y = funcol.wait_tensor(y)
         if self.clock is not None:
             self.clock.seconds += time.perf_counter() - t0
-            self.clock.calls += 1
         return y
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

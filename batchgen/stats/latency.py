@@ -61,12 +61,6 @@ class LogHistogram:
                 return min(max(LOW * RATIO ** (i + 0.5), self.low), self.high)
         return self.high
 
-    def buckets(self) -> list[tuple[float, float, int]]:
-        """(lower edge, upper edge, count) of each non-empty bucket, in order."""
-        return [
-            (LOW * RATIO**i, LOW * RATIO ** (i + 1), self.counts[i]) for i in sorted(self.counts)
-        ]
-
     def summary(self) -> dict[str, float | None]:
         mean = self.total / self.n if self.n else None
         return {

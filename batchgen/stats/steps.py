@@ -17,7 +17,6 @@ import os
 import shutil
 from array import array
 from pathlib import Path
-from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -73,9 +72,6 @@ class StepRecorder:
         )
         cols = {n: pa.array(self.cols[n][start:], type=schema.field(n).type) for n in COLUMNS}
         return pa.table(cols, schema=schema)
-
-    def write(self, f: BinaryIO) -> None:
-        pq.write_table(self.table(), f)
 
     def append_to(self, directory: str | os.PathLike[str]) -> None:
         """Write the steps recorded since the last call as the next part of directory's
