@@ -5,7 +5,8 @@ NVML and torch report it): dense BF16/FP16 tensor-core FLOP/s (no 2:4 sparsity) 
 bandwidth; sources in docs/metrics.md. With tensor parallelism a job has tensor_parallel_size
 GPUs, so its peaks are the table's times that. On the CPU there is no datasheet to trust: a
 short probe (stats/probe.py: a matmul and a large copy, about a second) measures them once per
-machine, thread count and dtype, cached in ~/.cache/batchgen/peaks.json ($XDG_CACHE_HOME).
+machine, thread count and dtype, cached in ~/.cache/batchgen/peaks.json ($XDG_CACHE_HOME); it
+runs on rank 0's share of the cores, so a tensor-parallel job's peaks are its times the ranks.
 `--peak-tflops` / `--peak-bandwidth-gbs` override either; BATCHGEN_NO_PEAK_PROBE=1 skips the
 probe (MFU and MBU are then left out where no peak is known).
 
@@ -142,8 +143,9 @@ def resolve_peaks(
     bandwidth_gbs: float | None = None,
     tensor_parallel_size: int = 1,
 ) -> Peaks:
-    """The job's peaks: the given ones, else the GPU table's (x tensor_parallel_size), else
-    the CPU probe's."""
+    """The job's peaks: the given ones, else the GPU table's, else the CPU probe's; with
+    tensor parallelism, times tensor_parallel_size (the model's FLOPs and bytes are summed
+    over the ranks, and the probe measures one rank's threads)."""
     flops = tflops * 1e12 if tflops else None
     bw = bandwidth_gbs * 1e9 if bandwidth_gbs else None
     given = "--peak-tflops/--peak-bandwidth-gbs"
@@ -160,6 +162,9 @@ def resolve_peaks(
             where = f"unknown GPU {name!r}: pass --peak-tflops and --peak-bandwidth-gbs"
     else:
         found = cpu_peaks(dtype)
+        size = tensor_parallel_size
+        if found is not None and size > 1:
+            found = (found[0] * size, found[1] * size, f"{found[2]} x {size} ranks")
     if found is not None:
         where = found[2]
     source = where if not (flops or bw) else f"{given} and {where}"
