@@ -33,7 +33,8 @@ def kept_mib():
     return libc.mallinfo2().keepcost >> 20
 
 out = {}
-with LLM(sys.argv[1], device="cpu", compile=False) as llm, LLM(sys.argv[1], device="cpu", compile=False) as b:
+options = dict(device="cpu", compile=False)
+with LLM(sys.argv[1], **options) as llm, LLM(sys.argv[1], **options) as b:
     llm.generate("the lazy dog", SamplingParams(max_tokens=2))
     b.close()  # one of two closed: the other still holds the tuning
     out["open"] = kept_mib()
