@@ -50,6 +50,21 @@ FAMILIES = {
     # its head is tied to the embedding by default, which at this size repeats the last token
     "smollm3": dict(no_rope_layer_interval=2, tie_word_embeddings=False),
     "gpt_oss": dict(head_dim=16, sliding_window=8, layer_types=SLIDING_FULL, **MOE),
+    # MLA: keys of 16 + 8, values of 16 (one pool of 24); as many KV heads as heads
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+    ),
 }
 # Refused by the backend: their configs build, their layers are not all softmax attention.
 HYBRIDS = {
@@ -73,6 +88,8 @@ def save_tiny_hf_model(model_type: str, path: str | Path, seed: int = 0) -> Path
         for name, p in model.named_parameters():
             if name.endswith(".sinks"):  # initialised at 0: make each head's differ
                 p.normal_(0.0, 2.0)
+            if ".q_b_proj." in name or ".kv_b_proj." in name:  # MLA's queries and keys
+                p *= SHARPEN
     sharpen_attention(model, SHARPEN)
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from batchgen.errors import ModelLoadError
@@ -79,9 +80,23 @@ def _attention(
         else getattr(module, "sliding_window", None)
     )
     params = AttnParams(scaling, kwargs.get("softcap"), kwargs.get("s_aux"))
+    cache = ctx.caches[module.layer_idx]
+    dv = value.shape[-1]
+    query, key, value = _pad_heads(query, key, value, cache.k.shape[-1])
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, D)
-    y = step_attention(q, k, v, ctx.caches[module.layer_idx], ctx.masked(window), params)
-    return y[None], None
+    y = step_attention(q, k, v, cache, ctx.masked(window), params)
+    return y[None, ..., :dv], None
+
+
+def _pad_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int):
+    """q, k and v zero-padded to the pool's head size: keys and values of different sizes
+    (DeepSeek's MLA: 192 and 128) share one pool. Zeros add nothing to q.k (the scale is the
+    layer's own, not from the padded size) and give output columns that are cut off."""
+    if k.shape[-1] < size:
+        q, k = (F.pad(x, (0, size - x.shape[-1])) for x in (q, k))
+    if v.shape[-1] < size:
+        v = F.pad(v, (0, size - v.shape[-1]))
+    return q, k, v
 
 
 def _no_mask(*args, **kwargs) -> None:

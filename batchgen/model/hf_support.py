@@ -6,9 +6,8 @@ The backend replaces one thing in a transformers model, its attention function, 
 exactly the models whose every layer is softmax attention called through transformers'
 `AttentionInterface` (the class says so with `_supports_attention_backend`), full or with a
 sliding window. Refused, naming why: recurrent or linear-attention layers (Mamba state,
-Gated DeltaNet: Qwen3-Next, Granite 4 hybrids, Jamba), chunked attention (Llama 4), keys and
-values of different head sizes (DeepSeek's MLA), encoder-decoders and pre-quantized
-checkpoints.
+Gated DeltaNet: Qwen3-Next, Granite 4 hybrids, Jamba), chunked attention (Llama 4),
+encoder-decoders and pre-quantized checkpoints.
 """
 
 from __future__ import annotations
@@ -58,16 +57,15 @@ def _refusal(config, cls) -> str | None:
             f"it has {', '.join(other)} layers; the backend's paged cache holds softmax "
             "attention's keys and values only (full or sliding-window layers)"
         )
-    v_dim = getattr(text, "v_head_dim", None)
-    if v_dim is not None and v_dim != _head_dim(text):
-        return "its keys and values have different head sizes (multi-head latent attention)"
     return None
 
 
 def _head_dim(text) -> int:
+    """The pool's head size: the larger of the keys' and the values' (DeepSeek's MLA: keys
+    of qk_nope + qk_rope, values of v_head_dim; the smaller is zero-padded in the pool)."""
     qk = getattr(text, "qk_nope_head_dim", None), getattr(text, "qk_rope_head_dim", None)
     if None not in qk:
-        return qk[0] + qk[1]
+        return max(qk[0] + qk[1], getattr(text, "v_head_dim", None) or 0)
     return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
