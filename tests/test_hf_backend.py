@@ -22,6 +22,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
 from batchgen.errors import UsageError
+from batchgen.job.config import RunConfig
+from batchgen.job.fingerprint import options_fingerprint
 from batchgen.llm import LLM
 from batchgen.model import hf_backend
 
@@ -165,3 +167,9 @@ def test_cli_refusals_exit_2(hf_dirs, tmp_path):
         "run", src, "-o", tmp_path / "b", "--model", hf_dirs("phi3"), "--compile", exit_code=2
     )
     assert_one_line_error(r, "--compile")
+
+
+def test_model_impl_is_a_run_option():
+    """Either implementation writes the same tokens: a rerun may switch and resume."""
+    cfg = RunConfig(input="in.parquet", output="out", model_impl="transformers")
+    assert cfg.model_impl == "transformers" and "model_impl" not in options_fingerprint(cfg)

@@ -82,6 +82,7 @@ RUN_ONLY_OPTIONS = frozenset(
         "threads",
         "output_format",
         "tensor_parallel_size",
+        "model_impl",  # native or transformers: the same tokens (tests/test_hf_backend.py)
         "peak_tflops",
         "peak_bandwidth_gbs",
         "max_error_rate",
