@@ -47,6 +47,7 @@ _GPT2_TOP = {
     "wpe.weight": "pos_embed.weight",
     "ln_f.weight": "norm.weight",
     "ln_f.bias": "norm.bias",
+    "lm_head.weight": "lm_head.weight",  # an untied head's own (a tied one is not saved)
 }
 _LLAMA_TOP = {
     "model.embed_tokens.weight": "embed.weight",
@@ -62,7 +63,7 @@ def _map_gpt2(name: str) -> tuple[str | None, bool]:
         return _GPT2_TOP[name], False
     m = re.fullmatch(r"h\.(\d+)\.(.+)\.(weight|bias)", name)
     if not m or m.group(2) not in _GPT2_NAMES:
-        return None, False  # attn.bias / masked_bias buffers of old checkpoints, lm_head (tied)
+        return None, False  # attn.bias / masked_bias buffers of old checkpoints
     i, mod, kind = m.groups()
     conv = kind == "weight" and mod.startswith(("attn.", "mlp."))
     return f"layers.{i}.{_GPT2_NAMES[mod]}.{kind}", conv

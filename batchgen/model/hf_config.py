@@ -133,7 +133,7 @@ def _config_from_hf(hf: dict) -> ModelConfig:
             qkv_bias=True,
             o_bias=True,
             mlp_bias=True,
-            tie_embeddings=True,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),  # transformers' default
         )
     if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
         raise UnsupportedModelError("GPT-2 attention variants are not supported")
