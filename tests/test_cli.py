@@ -546,5 +546,5 @@ def test_compiled_run_equals_eager(tmp_path, model):
         assert compiled[i]["text"] == eager[i]["text"]
     stats = read_stats(tmp_path / "compiled")
     assert stats["compiled"] is True
-    assert stats["compiled_shapes"] >= 1  # decode shapes (prefill steps run eagerly)
-    assert stats["compile_s"] > 0
+    assert stats["compiled_shapes"] == 0  # every compile in the warm-up, none after it
+    assert stats["compile_s"] > 0 and stats["compile_cache"] in ("hit", "miss")

@@ -163,7 +163,8 @@ def test_attention_over_scattered_blocks_equals_plain_attention(window):
     # decode: each row's last token, tables padded with the scratch block
     q = torch.randn(2, h, d)
     blocks = torch.tensor([tables[0], tables[1] + [0, 0]])
-    got = decode_attention(q, cache, blocks, decode_mask(torch.tensor(lens), 3 * bs, window))
+    mask = decode_mask(torch.tensor(lens), 3 * bs, window)
+    got = decode_attention(q, cache.k, cache.v, bs, blocks, mask)
     for i, n in enumerate(lens):
         want = _naive(q[i : i + 1], ks[i], vs[i], torch.tensor([n - 1]), window)[0]
         torch.testing.assert_close(got[i], want, **TOL)
