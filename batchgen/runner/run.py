@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from batchgen.job.fingerprint import check_weights, job_fingerprint
 from batchgen.job.open import Job, open_job
 from batchgen.llm import LLM
 from batchgen.runner.deadline import Watchdog, deadlines
+from batchgen.runner.progress import ProgressLine, postfix, progress_bar
 from batchgen.stats.latency import row_timings
 from batchgen.stats.nvml import NvmlSampler
 from batchgen.stats.peaks import resolve_peaks
@@ -118,8 +118,8 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     nvml = NvmlSampler(device.index or 0).start() if device.type == "cuda" else None
     clear_steps(out.path)  # the timeline is this run's, as stats.json will be
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
-    progress = _progress(cfg, source.num_rows)
-    log_line = _ProgressLine(cfg.progress_seconds)
+    progress = progress_bar(cfg, source.num_rows)
+    log_line = ProgressLine(cfg.progress_seconds)
     rows: dict[int, Row] = {}  # rows in flight, by request index
     choices: dict[int, Constraint] = {}  # their choice constraints (the label as written)
     lists = SampleLists() if prep.as_list else None
@@ -175,7 +175,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
                     buffer.add(gather(finished, records))
                     stats.add_error_reasons(records)
                     progress.update(len(finished))
-                    progress.set_postfix_str(_postfix(stats, report), refresh=False)
+                    progress.set_postfix_str(postfix(stats, report), refresh=False)
                     log_line.maybe(progress, stats)
                 if time.monotonic() - last_flush > cfg.flush_seconds:
                     flush()
@@ -230,39 +230,6 @@ def _model_cost(llm: LLM, info: RunInfo) -> ModelCost:
     return ModelCost.from_config(cfg, dtype_bytes, weights)
 
 
-def _postfix(stats: RunStats, report) -> str:
-    """The progress bar's: output tokens/s, the KV cache in use and the error rows."""
-    used, free = report.kv_blocks_used, report.kv_blocks_free
-    kv = f", KV {used / (used + free):.0%}" if used + free else ""
-    return f"{stats.rate(stats.output_tokens):.0f} out tok/s{kv}, {stats.error_records} errors"
-
-
-class _ProgressLine:
-    """Where stderr is no terminal (a Slurm log, a pipe), a plain line every `seconds` in place
-    of the bar (which --quiet or a log would lose): rows done/total, out tok/s, ETA, errors,
-    as vLLM's periodic stats do. BATCHGEN_PROGRESS_SECONDS overrides (tests)."""
-
-    def __init__(self, seconds: float) -> None:
-        seconds = float(os.environ.get("BATCHGEN_PROGRESS_SECONDS", seconds))
-        self.seconds = seconds if seconds > 0 and not sys.stderr.isatty() else 0.0
-        self.last = time.monotonic()
-
-    def maybe(self, bar, stats: RunStats) -> None:
-        if not self.seconds or time.monotonic() - self.last < self.seconds:
-            return
-        self.last = time.monotonic()
-        done, total = stats.rows + stats.rows_skipped_done, bar.total  # bar.n: 0 if disabled
-        rate = stats.rate(stats.rows)
-        eta = f"{(total - done) / rate:.0f} s" if total and rate > 0 else "?"
-        print(
-            f"batchgen: {done}/{total if total is not None else '?'} rows, "
-            f"{stats.rate(stats.output_tokens):.1f} out tok/s, ETA {eta}, "
-            f"{stats.error_records} errors",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
 def _write_openai_results(out: OutputDir, job: Job) -> None:
     source: InputSource = job.source
     assert isinstance(source, OpenAIBatchSource)  # checked in open_job
@@ -276,15 +243,6 @@ def _write_openai_results(out: OutputDir, job: Job) -> None:
         out.path, source.requests, out.read_all(), model, token_text, eos_ids=job.spec.eos_ids
     )
     log.info("wrote %d OpenAI batch output lines to %s", n, os.path.join(out.path, RESULTS_FILE))
-
-
-def _progress(cfg: RunConfig, num_rows: int | None):
-    # Rows done by an earlier run count as they are read past, so total is every input row.
-    from tqdm.auto import tqdm
-
-    total = num_rows if cfg.limit is None else min(cfg.limit, num_rows or cfg.limit)
-    total = total * cfg.n if total is not None else None  # records (an n column: approximate)
-    return tqdm(total=total, unit="row", disable=cfg.quiet, dynamic_ncols=True, desc="batchgen")
 
 
 def _job_longest_row(job: Job, done: set) -> int | None:
