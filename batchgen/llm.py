@@ -122,6 +122,7 @@ class LLM:
             "block_size": spec.engine.block_size,
             "decode_attention": os.environ.get(DECODE_ATTENTION_ENV) or "device default",
             "tensor_parallel": [0, spec.tensor_parallel_size],
+            "model_impl": spec.model_cfg.impl.value,
         }
         return CompileCache.of(spec.compile_cache, parts, spec.device)
 

@@ -26,6 +26,7 @@ from batchgen.job.config import RunConfig
 from batchgen.job.fingerprint import options_fingerprint
 from batchgen.llm import LLM
 from batchgen.model import hf_backend
+from batchgen.model.attention import DECODE_ATTENTION_ENV
 
 MAX_NEW = 12
 PARAMS = SamplingParams(max_new_tokens=MAX_NEW)
@@ -133,7 +134,6 @@ def test_hybrids_are_refused_before_loading(model_type, hf_dirs):
 @pytest.mark.parametrize(
     "options, words",
     [
-        ({"compile": True}, "--compile"),
         ({"tensor_parallel_size": 2}, "tensor parallelism"),
         ({"quantize": "int8"}, "--quantize"),
     ],
@@ -141,6 +141,31 @@ def test_hybrids_are_refused_before_loading(model_type, hf_dirs):
 def test_backend_refuses_what_it_does_not_do(options, words, hf_dirs):
     with pytest.raises(UsageError, match=words):
         LLM(hf_dirs("phi3"), device="cpu", **options)
+
+
+def test_compile_needs_the_gather_path(hf_dirs, monkeypatch):
+    monkeypatch.setenv(DECODE_ATTENTION_ENV, "flex")  # CUDA's default path, forced here
+    with pytest.raises(UsageError, match=f"{DECODE_ATTENTION_ENV}=gather"):
+        LLM(hf_dirs("phi3"), device="cpu", compile=True)
+    assert not LLM(hf_dirs("phi3"), device="cpu").compile  # the default: eager
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss", "deepseek_v3"])
+def test_compiled_decode_equals_transformers(model_type, hf_dirs, references):
+    """One graph of the HF forward over a symbolic batch, attention the gather op with the
+    layer's scale, soft-cap and sinks."""
+    llm = LLM(
+        hf_dirs(model_type),
+        dtype="float32",
+        device="cpu",
+        compile=True,
+        compile_cache="off",
+        engine=EngineConfig(block_size=16),
+    )
+    got = [c.token_ids for c in llm.generate(_prompts(), PARAMS)]
+    assert got == references(model_type)
+    assert llm.runner.shapes and llm.runner.decode.graphs == 1
 
 
 def test_native_is_refused_for_a_family_it_lacks(hf_dirs):
@@ -163,10 +188,8 @@ def test_cli_refusals_exit_2(hf_dirs, tmp_path):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     r = run_cli("run", src, "-o", tmp_path / "a", "--model", hf_dirs("qwen3_next"), exit_code=2)
     assert_one_line_error(r, "qwen3_next", "transformers backend")
-    r = run_cli(
-        "run", src, "-o", tmp_path / "b", "--model", hf_dirs("phi3"), "--compile", exit_code=2
-    )
-    assert_one_line_error(r, "--compile")
+    r = run_cli("run", src, "-o", tmp_path / "b", "--model", hf_dirs("phi3"), "-tp", 2, exit_code=2)
+    assert_one_line_error(r, "tensor parallelism")
 
 
 def test_model_impl_is_a_run_option():

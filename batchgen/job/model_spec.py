@@ -24,6 +24,7 @@ from batchgen.engine.compile_cache import default_root
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Grammars
 from batchgen.errors import ConfigError, ModelLoadError
+from batchgen.model.attention import DECODE_ATTENTION_ENV, DecodeBackend, decode_backend
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import native_config, read_hf_config
 from batchgen.model.hf_support import backend_config, resolve_impl
@@ -94,13 +95,9 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, device: torch.device) -> Non
             )
 
 
-def check_backend_options(
-    compile: bool | None, lora: object, quantize: str, tensor_parallel_size: int
-) -> bool:
-    """ConfigError for what the transformers backend does not do (yet); its compile flag
-    (None: eager)."""
+def check_backend_options(lora: object, quantize: str, tensor_parallel_size: int) -> None:
+    """ConfigError for what the transformers backend does not do (yet)."""
     refused = {
-        "--compile (its compiled decode is native-only; the backend runs eager)": compile,
         "LoRA adapters (not yet: merge the adapter into the weights first)": lora is not None,
         "--quantize (its pass replaces native layers; load a smaller --dtype)": quantize
         not in ("none", None),
@@ -111,7 +108,29 @@ def check_backend_options(
             raise ConfigError(
                 f"the transformers backend (--model-impl transformers) does not support {what}"
             )
+
+
+def backend_compile(
+    compile: bool | None, device: torch.device, block_size: int, cfg: ModelConfig
+) -> bool:
+    """The transformers backend's compile flag. Its compiled decode takes the gather op,
+    which carries each layer's scale, soft-cap and sinks; the flex op (CUDA's default) has no
+    sinks, so there the backend runs eager unless the gather path is forced."""
+    if decode_backend(device, block_size, cfg.head_dim) is DecodeBackend.GATHER:
+        return resolve_compile(compile, device)
+    if compile:
+        raise ValueError(
+            "--compile on the transformers backend needs the gather decode path (the flex op "
+            f"has no attention sinks or soft-cap): set {DECODE_ATTENTION_ENV}=gather, or pass "
+            "--no-compile"
+        )
     return False
+
+
+def _block_size(engine: EngineConfig | Mapping[str, Any] | None) -> int:
+    if isinstance(engine, EngineConfig):
+        return engine.block_size
+    return (engine or {}).get("block_size") or EngineConfig().block_size
 
 
 def eos_token_ids(model_dir: Path, hf: dict, tokenizer) -> list[int]:
@@ -213,7 +232,7 @@ class ModelSpec:
             raise ConfigError(f"model_impl {model_impl!r}: use one of {names}") from None
         if impl is ModelImpl.TRANSFORMERS:
             model_cfg = backend_config(model_dir)
-            compile = check_backend_options(compile, lora, quantize, tensor_parallel_size)
+            check_backend_options(lora, quantize, tensor_parallel_size)
         else:
             model_cfg = native_config(model_dir, hf)
         adapter = check_adapter(lora, model_cfg) if lora is not None else None
@@ -221,6 +240,8 @@ class ModelSpec:
             dev = resolve_device(device)
             dt = resolve_dtype(dtype, dev)
             compiled = resolve_compile(compile, dev)
+            if impl is ModelImpl.TRANSFORMERS:
+                compiled = backend_compile(compile, dev, _block_size(engine), model_cfg)
             if not isinstance(engine, EngineConfig):
                 engine = EngineConfig.for_device(dev.type, compiled, **(engine or {}))
             check_tensor_parallel(model_cfg, tensor_parallel_size, dev)

@@ -188,7 +188,7 @@ def step_attention(
     """q (T, H, D), k, v (T, Hkv, D) of a whole step (masks built) -> (T, H, D). params: a
     scale, soft-cap or sinks (the transformers backend's; gather decodes only)."""
     if torch.compiler.is_compiling():  # a compiled decode step: one group, B rows
-        return _decode_op(q, k, v, cache, step)
+        return _decode_op(q, k, v, cache, step, params)
     cache.write(step.slots, k, v)
     bs = cache.block_size
     parts = []
@@ -210,9 +210,15 @@ def step_attention(
 
 
 def _decode_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, step: StepAttention
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: PagedKVCache,
+    step: StepAttention,
+    params: AttnParams,
 ) -> torch.Tensor:
-    """A compiled decode step's attention for one layer, as one opaque op (decode_ops.py)."""
+    """A compiled decode step's attention for one layer, as one opaque op (decode_ops.py).
+    params (the transformers backend's) on the gather op only: the backend never runs flex."""
     (g,) = step.decodes
     bs, window = cache.block_size, step.window
     if step.backend is DecodeBackend.FLEX:
@@ -220,6 +226,7 @@ def _decode_op(
         return torch.ops.batchgen.decode_flex(
             q, k, v, cache.k, cache.v, step.slots, *m.tensors(), bs, window
         )
+    p = params
     return torch.ops.batchgen.decode_gather(
-        q, k, v, cache.k, cache.v, step.slots, g.blocks, g.lens, bs, window
+        q, k, v, cache.k, cache.v, step.slots, g.blocks, g.lens, bs, window, *p.values()
     )

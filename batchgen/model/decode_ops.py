@@ -76,13 +76,19 @@ def decode_gather(
     lens: torch.Tensor,
     block_size: int,
     window: int | None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, H, D), k, v (B, Hkv, D) of B decoding rows; slots (B,), tables (B, n), lens
-    (B,) -> (B, H, D)."""
+    (B,) -> (B, H, D). scale, softcap, sinks: a layer's (sdpa.AttnParams; the transformers
+    backend's)."""
     k_pool.index_copy_(0, slots, k)
     v_pool.index_copy_(0, slots, v)
     mask = decode_mask(lens, tables.shape[1] * block_size, window)
-    return decode_attention(q, k_pool, v_pool, block_size, tables, mask)
+    params = AttnParams(scale, softcap, sinks)
+    # contiguous, as the fake says (the written-out math's matmul may return other strides)
+    return decode_attention(q, k_pool, v_pool, block_size, tables, mask, params).contiguous()
 
 
 @torch.library.custom_op("batchgen::decode_flex", mutates_args=("k_pool", "v_pool"))
@@ -112,8 +118,8 @@ def decode_flex(
 
 
 @decode_gather.register_fake
-def _(q, k, v, k_pool, v_pool, slots, tables, lens, block_size, window):
-    return torch.empty_like(q)
+def _(q, k, v, k_pool, v_pool, slots, tables, lens, block_size, window, *params):
+    return q.new_empty(q.shape)  # contiguous, as the op's result, whatever q's strides
 
 
 @decode_flex.register_fake
