@@ -49,7 +49,14 @@ FAMILIES = {
     "granite": dict(attention_multiplier=0.5, logits_scaling=2.0, residual_multiplier=0.5),
     # its head is tied to the embedding by default, which at this size repeats the last token
     "smollm3": dict(no_rope_layer_interval=2, tie_word_embeddings=False),
-    "gpt_oss": dict(head_dim=16, sliding_window=8, layer_types=SLIDING_FULL, **MOE),
+    # its YaRN RoPE scales 4096 positions by 32
+    "gpt_oss": dict(
+        head_dim=16,
+        sliding_window=8,
+        layer_types=SLIDING_FULL,
+        max_position_embeddings=131072,
+        **MOE,
+    ),
     # MLA: keys of 16 + 8, values of 16 (one pool of 24); as many KV heads as heads
     "deepseek_v3": dict(
         num_key_value_heads=4,

@@ -31,6 +31,7 @@ from batchgen.model.attention import DecodeBackend, StepAttention, step_attentio
 from batchgen.model.config import ModelConfig
 from batchgen.model.kv_cache import PagedKVCache
 from batchgen.model.memory import check_allocation
+from batchgen.model.quiet_import import quiet_torchao
 from batchgen.model.sdpa import AttnParams
 
 ATTN_IMPLEMENTATION = "batchgen"
@@ -167,15 +168,25 @@ def load_hf_model(
 ) -> HFModel:
     """The model in path, loaded by transformers (offline) with batchgen's attention."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     register()
     nbytes = cfg.num_params * dtype.itemsize
     check_allocation(nbytes, f"the weights ({path})", "--dtype", torch.device(device))
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # batchgen's own progress is the run's
     try:
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
-        )
+        with quiet_torchao():  # some families' modeling code imports torchao
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(path),
+                dtype=dtype,
+                attn_implementation=ATTN_IMPLEMENTATION,
+                local_files_only=True,
+            )
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelLoadError(f"transformers could not load {path}: {e}") from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     hf = hf.to(device).eval().requires_grad_(False)
     return HFModel(hf, cfg)

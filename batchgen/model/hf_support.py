@@ -19,6 +19,7 @@ import torch
 from batchgen.choices import ModelImpl
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import SUPPORTED_FAMILIES, UnsupportedModelError
+from batchgen.model.quiet_import import quiet_torchao
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
 # The attention-interface kwargs and mask hooks the backend uses are transformers 5's.
@@ -72,6 +73,11 @@ def _head_dim(text) -> int:
 def backend_config(path: Path) -> ModelConfig:
     """The sizes the engine and stats read of the model in path, as the transformers backend
     runs it; UnsupportedModelError (before weights load) for one it cannot serve exactly."""
+    with quiet_torchao():  # some families' modeling code imports torchao
+        return _backend_config(path)
+
+
+def _backend_config(path: Path) -> ModelConfig:
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
