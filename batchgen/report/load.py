@@ -19,6 +19,7 @@ import pyarrow as pa
 from batchgen.data.lock import lock_holder
 from batchgen.data.writer import JOB_FILE, META_DIR, STATS_FILE, migrate_old_layout
 from batchgen.errors import InputError
+from batchgen.report.outcomes import Outcomes, read_outcomes
 from batchgen.stats.steps import read_steps, steps_files
 
 
@@ -28,6 +29,8 @@ class RunData:
     stats: dict[str, Any]
     steps: dict[str, np.ndarray] | None  # the timeline's columns (stats/steps.py); None: none
     notes: list[str]  # what the figures do not cover (a running or resumed job)
+    job: dict[str, Any] | None = None  # job.json: the command's options (a merge's: shard 0's)
+    outcomes: Outcomes | None = None  # finish reasons and errors, from the part files
 
     @property
     def merged(self) -> bool:
@@ -69,7 +72,20 @@ def load(out: str | Path) -> RunData:
         ) from None
     # numpy columns: the plots bin millions of steps without a Python object per value
     steps = None if table is None else {n: table.column(n).to_numpy() for n in table.column_names}
-    return RunData(root, stats, steps, _notes(stats, writer))
+    job = _job(root)
+    outcomes = read_outcomes(root, (job or {}).get("id_column"))
+    return RunData(root, stats, steps, _notes(stats, writer), job, outcomes)
+
+
+def _job(root: Path) -> dict[str, Any] | None:
+    """OUT's job.json, or the first shard's for a merge; None where unreadable."""
+    for path in (root / JOB_FILE, *sorted(root.glob(f"shard-*-of-*/{JOB_FILE}"))[:1]):
+        try:
+            job = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        return job if isinstance(job, dict) else None
+    return None
 
 
 def _notes(stats: dict[str, Any], writer: str | None) -> list[str]:

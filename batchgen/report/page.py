@@ -10,11 +10,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
 from batchgen.data.writer import REPORT_FILE, write_file
 from batchgen.errors import InputError
-from batchgen.report import plots
+from batchgen.report import charts, plots, tables
 from batchgen.report.load import RunData, load
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,11 @@ body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; 
 h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
 table { border-collapse: collapse; font-size: 0.92em; }
 td, th { padding: 0.25em 0.9em; border-bottom: 1px solid #ddd; text-align: left; }
-td.v { font-variant-numeric: tabular-nums; }
+td.v { font-variant-numeric: tabular-nums; } th { font-weight: 600; }
+div.bar { display: flex; height: 1.6em; width: 100%; max-width: 60em; }
+div.bar span { display: block; } span.key { display: inline-block; width: 0.9em;
+height: 0.9em; margin: 0 0.3em 0 1em; vertical-align: middle; }
+pre, code { font-size: 0.9em; white-space: pre-wrap; }
 img { max-width: 100%; } p.note { color: #555; font-size: 0.9em; max-width: 60em; }
 p.warn { background: #fff4d6; border-left: 4px solid #e0a000; padding: 0.5em 0.9em; }
 """
@@ -36,66 +41,70 @@ def _png(fig: Figure) -> str:
     return f'<img alt="" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
 
 
-def _ms(d: dict[str, Any] | None) -> str:
-    if not d or d.get("p50") is None:
-        return "-"
-    return " / ".join(f"{d[q] * 1e3:.1f}" for q in ("p50", "p90", "p99", "max")) + " ms"
+def _table(rows: list[tuple[str, str]]) -> str:
+    cells = "".join(
+        f"<tr><th>{html.escape(k)}</th><td class=v>{html.escape(v)}</td></tr>" for k, v in rows
+    )
+    return f"<table>{cells}</table>"
 
 
-def _pct(x: float | None) -> str:
-    return f"{x:.2%}" if x is not None else "- (no peak known)"
+def _figure(fig: Figure | None, missing: str) -> str:
+    return _png(fig) if fig is not None else f'<p class="note">{html.escape(missing)}</p>'
 
 
-def stats_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
-    """The table of headline figures, from a run's or a merge's stats.json."""
-    wall = s.get("wall_s", s.get("max_wall_s", 0.0))
-    rows = [
-        (
-            "rows",
-            f"{s.get('rows', 0)} ({s.get('rows_error', 0)} errors, {s.get('rows_skipped_done', 0)} from an earlier run)",
-        ),
-        ("wall time", f"{wall:.2f} s" + (" (slowest shard)" if "max_wall_s" in s else "")),
-        ("output tokens/s", f"{s.get('output_tokens_per_s', 0.0):.1f}"),
-        ("TTFT p50 / p90 / p99 / max", _ms(s.get("ttft_s"))),
-        ("TPOT p50 / p90 / p99 / max", _ms(s.get("tpot_s"))),
-        ("latency p50 / p90 / p99 / max", _ms(s.get("latency_s"))),
-        ("MFU", _pct(s.get("mfu"))),
-        ("MBU (decode steps)", _pct(s.get("mbu"))),
+def _time_bar(s: dict[str, Any]) -> str:
+    """The phases as one stacked bar of the job's wall time (HTML, no image)."""
+    parts = charts.phases(s)
+    total = sum(sec for _, sec, _ in parts)
+    if not total:
+        return '<p class="note">No phase was timed.</p>'
+    cells = "".join(
+        f'<span style="width:{100 * sec / total:.2f}%;background:{to_hex(c)}" '
+        f'title="{html.escape(label)}: {sec:.2f} s"></span>'
+        for label, sec, c in parts
+    )
+    keys = " ".join(
+        f'<span class="key" style="background:{to_hex(c)}"></span>{html.escape(label)}'
+        for label, _, c in parts
+    )
+    return f'<div class="bar">{cells}</div><p class="note">{keys}</p>'
+
+
+def _outcomes(data: RunData) -> list[str]:
+    """Finish reasons and the errors, grouped, with examples."""
+    parts = ["<h2>How the rows ended</h2>"]
+    o = data.outcomes
+    if o is None:
+        return [*parts, '<p class="note">No part files with a finish_reason column.</p>']
+    parts.append(_table(tables.outcome_rows(o)))
+    reasons = data.stats.get("error_reasons") or {}
+    if o.errors:
+        parts.append("<h3>Errors by reason (numbers as N), with examples</h3>")
+        items = []
+        for group, (n, examples) in sorted(o.errors.items(), key=lambda kv: -kv[1][0]):
+            shown = "".join(
+                f"<li>row {html.escape(i)}: <code>{html.escape(t)}</code></li>" for i, t in examples
+            )
+            items.append(f"<li>{n} x <code>{html.escape(group)}</code><ul>{shown}</ul></li>")
+        parts.append(f"<ul>{''.join(items)}</ul>")
+    elif reasons:
+        rows = [(r, str(n)) for r, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+        parts += ["<h3>Errors by reason (last run)</h3>", _table(rows)]
+    else:
+        parts.append('<p class="note">No row failed.</p>')
+    return parts
+
+
+def _job(data: RunData) -> list[str]:
+    if not data.job:
+        return []
+    return [
+        "<h2>Job</h2>",
+        f"<pre>{html.escape(tables.command(data.job))}</pre>",
+        "<details><summary>every option (job.json)</summary>",
+        _table(tables.option_rows(data.job)),
+        "</details>",
     ]
-    if s.get("peak_flops"):
-        peaks = (
-            f"{s['peak_flops'] / 1e12:.3g} TFLOP/s, {(s.get('peak_bandwidth') or 0) / 1e9:.3g} GB/s"
-        )
-        rows.append(("peaks", f"{peaks} ({s.get('peak_source')})"))
-    for key, name in (("prefill_s", "prefill time"), ("decode_s", "decode time")):
-        if key in s:
-            rows.append((name, f"{s[key]:.2f} s"))
-    if "prefix_cache_hit_rate" in s:
-        rows.append(("prefix cache hit rate", f"{s['prefix_cache_hit_rate']:.1%}"))
-    if "preemptions" in s:
-        rows.append(("preemptions", str(s["preemptions"])))
-    if s.get("gpu_util_mean_pct") is not None:
-        rows.append(
-            ("GPU SM % mean / max", f"{s['gpu_util_mean_pct']:.0f}% / {s['gpu_util_max_pct']}%")
-        )
-        if s.get("gpu_mem_util_mean_pct") is not None:
-            rows.append(
-                (
-                    "GPU memory busy mean / max",
-                    f"{s['gpu_mem_util_mean_pct']:.0f}% / {s['gpu_mem_util_max_pct']}%",
-                )
-            )
-        if s.get("gpu_power_mean_w") is not None:
-            rows.append(
-                (
-                    "GPU power mean / max",
-                    f"{s['gpu_power_mean_w']:.0f} W / {s['gpu_power_max_w']:.0f} W",
-                )
-            )
-    for key in ("model", "device", "dtype", "max_num_seqs", "shards"):
-        if s.get(key) is not None:
-            rows.append((key.replace("_", " "), str(s[key])))
-    return rows
 
 
 def render(data: RunData) -> str:
@@ -106,24 +115,25 @@ def render(data: RunData) -> str:
         parts.append(
             f'<p class="note">{s["shards"]} shards merged; the timeline puts them on one clock.</p>'
         )
-    table = "".join(
-        f"<tr><th>{html.escape(k)}</th><td class=v>{html.escape(v)}</td></tr>"
-        for k, v in stats_rows(s)
-    )
-    parts += ["<h2>Summary</h2>", f"<table>{table}</table>"]
+    parts += ["<h2>Summary</h2>", _table(tables.stats_rows(s))]
     parts.append(
         '<p class="note">TTFT, TPOT and latency count from when a row entered the engine\'s '
         "queue (an offline job queues every row at its start, so TTFT includes the wait). "
         "MFU: model FLOPs over step time / peak FLOP/s. MBU: bytes decode steps must read "
         "(weights + live KV) / decode time / peak bandwidth. See docs/metrics.md.</p>"
     )
+    parts += ["<h2>Where the time went</h2>", _table(tables.time_rows(s))]
+    parts.append(_time_bar(s))
+    parts += _outcomes(data)
     parts += ["<h2>Latency distributions</h2>", _png(plots.distributions(s))]
     if data.steps and len(data.steps["t_s"]):
-        parts += ["<h2>Throughput</h2>", _png(plots.throughput(data.steps))]
+        parts += ["<h2>Throughput</h2>", _png(plots.throughput(data.steps, s))]
         parts += ["<h2>Batch and KV cache</h2>", _png(plots.occupancy(data.steps))]
         parts += ["<h2>Roofline</h2>", _png(plots.roofline(data.steps, s))]
     else:
         parts.append('<p class="note">No step timeline here: no timeline to plot.</p>')
+        parts += ["<h2>Rows over time</h2>", _figure(charts.rows_over_time(s), "No rows timed.")]
+    parts += _job(data)
     body = "\n".join(parts)
     return (
         "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
