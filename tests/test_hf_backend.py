@@ -89,6 +89,13 @@ def test_greedy_equals_transformers_chunked_preempted_prefix_hit(model_type, hf_
     assert sched.pool.num_free == sched.pool.num_usable
 
 
+def test_layers_of_different_shapes_get_their_own_pools(hf_dirs):
+    llm, _ = _generate(hf_dirs("gemma4_text"))  # sliding layers 16 wide, global layers 32
+    assert [c.k.shape[1:] for c in llm.model.kv_caches] == [(2, 16), (2, 32)]
+    cfg = llm.spec.model_cfg
+    assert cfg.kv_bytes_per_token(4) == 2 * (2 * 16 + 2 * 32) * 4
+
+
 def test_llama_backend_equals_native(hf_dirs):
     d = hf_dirs("llama")
     native, got_native = _generate(d, model_impl="native")

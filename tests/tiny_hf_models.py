@@ -44,6 +44,15 @@ FAMILIES = {
     "gemma3_text": dict(
         head_dim=16, sliding_window=8, query_pre_attn_scalar=64, layer_types=SLIDING_FULL
     ),
+    # global (full) layers with their own head size and KV heads: a pool per layer's shape
+    "gemma4_text": dict(
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        sliding_window=8,
+        layer_types=SLIDING_FULL,
+        num_kv_shared_layers=0,
+    ),
     "phi3": {},
     "olmo2": {},
     "granite": dict(attention_multiplier=0.5, logits_scaling=2.0, residual_multiplier=0.5),

@@ -194,12 +194,7 @@ def run_options(f):
             _opt("--dtype", help="auto = bfloat16 on GPU, float32 on CPU."),
             _opt(
                 "--model-impl",
-                help=(
-                    "Which code runs the model: native (batchgen's decoder: gpt2, llama, "
-                    "mistral, qwen2, qwen3), transformers (transformers' modeling code with "
-                    "batchgen's paged attention: other causal LMs), or auto (native where it "
-                    "has the family)."
-                ),
+                help="Which code runs the model: native (batchgen's decoder: gpt2, llama, mistral, qwen2, qwen3), transformers (transformers' modeling code with batchgen's paged attention: other causal LMs), or auto (native where it has the family).",
             ),
             _opt(
                 "--compile/--no-compile",

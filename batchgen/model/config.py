@@ -79,6 +79,9 @@ class ModelConfig:
     impl: ModelImpl = ModelImpl.NATIVE
     model_type: str = ""  # config.json's
     param_count: int | None = None  # counted from the built model (the backend's), not sized
+    # (n_kv_heads, head_dim) of each layer's cache where layers differ (the backend's: Gemma 4's
+    # global layers); () when every layer's is (n_kv_heads, head_dim)
+    layer_kv: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         sizes = (
@@ -123,4 +126,6 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV cache bytes one token of one row occupies, across all layers."""
+        if self.layer_kv:
+            return 2 * sum(h * d for h, d in self.layer_kv) * dtype_bytes
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes

@@ -129,9 +129,9 @@ class HFModel(nn.Module):
 
     def setup_caches(self, num_blocks: int, block_size: int) -> None:
         w, cfg = self.embed.weight, self.cfg
+        shapes = cfg.layer_kv or [(cfg.n_kv_heads, cfg.head_dim)] * cfg.n_layers
         self.caches = [
-            PagedKVCache(num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim, w.dtype, w.device)
-            for _ in range(cfg.n_layers)
+            PagedKVCache(num_blocks, block_size, h, d, w.dtype, w.device) for h, d in shapes
         ]
 
     @property

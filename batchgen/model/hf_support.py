@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from batchgen.choices import ModelImpl
 from batchgen.model.config import ModelConfig
@@ -52,6 +53,8 @@ def _refusal(config, cls) -> str | None:
             "or linear-attention layers, or attention written into the model)"
         )
     text = config.get_text_config()
+    if getattr(text, "num_kv_shared_layers", 0):
+        return "some of its layers reuse another layer's keys and values (KV sharing)"
     other = sorted(set(getattr(text, "layer_types", None) or ()) - ATTENTION_LAYERS)
     if other:
         return (
@@ -61,13 +64,22 @@ def _refusal(config, cls) -> str | None:
     return None
 
 
+def _get(config, name: str):
+    """config.name, or None: absent, or (a heterogeneous config, Gemma 4's) different per
+    layer, where transformers refuses a global read (RuntimeError) and the modules say."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:
+        return None
+
+
 def _head_dim(text) -> int:
     """The pool's head size: the larger of the keys' and the values' (DeepSeek's MLA: keys
     of qk_nope + qk_rope, values of v_head_dim; the smaller is zero-padded in the pool)."""
-    qk = getattr(text, "qk_nope_head_dim", None), getattr(text, "qk_rope_head_dim", None)
+    qk = _get(text, "qk_nope_head_dim"), _get(text, "qk_rope_head_dim")
     if None not in qk:
-        return max(qk[0] + qk[1], getattr(text, "v_head_dim", None) or 0)
-    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return max(qk[0] + qk[1], _get(text, "v_head_dim") or 0)
+    return _get(text, "head_dim") or text.hidden_size // text.num_attention_heads
 
 
 def backend_config(path: Path) -> ModelConfig:
@@ -100,22 +112,25 @@ def _backend_config(path: Path) -> ModelConfig:
             f"model_type {config.model_type!r} cannot run on the transformers backend: {why}"
         )
     with torch.device("meta"):  # sizes only: no memory, no init
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        skeleton = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in skeleton.parameters())
     text = config.get_text_config()
     heads = text.num_attention_heads
     layer_types = getattr(text, "layer_types", None) or ()
-    window = getattr(text, "sliding_window", None)
+    window = _get(text, "sliding_window")
     if any(t != "sliding_attention" for t in layer_types):
         window = None  # some layer sees the whole context
     dim = text.hidden_size
+    n_kv = _get(text, "num_key_value_heads") or heads
+    layer_kv = _layer_kv(skeleton, text.num_hidden_layers, (n_kv, _head_dim(text)))
     return ModelConfig(
         family=None,
         vocab_size=text.vocab_size,
         dim=dim,
         n_layers=text.num_hidden_layers,
         n_heads=heads,
-        n_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=_head_dim(text),
+        n_kv_heads=n_kv,
+        head_dim=max(d for _, d in layer_kv),
         intermediate_size=getattr(text, "intermediate_size", None) or 4 * dim,
         max_position_embeddings=getattr(text, "max_position_embeddings", None) or 4096,
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
@@ -123,4 +138,22 @@ def _backend_config(path: Path) -> ModelConfig:
         impl=ModelImpl.TRANSFORMERS,
         model_type=config.model_type,
         param_count=params,
+        layer_kv=layer_kv if len(set(layer_kv)) > 1 else (),
     )
+
+
+def _layer_kv(model: nn.Module, n_layers: int, default: tuple[int, int]):
+    """(kv heads, head size) of each layer's cache, read off the attention modules (those with
+    a layer_idx, a head_dim and separate k_proj/v_proj); a layer not found takes default (the
+    config's: fused projections, MLA)."""
+    found = {}
+    for m in model.modules():
+        k, v, d = (getattr(m, n, None) for n in ("k_proj", "v_proj", "head_dim"))
+        if getattr(m, "layer_idx", None) is None or not isinstance(k, nn.Linear):
+            continue
+        if not isinstance(d, int):
+            continue
+        n_kv = k.out_features // d
+        v_dim = v.out_features // n_kv if isinstance(v, nn.Linear) else d
+        found[m.layer_idx] = (n_kv, max(d, v_dim))
+    return tuple(found.get(i, default) for i in range(n_layers))
