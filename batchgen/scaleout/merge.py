@@ -50,7 +50,7 @@ from batchgen.data.writer import (
     write_file,
 )
 from batchgen.errors import InputError, MergeError
-from batchgen.scaleout.merge_metrics import merge_steps, merged_metrics
+from batchgen.scaleout.merge_metrics import job_rates, merge_steps, merged_metrics
 from batchgen.scaleout.shard_report import (
     IncompleteOutput,
     MergeSummary,
@@ -128,12 +128,33 @@ def merge(out: str | os.PathLike[str], write_data: bool = True) -> MergeSummary:
         write_file(root, MERGED_FILE, lambda f: _merge_parts(reports, f))
     else:
         _merge_parts(reports, None)
-    summary = MergeSummary(root, reports, root / MERGED_FILE if write_data else None)
+    summary = JobSummary(root, reports, root / MERGED_FILE if write_data else None)
     stats = {**summary.to_dict(), **merged_metrics(reports)}
     merge_steps(reports, root)
     write_file(root, STATS_FILE, lambda f: f.write(_json(stats)))
     write_file(root, SUCCESS_FILE, lambda f: None)
     return summary
+
+
+class JobSummary(MergeSummary):
+    """MergeSummary with the job's rates over the union of the shards' run intervals (not
+    the slowest shard's wall: shards run one after the other took their sum)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), **job_rates(self.shards, self.rows, self.output_tokens)}
+
+    def table(self) -> str:
+        lines = super().table().split("\n")
+        d = self.to_dict()
+        i = next(n for n, line in enumerate(lines) if line.startswith("total"))
+        widths = [len(w) for w in lines[i - 1].split("  ")]  # the rule above the total
+        cells = ["total", str(d["rows"]), str(d["rows_error"]), str(d["output_tokens"])]
+        cells += [f"{d['wall_s']:.2f}", f"{d['output_tokens_per_s']:.1f}", "(union of walls)"]
+        lines[i] = "  ".join(
+            c.rjust(w) if n else c.ljust(w)
+            for n, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+        return "\n".join(lines)
 
 
 _COUNTED = ["error", "prompt_tokens", "completion_tokens"]

@@ -4,6 +4,10 @@ MFU and MBU over all their step time, and one step timeline.
 Each shard ran on its own device, so a merged MFU is the FLOPs of all shards over what their
 devices could have done in their step time, sum(FLOPs) / sum(step seconds x peak), which is
 the step-time-weighted mean of the shards' MFUs (MBU likewise over decode time and bandwidth).
+Rates are over the union of the shards' run intervals ([started_unix, started_unix + wall_s]
+of each): shards side by side count their overlap once, shards run one after the other (as
+`make label` runs its two) count both, where the slowest shard's wall alone would overstate
+the rate. A shard without `started_unix` (an older batchgen) falls back to the longest wall.
 The timeline puts every shard's steps on one clock: a step's `t_s` plus its shard's start
 (`started_unix` in its stats.json) less the earliest shard's, with a `shard` column.
 """
@@ -39,6 +43,36 @@ def merged_metrics(reports: list[ShardReport]) -> dict[str, Any]:
     out.update({k: stats[0].get(k) for k in _SAME} if stats else {})
     out.update(_utilisation(stats))
     return out
+
+
+def union_wall_s(reports: list[ShardReport]) -> float:
+    """Seconds in which at least one shard's last run was running (see the module doc)."""
+    spans = sorted(
+        (float(r.stats["started_unix"]), float(r.stats["started_unix"]) + r.wall_s)
+        for r in reports
+        if r.stats.get("started_unix") is not None
+    )
+    if len(spans) < sum(1 for r in reports if r.stats):
+        return max((r.wall_s for r in reports), default=0.0)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def job_rates(reports: list[ShardReport], rows: int, output_tokens: int) -> dict[str, Any]:
+    """The merged job's start, wall time and rates over the union of the shards' intervals."""
+    wall = union_wall_s(reports)
+    starts = [r.stats["started_unix"] for r in reports if r.stats.get("started_unix")]
+    return {
+        "started_unix": min(starts) if starts else None,
+        "wall_s": wall,
+        "wall_basis": "union of the shards' run intervals",
+        "rows_per_s": rows / wall if wall else 0.0,
+        "output_tokens_per_s": output_tokens / wall if wall else 0.0,
+    }
 
 
 def _utilisation(stats: list[dict[str, Any]]) -> dict[str, Any]:
