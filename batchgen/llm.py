@@ -152,6 +152,10 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's generation_config.json defaults; generate's when given none."""
+        return SamplingParams.from_model(self.spec.model_dir)
+
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -166,7 +170,7 @@ class LLM:
         """Generate for each prompt (text, token ids, or {"prompt": ...} /
         {"prompt_token_ids": ...}; one string is one prompt); one RequestOutput per prompt, in
         prompt order. sampling_params (or params, batchgen's earlier name): one for all
-        prompts or one each. use_tqdm: a progress bar over the completions."""
+        prompts or one each; None: get_default_sampling_params(). use_tqdm: a progress bar."""
         if isinstance(prompts, str | dict) or _is_token_ids(prompts):
             prompts = [prompts]
         texts, ids, errors = [], [], []
@@ -236,7 +240,7 @@ class LLM:
         use_tqdm: bool,
         errors: list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         per_row = [params] * len(ids) if isinstance(params, sequence.SamplingParams) else params
         if len(per_row) != len(ids):
             raise ValueError(f"{len(per_row)} sampling params for {len(ids)} prompts")

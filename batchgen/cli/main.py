@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import click
 
 from batchgen.choices import Task
+from batchgen.cli.help import SectionedCommand
 from batchgen.cli.jobspec import build_config
 from batchgen.cli.options import data_options, run_options
 from batchgen.errors import ConfigError, JobInterrupted, RuntimeFailure, UsageError
@@ -67,7 +68,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
-@main.command("run", epilog=EXIT_CODES)
+@main.command("run", cls=SectionedCommand, epilog=EXIT_CODES)
 @click.argument("source")
 @data_options
 @run_options
@@ -133,7 +134,7 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
         )
 
 
-@main.command("plan")
+@main.command("plan", cls=SectionedCommand)
 @click.argument("source")
 @data_options
 @run_options

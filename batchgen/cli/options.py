@@ -9,7 +9,7 @@ import dataclasses
 import click
 
 from batchgen.choices import BOUNDS, Choice
-from batchgen.engine.config import EngineConfig
+from batchgen.cli.help import per_device
 from batchgen.job.config import ENGINE_DEFAULTS, RunConfig, choice_fields
 
 
@@ -18,14 +18,6 @@ def _default(name: str):
     if f.default is not dataclasses.MISSING:
         return f.default.value if isinstance(f.default, Choice) else f.default
     return None
-
-
-def _per_device(name: str) -> str:
-    """EngineConfig's default of a knob whose RunConfig default is None, for its help."""
-    cpu, gpu = (getattr(EngineConfig.for_device(d), name) for d in ("cpu", "cuda"))
-    text = f"Default: {cpu}" if cpu == gpu else f"Default: {cpu} on CPU, {gpu} on GPU"
-    compiled = getattr(EngineConfig.for_device("cpu", compiled=True), name)
-    return text + (f"; {compiled} on CPU with --compile." if compiled != cpu else ".")
 
 
 def _opt(*decls: str, **kw):
@@ -39,7 +31,8 @@ def _opt(*decls: str, **kw):
             min=b.low, max=b.high, min_open=b.low_open
         )
     kw.setdefault("default", _default(name))
-    kw.setdefault("show_default", kw["default"] not in (None, False, ()))
+    d = kw["default"]  # 0 is a default to show; `0 in (False,)` would hide it
+    kw.setdefault("show_default", not (d is None or d is False or d == ()))
     return click.option(*decls, name, **kw)
 
 
@@ -75,26 +68,31 @@ def data_options(f):
             _opt(
                 "--max-new-tokens",
                 type=int,
-                help="Tokens to generate per row (a max_new_tokens column overrides per row).",
+                help="Tokens to generate per row (a max_new_tokens column overrides per row). Default: the model's generation_config.json max_new_tokens, else 64.",
             ),
             _opt(
                 "--max-prompt-len",
                 type=int,
-                help="Longest prompt in tokens (the largest length bucket).",
+                help="Longest prompt in tokens. Default: --max-model-len less --max-new-tokens.",
+            ),
+            _opt(
+                "--max-model-len",
+                type=click.IntRange(min=2),
+                help="Most tokens of a row, prompt and output (vLLM's name). Default: the model's max_position_embeddings.",
             ),
             _opt(
                 "--truncate",
-                help="Prompts over --max-prompt-len: skip (error record), error (stop the job), left/right (cut).",
+                help="Prompts over the limit (--max-prompt-len, --max-model-len): skip (error record), error (stop the job), left/right (cut).",
             ),
             _opt(
                 "--max-num-seqs",
                 type=int,
-                help=f"Sequences in flight at once (the largest decode batch); on the CPU without --kv-cache-tokens, only as many as the KV cache holds at full length. {_per_device('max_num_seqs')}",
+                help=f"Sequences in flight at once (the largest decode batch); on the CPU without --kv-cache-tokens, only as many as the KV cache holds at full length. {per_device('max_num_seqs')}",
             ),
             _opt(
                 "--max-num-batched-tokens",
                 type=int,
-                help=f"Tokens one engine step may run: decodes plus prompt chunks (long prompts are prefilled in chunks). {_per_device('max_num_batched_tokens')}",
+                help=f"Tokens one engine step may run: decodes plus prompt chunks (long prompts are prefilled in chunks). {per_device('max_num_batched_tokens')}",
             ),
             _opt(
                 "--block-size",
@@ -129,20 +127,21 @@ def run_options(f):
                 "-o",
                 help="Output directory of Parquet part files (required, or from the job spec).",
             ),
-            _opt(
-                "--passthrough",
-                help="Comma-separated input columns to copy to the output. Default: all.",
-            ),
+            _opt("--passthrough", help="Comma-separated input columns to copy. Default: all."),
             _opt(
                 "--temperature",
                 type=float,
-                help="0 = greedy (a temperature column overrides per row).",
+                help="0 = greedy (a temperature column overrides per row). Default: the model's generation_config.json (do_sample false: 0), else 0.",
             ),
-            _opt("--top-k", type=int, help="Sample from the k most likely tokens (0 = off)."),
+            _opt(
+                "--top-k",
+                type=int,
+                help="Sample from the k most likely tokens (0 = off). Default: the model's generation_config.json, else 0.",
+            ),
             _opt(
                 "--top-p",
                 type=float,
-                help="Nucleus sampling mass (1 = off; a top_p column overrides per row).",
+                help="Nucleus sampling mass (1 = off; a top_p column overrides per row). Default: the model's generation_config.json, else 1.",
             ),
             _opt(
                 "--seed",
@@ -238,11 +237,7 @@ def run_options(f):
                 help="When stderr is not a terminal (a Slurm log, a pipe), print a progress line this often: rows done/total, output tok/s, ETA, errors (also under --quiet). 0: never.",
             ),
             _opt("--with-token-ids", is_flag=True, help="Add a token_ids column."),
-            _opt(
-                "--with-logprobs",
-                is_flag=True,
-                help="Add a logprobs column (log-probability of each generated token).",
-            ),
+            _opt("--with-logprobs", is_flag=True, help="Add a logprobs column (each token's)."),
             _opt(
                 "--with-timings",
                 is_flag=True,

@@ -61,6 +61,9 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
         "prompt_tokens": prompt_tokens,
         "max_output_tokens": output_tokens,
         "longest_row_tokens": longest,
+        "max_model_len": job.max_model_len,
+        "max_prompt_len": job.max_prompt_len,
+        "generation_defaults": job.generation.to_dict(),
         "length_histogram": {str(k): v for k, v in sorted(hist.items())},
         "max_num_seqs": eng.max_num_seqs,
         "max_num_batched_tokens": eng.max_num_batched_tokens,
@@ -115,6 +118,12 @@ def format_plan(p: dict[str, Any]) -> str:
         f"rows    {_rows(p)} ({p['rows_error']} would get an error record)",
         f"tokens  {p['prompt_tokens']} prompt, up to {p['max_output_tokens']} output; "
         f"longest row {p['longest_row_tokens']}",
+        f"limits  prompt <= {p['max_prompt_len']} tokens, prompt + output <= "
+        f"{p['max_model_len']} (max_model_len)",
+        "defaults "
+        + ", ".join(
+            f"{k} {v['value']:g} ({v['from']})" for k, v in p["generation_defaults"].items()
+        ),
         "",
         "prompt length histogram (tokens, up to: rows)",
     ]

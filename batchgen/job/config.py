@@ -45,11 +45,13 @@ class RunConfig:
     limit: int | None = None  # only the first N rows (for trying a job out)
     shard: Shard | None = None  # "I/N": this 1/N of the rows, written to OUTPUT/shard-I-of-N/
     task: Task = Task.GENERATE
-    # generation defaults; per-row columns max_new_tokens/temperature/top_p/seed override
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    # generation defaults; per-row columns max_new_tokens/temperature/top_p/seed override.
+    # None: not given, so the model's generation_config.json, else 64, 0 (greedy), 0 (off), 1
+    # (job/generation.py); open_job puts the values that apply in its Job's cfg.
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -69,7 +71,8 @@ class RunConfig:
     quantize: QuantMethod = QuantMethod.NONE
     quant_backend: QuantBackend = QuantBackend.AUTO
     quant_group_size: int | None = None  # int4's largest group; None: 128 (smaller where it must)
-    max_prompt_len: int = 1024
+    max_prompt_len: int | None = None  # None: max_model_len less max_new_tokens
+    max_model_len: int | None = None  # prompt + output; None: max_position_embeddings
     truncate: Truncate = Truncate.SKIP
     max_num_seqs: int | None = None  # sequences in flight; None: per device (EngineConfig)
     max_num_batched_tokens: int | None = None  # tokens a step runs; None: per device
@@ -128,6 +131,8 @@ class RunConfig:
             value = getattr(self, key)
             if value is not None and value not in bound:
                 raise ConfigError(f"{key} must be {bound}, got {value}")
+        if self.max_model_len is not None and self.max_model_len < 2:  # a prompt and a token
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0.0 <= self.max_error_rate <= 1.0:
             raise ConfigError(f"max_error_rate must be in [0, 1], got {self.max_error_rate}")
         if not self.progress_seconds >= 0:

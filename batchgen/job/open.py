@@ -15,6 +15,8 @@ from batchgen.data.reader import OpenAIBatchSource
 from batchgen.engine.constraints import ConstraintError
 from batchgen.errors import ConfigError, InputError
 from batchgen.job.config import RunConfig
+from batchgen.job.generation import KEYS as GENERATION_KEYS
+from batchgen.job.generation import GenerationDefaults
 from batchgen.job.ids import check_unique_ids
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.prepare import Preparer
@@ -29,10 +31,13 @@ class Job:
     """A job opened and checked: its options as they apply (cfg), its model resolved (the
     engine is built from spec), its input open, its rows' preparation set up."""
 
-    cfg: RunConfig
+    cfg: RunConfig  # its generation options resolved (generation)
     spec: ModelSpec
     source: InputSource
     prep: Preparer
+    generation: GenerationDefaults  # where cfg's max_new_tokens, temperature, ... came from
+    max_model_len: int  # prompt + output, in tokens
+    max_prompt_len: int
 
 
 def open_job(cfg: RunConfig) -> Job:
@@ -63,6 +68,10 @@ def open_job(cfg: RunConfig) -> Job:
     )
     source = open_input(cfg.input)
     check_input_outside_output(source, cfg.output)
+    generation = GenerationDefaults.resolve(
+        {k: getattr(cfg, k) for k in GENERATION_KEYS}, spec.model_dir
+    )
+    cfg = dataclasses.replace(cfg, **generation.values)
     if cfg.n > 1 and cfg.temperature == 0 and "temperature" not in source.columns:
         log.warning(
             "--n %d with --temperature 0 (greedy) writes %d identical completions per row; "
@@ -79,22 +88,14 @@ def open_job(cfg: RunConfig) -> Job:
         # The lines that ask get each token's logprob: the parts keep them whatever the output
         # format, so a rerun that adds --output-format openai is the same job and can write them.
         cfg = dataclasses.replace(cfg, with_token_ids=True, with_logprobs=True)
-    max_seq = spec.model_cfg.max_position_embeddings
-    # room after the prompt: its new tokens, or a score job's labels (checked per row later)
-    room = cfg.max_new_tokens if cfg.task is Task.GENERATE else 1
-    max_prompt = min(cfg.max_prompt_len, max_seq - room)
-    if max_prompt < 1:
-        raise ConfigError(
-            f"max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in the model's "
-            f"{max_seq} positions"
-        )
+    model_len, max_prompt, limit = prompt_limits(cfg, spec.model_cfg.max_position_embeddings)
     check_weights(spec)  # a config.json's sizes, before a grammar is built over its vocabulary
     if cfg.kv_cache_tokens:  # an explicit size is checked against memory before allocating
         rank = local_config(spec.model_cfg, TPShard(0, spec.tensor_parallel_size))
         per_token = rank.kv_bytes_per_token(spec.dtype.itemsize)  # each rank holds its KV heads
         what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
         check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", spec.device)
-    prep = Preparer(cfg, source, spec.tokenizer, max_prompt)
+    prep = Preparer(cfg, source, spec.tokenizer, max_prompt, limit)
     if prep.id_column and source.format is not InputFormat.OPENAI:  # custom_ids: when parsed
         check_unique_ids(source, prep.id_column, cfg.limit)
     if (
@@ -104,7 +105,33 @@ def open_job(cfg: RunConfig) -> Job:
             spec.grammars.compile(prep.options.defaults.constraint)
         except ConstraintError as e:
             raise ConfigError(str(e)) from None
-    return Job(cfg, spec, source, prep)
+    return Job(cfg, spec, source, prep, generation, model_len, max_prompt)
+
+
+def prompt_limits(cfg: RunConfig, positions: int) -> tuple[int, int, str]:
+    """(max_model_len, max_prompt_len, what bounds the prompt: named in its rows' errors).
+    The prompt gets what --max-model-len (default: the model's positions) leaves after the
+    new tokens (a score job: its labels, checked per row later), or --max-prompt-len if lower."""
+    if cfg.max_model_len is not None and cfg.max_model_len > positions:
+        raise ConfigError(
+            f"max_model_len {cfg.max_model_len} exceeds the model's {positions} positions "
+            "(max_position_embeddings); pass at most that"
+        )
+    model_len = cfg.max_model_len or positions
+    room = cfg.max_new_tokens if cfg.task is Task.GENERATE else 1
+    if model_len - room < 1:
+        where = (
+            f"--max-model-len {model_len}"
+            if cfg.max_model_len
+            else f"the model's {positions} positions"
+        )
+        raise ConfigError(
+            f"max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in {where}"
+        )
+    if cfg.max_prompt_len is not None and cfg.max_prompt_len <= model_len - room:
+        return model_len, cfg.max_prompt_len, "--max-prompt-len"
+    what = f"--max-model-len {model_len}" if cfg.max_model_len else f"the model's {positions}"
+    return model_len, model_len - room, f"{what} less {room} new token{'s' * (room != 1)}"
 
 
 def check_input_outside_output(source: InputSource, output: str) -> None:

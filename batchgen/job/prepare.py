@@ -75,7 +75,14 @@ def openai_prompt_builders(cfg: RunConfig, tokenizer) -> tuple[PromptBuilder, Pr
 
 
 class Preparer:
-    def __init__(self, cfg: RunConfig, source: InputSource, tokenizer, max_prompt_len: int) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        source: InputSource,
+        tokenizer,
+        max_prompt_len: int,
+        limit_name: str = "--max-prompt-len",  # what max_prompt_len comes from, for errors
+    ) -> None:
         self.cfg, self.source, self.tokenizer = cfg, source, tokenizer
         self.chat_builder: PromptBuilder | None = None  # chat rows of an OpenAI batch file
         if source.format is InputFormat.OPENAI:
@@ -83,7 +90,7 @@ class Preparer:
         else:
             self.builder = make_prompt_builder(cfg, tokenizer)
         self.id_column = cfg.id_column or source.id_column  # None: row numbers
-        self.max_prompt_len = max_prompt_len
+        self.max_prompt_len, self.limit_name = max_prompt_len, limit_name
         self.passthrough = passthrough_columns(cfg, source, self.id_column)  # input: output
         self.options = RowOptions(cfg, source.columns, tokenizer)
         if source.format is not InputFormat.OPENAI:  # there the parser made them, from bodies
@@ -210,7 +217,9 @@ class Preparer:
             samples = rows[first : first + len(todo)]
             tail = text[-1:]  # a choice label's word boundary (row_options.py)
             try:
-                fitted = fit_length(ids_, self.max_prompt_len, self.cfg.truncate, cut)
+                fitted = fit_length(
+                    ids_, self.max_prompt_len, self.cfg.truncate, cut, self.limit_name
+                )
                 if not self._warned_cut:
                     self._warned_cut = warn_cut(fitted, len(ids_), self.cfg.truncate)
                 ids_ = fitted

@@ -7,10 +7,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from batchgen.engine import sequence
 from batchgen.engine.sequence import Completion, Constraint
+from batchgen.job.generation import GenerationDefaults
 from batchgen.job.seeds import row_seed
 
 
@@ -65,6 +67,19 @@ class SamplingParams(sequence.SamplingParams):
             top_logprobs=next((v for v in (logprobs, top_logprobs) if v is not None), 0),
         )
         object.__setattr__(self, "n", n)
+
+    @classmethod
+    def from_model(cls, model_dir: str | Path) -> SamplingParams:
+        """The model's generation_config.json defaults (max_new_tokens, temperature, top_p,
+        top_k; do_sample false: greedy), batchgen's where it sets none: what vLLM's
+        `LLM.get_default_sampling_params()` gives, and `generate` uses when given none."""
+        d = GenerationDefaults.resolve({}, model_dir).values
+        return cls(
+            max_tokens=int(d["max_new_tokens"]),
+            temperature=d["temperature"],
+            top_p=d["top_p"],
+            top_k=int(d["top_k"]),
+        )
 
     @property
     def max_tokens(self) -> int:

@@ -48,9 +48,16 @@ def tokenize_prompts(
     return list(zip(lists, cut, strict=True))
 
 
-def fit_length(ids: list[int], max_len: int, policy: Truncate, cut: bool = False) -> list[int]:
+def fit_length(
+    ids: list[int],
+    max_len: int,
+    policy: Truncate,
+    cut: bool = False,
+    limit_name: str = "--max-prompt-len",
+) -> list[int]:
     """Apply the truncation policy to one prompt; raise RowError (skip) or PromptTooLong.
-    cut: ids are of the text's first or last part only, so the text has more."""
+    cut: ids are of the text's first or last part only, so the text has more. limit_name:
+    what set max_len (a flag, or the model's positions less the new tokens)."""
     if not ids:
         raise RowError("prompt tokenized to zero tokens")
     if len(ids) <= max_len:
@@ -59,9 +66,12 @@ def fit_length(ids: list[int], max_len: int, policy: Truncate, cut: bool = False
         return ids[-max_len:]
     if policy == Truncate.RIGHT:
         return ids[:max_len]
-    msg = f"prompt has {len(ids)}{'+' * cut} tokens, more than max_prompt_len {max_len}"
+    msg = (
+        f"prompt has {len(ids)}{'+' * cut} tokens, more than max_prompt_len {max_len} "
+        f"(set by {limit_name})"
+    )
     if policy == Truncate.ERROR:
-        raise PromptTooLong(f"{msg}; pass --truncate left|right|skip or raise --max-prompt-len")
+        raise PromptTooLong(f"{msg}; pass --truncate left|right|skip or raise the limit")
     raise RowError(f"{msg} (skipped; --truncate left|right keeps part of it)")
 
 

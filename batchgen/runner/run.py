@@ -87,7 +87,11 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     out = job_scope.enter_context(OutputDir(cfg.output_dir, job_fingerprint(job), cfg.overwrite))
     shape = prep.record_shape
     done = out.done_ids(shape.id_column)  # ids, or (id, sample_index) pairs with samples
-    stats = RunStats(rows_skipped_done=len(done), openai_unsupported_fields=unsupported)
+    stats = RunStats(
+        rows_skipped_done=len(done),
+        openai_unsupported_fields=unsupported,
+        generation_defaults=job.generation.to_dict(),
+    )
     if out.is_complete:
         log.warning(
             "%s already holds this job's complete results; --overwrite reruns it", cfg.output_dir

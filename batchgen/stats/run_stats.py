@@ -60,6 +60,8 @@ class RunInfo:
 class RunStats:
     rows_skipped_done: int = 0  # already in the output from an earlier run
     openai_unsupported_fields: dict[str, int] | None = None  # body fields ignored, by lines
+    # {max_new_tokens: {value, from}, ...}: option, generation_config.json or batchgen
+    generation_defaults: dict[str, Any] | None = None
     info: RunInfo | None = None  # None: the run ended before loading the model
     rows: int = 0  # rows written in this run (ok + error)
     rows_error: int = 0
