@@ -10,7 +10,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, read_output, run_cli, run_job, write_parquet
+from helpers import (
+    assert_one_line_error,
+    read_output,
+    rows_by_id,
+    run_cli,
+    run_job,
+    write_parquet,
+)
 
 LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)  # well over 32 tokens
 
@@ -37,18 +44,29 @@ def test_max_model_len_bounds_prompt_and_output(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": ["the lazy dog", LONG]})
     flags = ("--max-model-len", 32, "--max-new-tokens", 8, "--ignore-eos")
     run_job(src, tmp_path / "skip", model, *flags)
-    short, long = read_output(tmp_path / "skip").to_pylist()
+    rows = rows_by_id(tmp_path / "skip")
+    short, long = rows[0], rows[1]
     assert short["error"] is None and short["completion_tokens"] == 8
     assert "--max-model-len 32" in long["error"] and "max_prompt_len 24" in long["error"]
     run_job(src, tmp_path / "cut", model, *flags, "--truncate", "left")
-    rows = read_output(tmp_path / "cut").to_pylist()
-    assert [r["error"] for r in rows] == [None, None]
+    rows = rows_by_id(tmp_path / "cut")
+    assert [rows[0]["error"], rows[1]["error"]] == [None, None]
     assert rows[1]["prompt_tokens"] + rows[1]["completion_tokens"] == 32
 
 
 def test_max_prompt_len_lower_than_the_model_len_wins(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": [LONG]})
-    run_job(src, tmp_path / "out", model, "--max-model-len", 64, "--max-prompt-len", 10)
+    run_job(
+        src,
+        tmp_path / "out",
+        model,
+        "--max-model-len",
+        64,
+        "--max-prompt-len",
+        10,
+        "--max-new-tokens",
+        4,
+    )
     [row] = read_output(tmp_path / "out").to_pylist()
     assert "max_prompt_len 10 (set by --max-prompt-len)" in row["error"]
 
