@@ -10,6 +10,13 @@ runs on rank 0's share of the cores, so a tensor-parallel job's peaks are its ti
 `--peak-tflops` / `--peak-bandwidth-gbs` override either; BATCHGEN_NO_PEAK_PROBE=1 skips the
 probe (MFU and MBU are then left out where no peak is known).
 
+A cached figure is only as good as the moment it was measured: each entry keeps when
+(`measured_unix`) and the load average then (`loadavg`, `cpus`), `peak_source` states its age
+and that load, and the probe runs again when the entry is older than MAX_AGE_DAYS (or of an
+older batchgen, without a date), or was measured under load (1-minute load average above half
+the cores: a neighbour's work read 24 GFLOP/s against 180 quiet) while the machine is quiet now
+and an hour has passed (so a busy machine does not probe at every run).
+
 The cache is only a shortcut: one that is not a JSON object of entries holding both figures as
 plausible positive numbers (a hand edit, a half-written file from an old batchgen) is treated
 as absent, so the probe runs again and rewrites it atomically. Given peaks are never looked up.
@@ -22,6 +29,7 @@ import logging
 import os
 import platform
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +60,8 @@ NO_PROBE_ENV = "BATCHGEN_NO_PEAK_PROBE"
 # measurement (an MFU of 441,309,057 came from a cached flops of a few hundred).
 CPU_FLOPS_RANGE = (1e7, 1e16)
 CPU_BANDWIDTH_RANGE = (1e7, 1e14)
+MAX_AGE_DAYS = 30  # a cached probe older than this is measured again
+RETRY_LOADED_S = 3600  # a probe taken under load is retried after this, on a quiet machine
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +92,52 @@ def _cache_file() -> Path:
     return Path(root) / "batchgen" / "peaks.json"
 
 
+def _load() -> tuple[float | None, int]:
+    """The 1-minute load average (None where unknown) and the number of CPUs."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    return load, os.cpu_count() or 1
+
+
+def _loaded(load: object, cpus: object) -> bool:
+    return isinstance(load, (int, float)) and isinstance(cpus, int) and load > cpus / 2
+
+
+def _stale(entry: dict, now: float) -> str | None:
+    """Why a usable cached entry should be measured again, or None to keep it."""
+    when = entry.get("measured_unix")
+    if not isinstance(when, (int, float)):
+        return "it has no date (an older batchgen's)"
+    if now - when > MAX_AGE_DAYS * 86400:
+        return f"it is older than {MAX_AGE_DAYS} days"
+    if _loaded(entry.get("loadavg"), entry.get("cpus")) and now - when > RETRY_LOADED_S:
+        load, cpus = _load()
+        if load is not None and not _loaded(load, cpus):
+            return "it was measured under load and the machine is quiet now"
+    return None
+
+
+def _describe(entry: dict, now: float) -> str:
+    """A cached entry's age and the load it was measured under, for peak_source."""
+    when, load, cpus = entry.get("measured_unix"), entry.get("loadavg"), entry.get("cpus")
+    if not isinstance(when, (int, float)):
+        return "measured at an unknown date"
+    age = (now - when) / 86400
+    text = f"measured {time.strftime('%Y-%m-%d', time.gmtime(when))}, {age:.1f} days ago"
+    return text + _load_text(load, cpus)
+
+
+def _load_text(load: object, cpus: object) -> str:
+    if not isinstance(load, (int, float)):
+        return ""
+    text = f", load average {load:.2f} on {cpus} CPUs"
+    if _loaded(load, cpus):
+        text += ": measured under load, may read low (delete the cache or pass the peaks)"
+    return text
+
+
 def cpu_peaks(dtype: torch.dtype) -> tuple[float, float, str] | None:
     """The CPU's measured (FLOP/s, bytes/s, source), from the cache or a probe; None when
     the probe is switched off and nothing usable is cached."""
@@ -91,14 +147,20 @@ def cpu_peaks(dtype: torch.dtype) -> tuple[float, float, str] | None:
     path = _cache_file()
     cache = _read_cache(path)
     hit = _cached_peaks(cache.get(key))
+    now = time.time()
+    probe_off = bool(os.environ.get(NO_PROBE_ENV))
     if hit is not None:
-        return *hit, f"probe (cached in {path})"
-    if key in cache:
+        why = None if probe_off else _stale(cache[key], now)
+        if why is None:
+            return *hit, f"probe (cached in {path}; {_describe(cache[key], now)})"
+        log.info("measuring the peaks in %s again: %s", path, why)
+    elif key in cache:
         log.warning("ignoring the unusable cached peaks %r in %s; probing again", key, path)
-    if os.environ.get(NO_PROBE_ENV):
+    if probe_off:
         return None
+    load, cpus = _load()
     c = measure("cpu", dtype, copy_bytes=128 << 20, matmul_n=1024, reps=3)
-    cache[key] = c.to_dict()
+    cache[key] = {**c.to_dict(), "measured_unix": now, "loadavg": load, "cpus": cpus}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(
@@ -106,7 +168,7 @@ def cpu_peaks(dtype: torch.dtype) -> tuple[float, float, str] | None:
         )
     except (OSError, OutputError) as e:  # a read-only home: measure again next time
         log.warning("cannot cache the peak probe in %s: %s", path, e)
-    return c.matmul_flops, c.bandwidth_Bps, "probe (measured now)"
+    return c.matmul_flops, c.bandwidth_Bps, f"probe (measured now{_load_text(load, cpus)})"
 
 
 def _read_cache(path: Path) -> dict:
