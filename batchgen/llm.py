@@ -28,7 +28,7 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import Completion, Request
 from batchgen.errors import RowError
 from batchgen.job.model_spec import ModelSpec
-from batchgen.job.sampling import RequestOutput, SamplingParams
+from batchgen.job.sampling import RequestOutput, SamplingParams, is_candidate_list, is_token_ids
 from batchgen.model.attention import DECODE_ATTENTION_ENV
 from batchgen.model.hf_backend import load_hf_model
 from batchgen.model.host_malloc import release_freed_memory
@@ -171,7 +171,7 @@ class LLM:
         {"prompt_token_ids": ...}; one string is one prompt); one RequestOutput per prompt, in
         prompt order. sampling_params (or params, batchgen's earlier name): one for all
         prompts or one each; None: get_default_sampling_params(). use_tqdm: a progress bar."""
-        if isinstance(prompts, str | dict) or _is_token_ids(prompts):
+        if isinstance(prompts, str | dict) or is_token_ids(prompts):
             prompts = [prompts]
         texts, ids, errors = [], [], []
         for p in prompts:
@@ -277,7 +277,7 @@ class LLM:
         """log P(candidate | prompt) of each candidate continuation (text, tokenized
         without special tokens, or token ids), in `Completion.scores`; one candidate list
         for all prompts or one per prompt. Nothing is sampled."""
-        per_row = [candidates] * len(prompts) if _is_candidate_list(candidates) else candidates
+        per_row = [candidates] * len(prompts) if is_candidate_list(candidates) else candidates
         requests = []
         for i, (p, cands) in enumerate(zip(prompts, per_row, strict=True)):
             ids = p if isinstance(p, list) else self.tokenizer(p)["input_ids"]
@@ -315,16 +315,4 @@ def _warn_greedy_samples() -> None:
     log.warning(
         "n > 1 with temperature 0 (greedy) gives n identical completions; pass a temperature "
         "above 0 (e.g. temperature=0.8) to sample different ones (warned once)"
-    )
-
-
-def _is_token_ids(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
-
-
-def _is_candidate_list(x: Sequence) -> bool:
-    """One list of candidates (texts or id lists), rather than one list per prompt?"""
-    return all(
-        isinstance(c, str) or (isinstance(c, list) and all(isinstance(t, int) for t in c))
-        for c in x
     )

@@ -124,3 +124,16 @@ class RequestOutput:
         if name in _COMPLETION_NAMES:
             return getattr(self.outputs[0], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def is_token_ids(x: Any) -> bool:
+    """A prompt given as token ids (the API's generate takes text, ids or dicts)?"""
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
+
+
+def is_candidate_list(x: Sequence) -> bool:
+    """One list of candidates (texts or id lists), rather than one list per prompt?"""
+    return all(
+        isinstance(c, str) or (isinstance(c, list) and all(isinstance(t, int) for t in c))
+        for c in x
+    )
