@@ -38,7 +38,15 @@ def test_bins_of_time_keep_every_token_for_any_length(n_steps):
     width = np.diff(timebins.edges(steps))
     assert (r["x"] * width).sum() == pytest.approx(steps["x"].sum())
     _, m = timebins.means(steps, {"x": np.full(n_steps, 7.0)})
-    assert len(m["x"]) >= 2 and np.allclose(m["x"], 7.0)
+    busy = m["x"][np.isfinite(m["x"])]
+    assert len(busy) >= 2 and np.allclose(busy, 7.0)
+
+
+def test_means_break_where_no_step_ran():
+    steps = _steps([1.0, 9.0], [1.0, 1.0], [3.0, 5.0], shard=[0, 1])
+    _, m = timebins.means(steps, {"x": steps["x"]}, n=9)
+    assert m["x"][0] == pytest.approx(3.0) and m["x"][-1] == pytest.approx(5.0)
+    assert np.isnan(m["x"][1:-1]).all()
 
 
 def test_shards_side_by_side_add_their_rates():

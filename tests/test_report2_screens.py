@@ -26,7 +26,7 @@ def outputs(model, tmp_path_factory):
     src = write_parquet(root / "in.parquet", {"prompt": prompts(2000)})
     five, big, resumed = root / "five", root / "big", root / "resumed"
     run_job(src, five, model, "--max-new-tokens", 4, "--limit", 5)
-    run_job(src, big, model, "--max-new-tokens", 1)
+    run_job(src, big, model, "--max-new-tokens", 2)
     run_job(src, resumed, model, "--max-new-tokens", 3, "--limit", 4)
     run_job(src, resumed, model, "--max-new-tokens", 3, "--limit", 12)
     return {"five": five, "big": big, "resumed": resumed}

@@ -107,7 +107,9 @@ def distributions(stats: dict[str, Any]) -> Figure:
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3)
         if key not in hists or not hists[key]["counts"]:
-            ax.text(0.5, 0.5, "no rows", ha="center", transform=ax.transAxes)
+            # TPOT needs a second token: rows of one token have none
+            empty = "no rows of 2 tokens or more" if key == "tpot_s" else "no rows"
+            ax.text(0.5, 0.5, empty, ha="center", transform=ax.transAxes)
             continue
         h = LogHistogram.from_dict(hists[key])
         # 1% buckets, 10 to a bar: ~10% wide on the log axis

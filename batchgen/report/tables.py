@@ -46,14 +46,15 @@ def stats_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     if merged and "wall_s" not in s:
         basis = " (slowest shard)"
     errors = s.get("rows_error", 0)
+    start = s.get("started_unix")
     rows = [
         (
             "rows",
             f"{s.get('rows', 0)} ({errors} errors, "
             f"{s.get('rows_skipped_done', 0)} from an earlier run)",
         ),
-        ("started", _when(s.get("started_unix"))),
-        ("ended", _when(s["started_unix"] + wall if s.get("started_unix") else None)),
+        ("started", _when(start)),
+        ("ended", _when(s.get("ended_unix") or (s["started_unix"] + wall if start else None))),
         ("wall time", f"{wall:.2f} s{basis}"),
         ("rows / s", f"{s.get('rows_per_s', 0.0):.2f}"),
         ("output tokens / s", f"{s.get('output_tokens_per_s', 0.0):.1f}"),
@@ -92,6 +93,8 @@ def time_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     parts = phases(s)
     total = sum(sec for _, sec, _ in parts)
     rows = [(label, f"{sec:.2f} s ({sec / total:.1%})") for label, sec, _ in parts if total]
+    if "per_shard" in s:
+        rows.append(("note", "summed over the shards (shard-seconds)"))
     if s.get("compile_s") and s.get("steps"):
         rows.append(("note", "a compile after the warm-up is also in its step's time"))
     return rows

@@ -77,12 +77,12 @@ def rates(
 def means(
     steps: dict[str, np.ndarray], values: dict[str, np.ndarray], n: int | None = None
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Bin centres and each series' mean over the step time in each bin (time-weighted; bins
-    without a step are left out)."""
+    """Bin centres and each series' mean over the step time in each bin (time-weighted; NaN in
+    bins without a step, so that a plotted line breaks where nothing ran)."""
     e = edges(steps, n)
     dur = np.asarray(steps["step_s"], dtype=np.float64)
     got = integrate(steps, {k: np.asarray(v) * dur for k, v in values.items()}, e)
     busy = got.pop("busy_s")
-    keep = busy > 1e-12
-    centres = ((e[:-1] + e[1:]) / 2)[keep]
-    return centres, {k: v[keep] / busy[keep] for k, v in got.items()}
+    idle = busy <= 1e-9 * np.diff(e)
+    busy[idle] = np.nan
+    return (e[:-1] + e[1:]) / 2, {k: v / busy for k, v in got.items()}

@@ -149,7 +149,7 @@ class JobSummary(MergeSummary):
         i = next(n for n, line in enumerate(lines) if line.startswith("total"))
         widths = [len(w) for w in lines[i - 1].split("  ")]  # the rule above the total
         cells = ["total", str(d["rows"]), str(d["rows_error"]), str(d["output_tokens"])]
-        cells += [f"{d['wall_s']:.2f}", f"{d['output_tokens_per_s']:.1f}", "(union of walls)"]
+        cells += [f"{d['wall_s']:.2f}", f"{d['output_tokens_per_s']:.1f}", "(union)"]
         lines[i] = "  ".join(
             c.rjust(w) if n else c.ljust(w)
             for n, (c, w) in enumerate(zip(cells, widths, strict=True))

@@ -42,6 +42,11 @@ def merged_metrics(reports: list[ShardReport]) -> dict[str, Any]:
     out["rows_skipped_done"] = sum(s.get("rows_skipped_done", 0) for s in stats)
     out.update({k: stats[0].get(k) for k in _SAME} if stats else {})
     out.update(_utilisation(stats))
+    # Where the time went, in shard-seconds (the report's breakdown; shards side by side
+    # add up to more than the job's wall time)
+    for key in ("startup_s", "load_s", "compile_s", "capture_s", "prefill_s", "decode_s"):
+        out[key] = sum(s.get(key) or 0.0 for s in stats)
+    out["total_wall_s"] = sum((s.get("startup_s") or 0.0) + (s.get("wall_s") or 0.0) for s in stats)
     return out
 
 
@@ -66,8 +71,10 @@ def job_rates(reports: list[ShardReport], rows: int, output_tokens: int) -> dict
     """The merged job's start, wall time and rates over the union of the shards' intervals."""
     wall = union_wall_s(reports)
     starts = [r.stats["started_unix"] for r in reports if r.stats.get("started_unix")]
+    ends = [r.stats["started_unix"] + r.wall_s for r in reports if r.stats.get("started_unix")]
     return {
         "started_unix": min(starts) if starts else None,
+        "ended_unix": max(ends) if ends else None,
         "wall_s": wall,
         "wall_basis": "union of the shards' run intervals",
         "rows_per_s": rows / wall if wall else 0.0,
