@@ -154,7 +154,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the model's generation_config.json defaults; generate's when given none."""
-        return SamplingParams.from_model(self.spec.model_dir)
+        return SamplingParams.from_model(self.spec.model_dir, self.spec.generation_config)
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -66,7 +66,7 @@ def test_on_a_gpu_run_and_the_api_get_the_gpu_defaults(tmp_path, model, monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     job = open_job(_job(tmp_path, model))
     specs = []  # what LLM() would load, instead of loading it onto the absent GPU
-    monkeypatch.setattr(LLM, "_load", lambda self, spec: specs.append(spec))
+    monkeypatch.setattr(LLM, "_load", lambda self, spec, resumable: specs.append(spec))
     LLM(model)
     (api,) = specs
     assert job.spec.device.type == api.device.type == "cuda"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import FAST, prompts, read_output, read_stats, run_cli, run_job, write_parquet
 
-from batchgen.job.generation import MODEL, GenerationDefaults
+from batchgen.job.generation import MODEL, GenerationDefaults, read_generation_config
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_bad_model_values_are_ignored(tmp_path):
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"temperature": -1, "top_p": 0, "top_k": -1, "max_new_tokens": 0})
     )
-    d = GenerationDefaults.resolve({}, tmp_path)
+    d = GenerationDefaults.resolve({}, read_generation_config(tmp_path))
     assert d.values == {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
     assert d.sources["top_k"] == MODEL  # -1 is transformers' and vLLM's "off"
 

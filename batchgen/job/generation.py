@@ -38,16 +38,21 @@ def _valid(key: str, v: Any) -> bool:
     return v >= 0 if key == "temperature" else 0 < v <= 1
 
 
-def model_defaults(model_dir: str | Path) -> dict[str, int | float]:
-    """The generation defaults a model directory's generation_config.json sets; a value that
-    could not be an option's (a negative temperature, top_p 0) is warned about and ignored."""
+def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
+    """A model directory's generation_config.json as a dict ({} without one, or an unreadable
+    one): read once a job (ModelSpec.generation_config), for EOS and the defaults."""
     path = Path(model_dir) / "generation_config.json"
     try:
         gen = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    if not isinstance(gen, dict):
-        return {}
+    return gen if isinstance(gen, dict) else {}
+
+
+def model_defaults(gen: Mapping[str, Any]) -> dict[str, int | float]:
+    """The generation defaults a model's generation_config.json (gen) sets; a value that
+    could not be an option's (a negative temperature, top_p 0) is warned about and ignored."""
+    path = "generation_config.json"
     found: dict[str, int | float] = {}
     for key in KEYS:
         v = gen.get(key)
@@ -70,9 +75,10 @@ class GenerationDefaults:
     sources: dict[str, str]
 
     @classmethod
-    def resolve(cls, given: Mapping[str, Any], model_dir: str | Path) -> GenerationDefaults:
-        """given: the options' values, None where not given."""
-        model = model_defaults(model_dir)
+    def resolve(cls, given: Mapping[str, Any], gen: Mapping[str, Any]) -> GenerationDefaults:
+        """given: the options' values, None where not given; gen: the model's
+        generation_config.json (read_generation_config)."""
+        model = model_defaults(gen)
         values: dict[str, int | float] = {}
         sources: dict[str, str] = {}
         for key in KEYS:

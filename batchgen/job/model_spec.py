@@ -24,6 +24,7 @@ from batchgen.engine.compile_cache import default_root
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Grammars
 from batchgen.errors import ConfigError, ModelLoadError
+from batchgen.job.generation import read_generation_config
 from batchgen.model.attention import DECODE_ATTENTION_ENV, DecodeBackend, decode_backend
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import native_config, read_hf_config
@@ -133,10 +134,9 @@ def _block_size(engine: EngineConfig | Mapping[str, Any] | None) -> int:
     return (engine or {}).get("block_size") or EngineConfig().block_size
 
 
-def eos_token_ids(model_dir: Path, hf: dict, tokenizer) -> list[int]:
-    """EOS ids from generation_config.json, else config.json (hf), else the tokenizer."""
-    gen = model_dir / "generation_config.json"
-    for cfg in (json.loads(gen.read_text()) if gen.is_file() else {}, hf):
+def eos_token_ids(gen: Mapping[str, Any], hf: dict, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json (gen), else config.json (hf), else the tokenizer."""
+    for cfg in (gen, hf):
         eos = cfg.get("eos_token_id")
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
@@ -186,6 +186,7 @@ class ModelSpec:
     """Everything the engine is built from, resolved; no weights."""
 
     model_dir: Path
+    generation_config: Mapping[str, Any]  # generation_config.json, read once ({}: none)
     model_cfg: ModelConfig
     tokenizer: Any
     eos_ids: tuple[int, ...]
@@ -250,12 +251,14 @@ class ModelSpec:
         quant = make_scheme(quantize, quant_backend, dev, dt, group_size=quant_group_size)
         tokenizer = load_tokenizer(model_dir, hf.get("model_type"))
         check_vocab(model_dir, len(tokenizer), model_cfg.vocab_size)
-        eos = eos_token_ids(model_dir, hf, tokenizer)
+        gen = read_generation_config(model_dir)
+        eos = eos_token_ids(gen, hf, tokenizer)
         return cls(
             model_dir=model_dir,
             model_cfg=model_cfg,
             tokenizer=tokenizer,
             eos_ids=tuple(eos),
+            generation_config=gen,
             device=dev,
             dtype=dt,
             compile=compiled,

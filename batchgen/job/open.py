@@ -69,7 +69,7 @@ def open_job(cfg: RunConfig) -> Job:
     source = open_input(cfg.input)
     check_input_outside_output(source, cfg.output)
     generation = GenerationDefaults.resolve(
-        {k: getattr(cfg, k) for k in GENERATION_KEYS}, spec.model_dir
+        {k: getattr(cfg, k) for k in GENERATION_KEYS}, spec.generation_config
     )
     cfg = dataclasses.replace(cfg, **generation.values)
     if cfg.n > 1 and cfg.temperature == 0 and "temperature" not in source.columns:

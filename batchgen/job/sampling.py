@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from batchgen.engine import sequence
 from batchgen.engine.sequence import Completion, Constraint
-from batchgen.job.generation import GenerationDefaults
+from batchgen.job.generation import GenerationDefaults, read_generation_config
 from batchgen.job.seeds import row_seed
 
 
@@ -69,11 +69,14 @@ class SamplingParams(sequence.SamplingParams):
         object.__setattr__(self, "n", n)
 
     @classmethod
-    def from_model(cls, model_dir: str | Path) -> SamplingParams:
+    def from_model(
+        cls, model_dir: str | Path, gen: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
         """The model's generation_config.json defaults (max_new_tokens, temperature, top_p,
         top_k; do_sample false: greedy), batchgen's where it sets none: what vLLM's
         `LLM.get_default_sampling_params()` gives, and `generate` uses when given none."""
-        d = GenerationDefaults.resolve({}, model_dir).values
+        gen = read_generation_config(model_dir) if gen is None else gen
+        d = GenerationDefaults.resolve({}, gen).values
         return cls(
             max_tokens=int(d["max_new_tokens"]),
             temperature=d["temperature"],
