@@ -8,10 +8,8 @@ completions in `.outputs`, as vLLM does. docs/coming-from-vllm.md lists the name
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,6 @@ import torch
 from batchgen.choices import ModelImpl
 from batchgen.data.prompts import PromptBuilder
 from batchgen.engine import sequence
-from batchgen.engine.compile_cache import CompileCache
 from batchgen.engine.completions import error_completion
 from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner
@@ -29,7 +26,6 @@ from batchgen.engine.sequence import Completion, Request
 from batchgen.errors import RowError
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.sampling import RequestOutput, SamplingParams, is_candidate_list, is_token_ids
-from batchgen.model.attention import DECODE_ATTENTION_ENV
 from batchgen.model.hf_backend import load_hf_model
 from batchgen.model.host_malloc import release_freed_memory
 from batchgen.model.tensor_parallel import TPShard
@@ -101,30 +97,12 @@ class LLM:
                 self.model, self.ranks, block_size=block_size, compile=spec.compile, clock=clock
             )
         else:
-            cache = self._compile_cache() if spec.compile else None
+            cache = spec.compile_cache_for(self.quant, self.lora) if spec.compile else None
             self.runner = ModelRunner(
                 self.model, block_size=block_size, compile=spec.compile, compile_cache=cache
             )
         # Grammars are compiled (xgrammar imported) only when a constrained row comes.
         self.engine = Engine(self.runner, spec.engine, self.detokenize, spec.eos_ids, spec.grammars)
-
-    def _compile_cache(self) -> CompileCache | None:
-        """The compile cache of this model as loaded (engine/compile_cache.py); None: off."""
-        spec = self.spec
-        if spec.compile_cache is None:
-            return None
-        config = (spec.model_dir / "config.json").read_bytes()
-        parts = {
-            "model_config": hashlib.sha256(config).hexdigest(),
-            "dtype": str(spec.dtype),
-            "quantization": self.quant.to_dict(),
-            "lora": self.lora.sha256 if self.lora is not None else None,
-            "block_size": spec.engine.block_size,
-            "decode_attention": os.environ.get(DECODE_ATTENTION_ENV) or "device default",
-            "tensor_parallel": [0, spec.tensor_parallel_size],
-            "model_impl": spec.model_cfg.impl.value,
-        }
-        return CompileCache.of(spec.compile_cache, parts, spec.device)
 
     @property
     def weights_bytes_per_rank(self) -> int:

@@ -188,19 +188,21 @@ def test_capture_sizes_cover_every_batch():
 def test_the_cache_key_changes_with_what_changes_the_graphs(model, tmp_path):
     def key(**kw) -> str:
         llm = LLM(model, device="cpu", compile=True, compile_cache=tmp_path, **kw)
-        return llm._compile_cache().key
+        return llm.spec.compile_cache_for(llm.quant, llm.lora).key
 
     base = key(dtype="float32")
     assert key(dtype="float32") == base
     assert key(dtype="bfloat16") != base
     assert key(dtype="float32", engine=EngineConfig(block_size=32)) != base
-    assert LLM(model, device="cpu", compile=True, compile_cache="off")._compile_cache() is None
+    off = LLM(model, device="cpu", compile=True, compile_cache="off")
+    assert off.spec.compile_cache_for(off.quant, off.lora) is None
 
 
 def test_the_cache_key_changes_with_a_lora_adapter(model, lora_dir, tmp_path):
     plain = LLM(model, device="cpu", compile=True, compile_cache=tmp_path)
     adapted = LLM(model, device="cpu", compile=True, compile_cache=tmp_path, lora=lora_dir)
-    assert plain._compile_cache().key != adapted._compile_cache().key
+    keys = [m.spec.compile_cache_for(m.quant, m.lora).key for m in (plain, adapted)]
+    assert keys[0] != keys[1]
 
 
 def _compiled_job(data: Path, out: Path, model: Path, cache: Path, inductor: Path, kv: int):

@@ -11,7 +11,9 @@ before the model loads; `LLM.from_spec` then builds the model and the engine fro
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 from batchgen.choices import Dtype, ModelImpl
-from batchgen.engine.compile_cache import default_root
+from batchgen.engine.compile_cache import CompileCache, default_root
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Grammars
 from batchgen.errors import ConfigError, ModelLoadError
@@ -200,6 +202,26 @@ class ModelSpec:
     allow_pickle: bool = False
     tensor_parallel_size: int = 1  # ranks the model is split over (one process each)
     compile_cache: Path | None = None  # the compile cache's root (with compile); None: off
+
+    def compile_cache_for(
+        self, quant: QuantScheme, lora: LoraAdapter | None, rank: int = 0
+    ) -> CompileCache | None:
+        """The compile cache of this model as loaded, quantized and adapted
+        (engine/compile_cache.py); None: off. Its key: what changes the compiled graphs."""
+        if self.compile_cache is None:
+            return None
+        config = (self.model_dir / "config.json").read_bytes()
+        parts = {
+            "model_config": hashlib.sha256(config).hexdigest(),
+            "dtype": str(self.dtype),
+            "quantization": quant.to_dict(),
+            "lora": lora.sha256 if lora is not None else None,
+            "block_size": self.engine.block_size,
+            "decode_attention": os.environ.get(DECODE_ATTENTION_ENV) or "device default",
+            "tensor_parallel": [rank, self.tensor_parallel_size],
+            "model_impl": self.model_cfg.impl.value,
+        }
+        return CompileCache.of(self.compile_cache, parts, self.device)
 
     @classmethod
     def resolve(
