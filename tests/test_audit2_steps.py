@@ -4,14 +4,11 @@ output's single file, and bins them with numpy."""
 
 import shutil
 
-import numpy as np
 import pyarrow.parquet as pq
-import pytest
 from helpers import prompts, read_stats, run_cli, run_job, write_parquet
 
 from batchgen.data.layout import REPORT_FILE, STEPS_FILE
 from batchgen.report.load import load
-from batchgen.report.plots import _binned
 from batchgen.stats.steps import STEPS_DIR, read_steps, steps_files
 
 
@@ -43,12 +40,3 @@ def test_an_older_outputs_single_timeline_file_still_reads(tmp_path, model):
     assert len(load(out).steps["t_s"]) == len(table)
     run_cli("report", out)
     assert "Throughput" in (out / REPORT_FILE).read_text()
-
-
-def test_binning_in_numbers():
-    t = [0.0, 1.0, 2.0, 3.0] * 4  # 16 steps: 2 bins of 1.5 s
-    centres, rates = _binned(t, {"x": [1.0] * 16}, rate=True)
-    assert centres.tolist() == [0.75, 2.25]
-    assert rates["x"].tolist() == pytest.approx([8 / 1.5, 8 / 1.5])
-    _, means = _binned(t, {"x": np.arange(16.0)}, rate=False)
-    assert means["x"].tolist() == pytest.approx([np.mean([0, 1, 4, 5, 8, 9, 12, 13]), 8.5])

@@ -208,22 +208,3 @@ def roofline(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small", loc="lower right")
     return fig
-
-
-def _binned(t, values, rate: bool):
-    """The old per-step binning (8 steps a bin at least), unused by the page: kept only for
-    tests/test_audit2_steps.py::test_binning_in_numbers until that test moves to timebins."""
-    t = np.asarray(t, dtype=np.float64)
-    start, end = t.min(), t.max()
-    n = max(1, min(120, len(t) // 8))
-    width = (end - start) / n or 1.0
-    bins = np.minimum(n - 1, ((t - start) / width).astype(np.int64))
-    counts = np.bincount(bins, minlength=n)
-    sums = {
-        k: np.bincount(bins, weights=np.asarray(v, float), minlength=n) for k, v in values.items()
-    }
-    keep = np.arange(n) if rate else np.flatnonzero(counts)
-    centres = start + (keep + 0.5) * width
-    if rate:
-        return centres, {k: v[keep] / width for k, v in sums.items()}
-    return centres, {k: v[keep] / counts[keep] for k, v in sums.items()}
