@@ -43,9 +43,9 @@ from batchgen.model.transformer import Transformer
 _STEP_DIMS = ((0,), (0,), (0,))
 _GATHER_DIMS = ((0, 1), (0,))
 _FLEX_DIMS = ((0,), (0,), (0,), (0,), (0,))
-# Sampling's: logits (B, V), temperature, top_k, top_p, seed, steps (B,), bitmask (B, words),
-# greedy_only (a guard).
-_SAMPLE_DIMS = ((0,),) * 7 + (None,)
+# Sampling's: logits (B, V), temperature, top_k, top_p, seed, min_p, steps (B,), ban (B, W),
+# bitmask (B, words), greedy_only (a guard).
+_SAMPLE_DIMS = ((0,),) * 9 + (None,)
 
 
 @dataclass(slots=True)
@@ -104,8 +104,10 @@ class CompiledDecode:
         return self.model(tokens, positions, step, torch.arange(b, device=tokens.device))
 
     @staticmethod
-    def _sample(logits, temperature, top_k, top_p, seed, steps, bitmask, greedy_only: bool):
-        sampling = SamplingTensors(temperature, top_k, top_p, seed)
+    def _sample(
+        logits, temperature, top_k, top_p, seed, min_p, steps, ban, bitmask, greedy_only: bool
+    ):
+        sampling = SamplingTensors(temperature, top_k, top_p, seed, min_p, ban)
         return sample_step(logits, sampling, steps, greedy_only, bitmask, top=True)
 
     # ------------------------------------------------------------------ a step
@@ -142,7 +144,9 @@ class CompiledDecode:
             bitmask = torch.cat([bitmask, bitmask.new_full((b - bitmask.shape[0], self.words), -1)])
         s = samp
         return self.sample_graph(
-            logits, s.temperature, s.top_k, s.top_p, s.seed, steps, bitmask, sampling.greedy_only
+            logits,
+            *(s.temperature, s.top_k, s.top_p, s.seed, s.min_p, steps, s.ban, bitmask),
+            sampling.greedy_only,
         )
 
     # ------------------------------------------------------------------ warm-up

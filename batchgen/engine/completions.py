@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from batchgen.engine.constraints import Constrainer
 from batchgen.engine.sequence import Completion, FinishReason, Request, Sequence
-from batchgen.engine.stopping import Detokenize, trim_at_stop
+from batchgen.engine.stopping import Detokenize, skipped, trim_at_stop
 
 
 def expand(r: Request) -> list[Request]:
@@ -71,9 +71,12 @@ class Completions:
         ids, logprobs, top = seq.output_ids, seq.logprobs, seq.top_logprobs
         if seq.keep is not None:
             ids, logprobs, top = ids[: seq.keep], logprobs[: seq.keep], top[: seq.keep]
-        text = self.detokenize(ids)
+        # a stop token id stays in token_ids and out of the text, as in vLLM
+        text = self.detokenize(ids[:-1] if isinstance(seq.stop_reason, int) else ids)
         if seq.params.stop and seq.finish_reason is FinishReason.STOP:
-            text = trim_at_stop(text, seq.params.stop)
+            skip = skipped(seq.params.min_tokens)  # no stop string ends before min_tokens
+            after = len(self.detokenize(ids[:skip])) if skip else 0
+            text = trim_at_stop(text, seq.params.stop, after)
         reason = seq.finish_reason
         error = seq.error if reason is FinishReason.LENGTH else None  # a constrained row's note
         if reason is FinishReason.STOP and seq.params.constraint is not None:  # never a bad stop
@@ -91,6 +94,7 @@ class Completions:
             cached_tokens=seq.num_cached_prompt,
             top_logprobs=top if seq.params.top_logprobs else None,
             error=error,
+            stop_reason=seq.stop_reason,
             queued_at=seq.queued_at,
             first_token_at=seq.first_token_at or now,
             finished_at=now,

@@ -43,7 +43,7 @@ from batchgen.engine.sequence import (
     StepReport,
 )
 from batchgen.engine.step_cost import context_tokens
-from batchgen.engine.stopping import Detokenize, tokens_to_keep
+from batchgen.engine.stopping import Detokenize, matched_stop, skipped, tokens_to_keep
 from batchgen.model.memory import check_allocation
 
 
@@ -200,10 +200,13 @@ class Engine:
             self._judge_constrained(plan, finished)
         for s in plan.scheduled:  # stop strings: on the host, for the rows that have them
             seq = s.seq
-            if s.samples and seq.params.stop and seq not in finished:
-                keep = tokens_to_keep(seq.output_ids, seq.params.stop, self.detokenize)
+            if s.samples and seq.params.stop and seq not in finished and not seq.below_min_tokens:
+                skip, stops = skipped(seq.params.min_tokens), seq.params.stop
+                keep = tokens_to_keep(seq.output_ids, stops, self.detokenize, skip)
                 if keep is not None:
-                    sched.finish(seq, FinishReason.STOP, keep)
+                    text = self.detokenize(seq.output_ids[:keep])
+                    after = len(self.detokenize(seq.output_ids[:skip])) if skip else 0
+                    sched.finish(seq, FinishReason.STOP, keep, matched_stop(text, stops, after))
                     finished.append(seq)
         if constrainer is not None:
             for seq in finished:

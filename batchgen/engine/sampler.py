@@ -15,6 +15,10 @@ import torch
 
 from batchgen.engine.sequence import Scheduled
 
+# A row's banned tokens (its stop tokens while below min_tokens) are a (B, W) tensor of ids,
+# -1 padded, W this or the next power of two above it: a fixed shape, so no recompiles.
+BAN_WIDTH = 8
+
 _M31 = (1 << 31) - 1
 _MIX = 0x045D9F3B  # < 2**27, so (x < 2**31) * _MIX stays inside int64
 
@@ -47,11 +51,32 @@ class SamplingTensors:
     top_k: torch.Tensor  # int64; 0 = off
     top_p: torch.Tensor  # float32; 1 = off
     seed: torch.Tensor  # int64
+    # optional (None: off) for callers that set neither; the steps' SamplingColumns always do,
+    # so a compiled graph always sees tensors
+    min_p: torch.Tensor | None = None  # float32; 0 = off
+    ban: torch.Tensor | None = None  # (B, W) int64: token ids the row may not draw now; -1 = none
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def ban_tokens(logits: torch.Tensor, ban: torch.Tensor | None) -> torch.Tensor:
+    """logits with each row's banned ids (ban, -1 padded) at -inf. A scatter_add of 0 / -inf,
+    not a scatter: a padding slot's id may repeat a banned one, and a sum has no winner."""
+    if ban is None:
+        return logits
+    src = torch.zeros(ban.shape, dtype=logits.dtype, device=logits.device)
+    src = src.masked_fill(ban >= 0, float("-inf"))
+    return logits + torch.zeros_like(logits).scatter_add(-1, ban.clamp(min=0), src)
+
+
+def _filter(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None
+) -> torch.Tensor:
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+    if min_p is not None:
+        # first, as vLLM: p < min_p * p_max, i.e. logit < the top logit + log(min_p) (log 0 =
+        # -inf drops nothing)
+        floor = sorted_logits[:, :1] + torch.log(min_p)[:, None]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < floor, float("-inf"))
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
     kth = sorted_logits.gather(-1, (k - 1)[:, None])  # (B, 1)
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
@@ -73,7 +98,7 @@ def sample(
     if greedy_only:
         return greedy
     temp = torch.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-    probs = _filter(logits / temp, params.top_k, params.top_p).softmax(-1)
+    probs = _filter(logits / temp, params.top_k, params.top_p, params.min_p).softmax(-1)
     noise = -torch.log(row_uniforms(params.seed, steps, logits.shape[-1]))  # Exp(1)
     drawn = (probs / noise).max(-1).indices
     return torch.where(params.temperature > 0, drawn, greedy)
@@ -89,6 +114,8 @@ class SamplingColumns:
     top_p: list[float] = field(default_factory=list)
     seed: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)  # tokens the row generated so far
+    min_p: list[float] = field(default_factory=list)
+    ban: list[list[int]] = field(default_factory=list)  # stop tokens below min_tokens
 
     def add(self, s: Scheduled) -> None:
         p = s.seq.params
@@ -97,6 +124,8 @@ class SamplingColumns:
         self.top_p.append(p.top_p)
         self.seed.append(p.seed)
         self.steps.append(s.seq.num_generated)
+        self.min_p.append(p.min_p)
+        self.ban.append(sorted(s.seq.stop_ids) if s.seq.below_min_tokens else [])
 
     def pad(self, n: int) -> None:
         for col, fill in (
@@ -105,15 +134,23 @@ class SamplingColumns:
             (self.top_p, 1.0),
             (self.seed, 0),
             (self.steps, 0),
+            (self.min_p, 0.0),
         ):
             col.extend([fill] * n)
+        self.ban.extend([] for _ in range(n))
 
     def tensors(self, dev: torch.device) -> tuple[SamplingTensors, torch.Tensor]:
+        width = BAN_WIDTH
+        while width < max(map(len, self.ban), default=0):
+            width *= 2
+        ban = [b + [-1] * (width - len(b)) for b in self.ban]
         return SamplingTensors(
             temperature=torch.tensor(self.temperature, dtype=torch.float32, device=dev),
             top_k=torch.tensor(self.top_k, dtype=torch.long, device=dev),
             top_p=torch.tensor(self.top_p, dtype=torch.float32, device=dev),
             seed=torch.tensor(self.seed, dtype=torch.long, device=dev),
+            min_p=torch.tensor(self.min_p, dtype=torch.float32, device=dev),
+            ban=torch.tensor(ban, dtype=torch.long, device=dev).reshape(len(ban), width),
         ), torch.tensor(self.steps, dtype=torch.long, device=dev)
 
     @property

@@ -26,9 +26,9 @@ as prefill, the runner hands back the log-probability of each token from `score_
 and the sequence ends once all of them are computed. Its prefix-cache hit stops before
 the position that predicts its first scored token, which must run.
 
-The runner executes the plan and hands back one sampled token per sequence whose last
-known token was computed this step; `update` appends them, ends sequences at EOS or
-max_new_tokens, gives their blocks back, and caches the blocks that became full.
+The runner hands back one sampled token per sequence whose last known token was computed;
+`update` appends them, ends sequences at EOS, a stop token id or max_new_tokens
+(engine/stopping.py), gives their blocks back, and caches the blocks that became full.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from collections.abc import Sequence as Seq
 
 from batchgen.engine.block_pool import BlockPool, block_hash
 from batchgen.engine.sequence import FinishReason, Request, Scheduled, SeqStatus, Sequence, StepPlan
+from batchgen.engine.stopping import token_finish
 
 
 class Scheduler:
@@ -79,7 +80,7 @@ class Scheduler:
                 f"request {request.index} needs {request.max_tokens}"
                 f" cache slots; the pool holds {self.pool.num_usable * self.block_size}"
             )
-        seq = Sequence(request, self._arrivals)
+        seq = Sequence(request, self._arrivals, eos_ids=self.eos)
         self._arrivals += 1
         self._push(seq)
         return seq
@@ -270,13 +271,10 @@ class Scheduler:
             seq.logprobs.append(logprob)
             if top and top[0] is not None:
                 seq.top_logprobs.append(top[0])
-            if tok in self.eos and not seq.params.ignore_eos:
-                self.finish(seq, FinishReason.STOP)
-            elif seq.num_generated >= seq.params.max_new_tokens:
-                self.finish(seq, FinishReason.LENGTH)
-            else:
-                continue
-            finished.append(seq)
+            reason, stop_token = token_finish(seq, tok, self.eos)  # EOS, stop id, length
+            if reason is not None:
+                self.finish(seq, reason, why=stop_token)
+                finished.append(seq)
         return finished
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
@@ -289,12 +287,14 @@ class Scheduler:
                     del self.pending[keys[j]]
             seq.num_registered = n_full
 
-    def finish(self, seq: Sequence, reason: FinishReason, keep: int | None = None) -> None:
-        """End a running sequence (keep: generated tokens kept, for a stop string)."""
+    def finish(self, seq: Sequence, reason: FinishReason, keep: int | None = None, why=None):
+        """End a running sequence (keep: generated tokens kept, for a stop string; why: its
+        stop_reason, the stop string or stop token id)."""
         if seq.status is not SeqStatus.RUNNING:
             raise RuntimeError(f"request {seq.request.index} finished while {seq.status.value}")
         self.running.remove(seq)
         self._forget_pending(seq)
         self.pool.release(seq.block_table)
         seq.block_table = []
-        seq.status, seq.finish_reason, seq.keep = SeqStatus.FINISHED, reason, keep
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        seq.keep, seq.stop_reason = keep, why

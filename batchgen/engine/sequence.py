@@ -35,7 +35,7 @@ TopLogprobs = list[tuple[int, float]]  # a position's likeliest (token id, logpr
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # an EOS token or a stop string
+    STOP = "stop"  # an EOS token, a stop token id or a stop string
     LENGTH = "length"  # max_new_tokens reached
     ERROR = "error"  # the row could not be run (see Completion.error)
 
@@ -53,6 +53,9 @@ class SamplingParams:
     ignore_eos: bool = False
     constraint: Constraint | None = None  # a choice, regex or JSON schema the output must match
     top_logprobs: int = 0  # each generated token's likeliest alternatives kept (0: none)
+    stop_token_ids: tuple[int, ...] = ()  # a sampled one ends the row (kept out of its text)
+    min_tokens: int = 0  # no EOS, stop token id or stop string ends the row before this many
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest's (0: off)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -67,6 +70,12 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**31), got {self.seed}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens], got {self.min_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +135,7 @@ class Completion:
     first_token_at: float = 0.0  # the step that sampled its first token ended
     finished_at: float = 0.0  # the step that finished it ended
     top_logprobs: list[TopLogprobs] | None = None  # per generated token, where asked for
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     @property
     def completion_tokens(self) -> int:
@@ -160,6 +170,8 @@ class Sequence:
     error: str | None = None  # why it ended with FinishReason.ERROR
     queued_at: float = 0.0  # perf_counter when it entered the queue
     first_token_at: float = 0.0  # perf_counter at the end of the step sampling its first token
+    eos_ids: frozenset[int] = frozenset()  # the model's (the scheduler's), ignore_eos or not
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -188,6 +200,17 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The tokens that end it: EOS (unless ignore_eos) and its stop_token_ids."""
+        eos = frozenset() if self.params.ignore_eos else self.eos_ids
+        return eos | frozenset(self.params.stop_token_ids)
+
+    @property
+    def below_min_tokens(self) -> bool:
+        """Has it generated fewer than min_tokens (its stop tokens are not drawn yet)?"""
+        return self.num_generated < self.params.min_tokens
 
 
 @dataclass(slots=True, frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.engine.constraints import apply_bitmask
-from batchgen.engine.sampler import SamplingTensors, sample
+from batchgen.engine.sampler import SamplingTensors, ban_tokens, sample
 from batchgen.engine.sequence import MAX_TOP_LOGPROBS, Scheduled, TopLogprobs
 
 # (token, logprob, its top alternatives where the sequence asks for them) per sampling
@@ -24,9 +24,11 @@ def sample_step(
     top: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """(tokens, their logprobs) and, with top, the (B, MAX_TOP_LOGPROBS) likeliest logprobs
-    and their token ids (of the same distribution: the model's, under the constraint)."""
+    and their token ids (of the same distribution: the model's, under the constraint and
+    min_tokens' ban)."""
     if bitmask is not None:  # constrained rows: tokens outside their grammar get -inf
         logits = apply_bitmask(logits, bitmask)
+    logits = ban_tokens(logits, sampling.ban)  # stop tokens below min_tokens get -inf
     tok = sample(logits, sampling, steps, greedy_only)
     logp = logits.log_softmax(-1)
     lp = logp.gather(-1, tok[:, None])[:, 0]

@@ -23,7 +23,9 @@ class SamplingParams(sequence.SamplingParams):
     max_tokens (or max_new_tokens): tokens to generate, 64 by default (vLLM's is 16);
     temperature 0 (the default; vLLM's is 1.0) is greedy; top_k -1 or 0 is off; stop: one
     string or a list of them; logprobs: the likeliest alternatives kept per generated token (each
-    token's own logprob is always in `.logprobs`); seed None means 0."""
+    token's own logprob is always in `.logprobs`); seed None means 0; stop_token_ids: tokens
+    that end the output (kept in token_ids, out of the text; `.stop_reason` says which);
+    min_tokens: nothing but max_tokens ends it sooner; min_p 0 is off."""
 
     n: int = 1
 
@@ -42,6 +44,9 @@ class SamplingParams(sequence.SamplingParams):
         max_new_tokens: int | None = None,
         top_logprobs: int | None = None,
         constraint: Constraint | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        min_tokens: int = 0,
+        min_p: float = 0.0,
     ) -> None:
         if max_tokens is not None and max_new_tokens not in (None, max_tokens):
             raise ValueError(
@@ -51,7 +56,7 @@ class SamplingParams(sequence.SamplingParams):
             raise ValueError(f"logprobs {logprobs} and top_logprobs {top_logprobs}: pass one")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        for name, v in (("temperature", temperature), ("top_p", top_p)):
+        for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
             if not math.isfinite(v):  # NaN passes every comparison the engine's checks make
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
         sequence.SamplingParams.__init__(
@@ -65,6 +70,9 @@ class SamplingParams(sequence.SamplingParams):
             ignore_eos=ignore_eos,
             constraint=constraint,
             top_logprobs=next((v for v in (logprobs, top_logprobs) if v is not None), 0),
+            stop_token_ids=tuple(stop_token_ids or ()),
+            min_tokens=min_tokens,
+            min_p=min_p,
         )
         object.__setattr__(self, "n", n)
 
