@@ -12,6 +12,12 @@ from batchgen.choices import BOUNDS, Choice
 from batchgen.cli.help import per_device
 from batchgen.job.config import ENGINE_DEFAULTS, RunConfig, choice_fields
 
+_HELP = {  # issue 31's options, vLLM's names (a column of the name overrides per row)
+    "stop_token_ids": "A token id that ends its row (repeatable; kept out of the text).",
+    "min_tokens": "No EOS, stop token or stop string ends a row before this many tokens.",
+    "min_p": "Drop tokens less likely than min_p x the likeliest one (0 = off).",
+}
+
 
 def _default(name: str):
     f = next(f for f in dataclasses.fields(RunConfig) if f.name == name)
@@ -157,6 +163,9 @@ def run_options(f):
                     "as a newline, a tab and a backslash."
                 ),
             ),
+            _opt("--stop-token-ids", type=int, multiple=True, help=_HELP["stop_token_ids"]),
+            _opt("--min-tokens", type=int, help=_HELP["min_tokens"]),
+            _opt("--min-p", type=float, help=_HELP["min_p"]),
             _opt("--ignore-eos", is_flag=True, help="Generate max_new_tokens even past EOS."),
             _opt(
                 "--task",

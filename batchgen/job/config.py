@@ -54,6 +54,9 @@ class RunConfig:
     top_p: float | None = None
     seed: int = 0
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # a sampled one ends the row
+    min_tokens: int = 0  # no EOS, stop token or stop string ends a row before this many
+    min_p: float = 0.0  # drop tokens below min_p x the likeliest's probability (0: off)
     ignore_eos: bool = False
     n: int = 1  # sampled completions per row (an n column overrides), each its own record
     n_as_list: bool = False  # one record per row, its samples' fields as lists

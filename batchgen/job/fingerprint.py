@@ -130,6 +130,9 @@ def options_fingerprint(cfg: RunConfig) -> dict[str, Any]:
         del out["with_timings"]
     if not cfg.json_any_whitespace:  # and jobs of compact JSON
         del out["json_any_whitespace"]
+    for key in ("stop_token_ids", "min_tokens", "min_p"):  # and jobs without these (issue 31)
+        if not out[key]:
+            del out[key]
     if cfg.shard:  # and unsharded runs
         out["shard"] = str(cfg.shard)
     else:

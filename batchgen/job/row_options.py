@@ -28,12 +28,16 @@ from batchgen.job.tokenization import tokenize
 # Optional input columns that override the job's sampling defaults for their row. Without a
 # seed column, each row's seed is derived from the job's seed and the row's id (seeds.py).
 # top_logprobs: keep each generated token's N likeliest alternatives (a top_logprobs column).
-OVERRIDE_COLUMNS = ("max_new_tokens", "temperature", "top_p", "seed", "top_logprobs")
-_INTEGERS = ("max_new_tokens", "seed", "top_logprobs")
+OVERRIDE_COLUMNS = (
+    *("max_new_tokens", "temperature", "top_p", "seed", "top_logprobs", "min_tokens", "min_p"),
+)
+_INTEGERS = ("max_new_tokens", "seed", "top_logprobs", "min_tokens")
 # Optional input columns that constrain their row's output (over the job's --choice etc.).
 CONSTRAINT_COLUMNS = tuple(k.value for k in ConstraintKind)
 # An optional input column of stop strings (a string or a list) that replaces --stop for its row.
 STOP_COLUMN = "stop"
+# One of token ids (a list of integers) that replaces --stop-token-id for its row.
+STOP_IDS_COLUMN = "stop_token_ids"
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +47,11 @@ Labels = tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]  # labels and their
 def warn_option_columns(columns: Collection[str]) -> None:
     """Log once which input columns act as per-row options: a data column that happens to be
     named `choice`, `stop` or `n` would otherwise change its rows' outputs silently."""
-    used = [c for c in (*OVERRIDE_COLUMNS, *CONSTRAINT_COLUMNS, STOP_COLUMN, "n") if c in columns]
+    used = [
+        c
+        for c in (*OVERRIDE_COLUMNS, *CONSTRAINT_COLUMNS, STOP_COLUMN, STOP_IDS_COLUMN, "n")
+        if c in columns
+    ]
     if used:
         log.warning(
             "input column(s) %s set their rows' options (docs/jobs.md, per-row columns); "
@@ -104,6 +112,7 @@ class RowOptions:
         self.overrides = [c for c in OVERRIDE_COLUMNS if c in columns]
         self.constraint_columns = [c for c in CONSTRAINT_COLUMNS if c in columns]
         self.stop_column = STOP_COLUMN if STOP_COLUMN in columns else None
+        self.stop_ids_column = STOP_IDS_COLUMN if STOP_IDS_COLUMN in columns else None
         self.score = cfg.task is Task.SCORE
         if self.score:  # a choice column holds the row's labels to score; nothing constrains
             self.constraint_columns = [c for c in self.constraint_columns if c == "choice"]
@@ -115,22 +124,33 @@ class RowOptions:
             self.job_labels = _parse_labels(cfg.choice) if cfg.choice is not None else ()
             self.job_label_ids = {w: self._label_ids(self.job_labels, w) for w in (False, True)}
         self._warned: set[str] = set()  # the label warnings given (once a job each)
-        self.defaults = SamplingParams(
+        try:
+            self.defaults = self._job_params(cfg)
+        except ValueError as e:  # min_tokens over max_new_tokens, min_p out of [0, 1], ...
+            raise ConfigError(str(e)) from None
+        if cfg.choice is not None:
+            self._check_round_trip(_parse_labels(cfg.choice))
+
+    @staticmethod
+    def _job_params(cfg: RunConfig) -> SamplingParams:
+        return SamplingParams(
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             top_k=cfg.top_k,
             top_p=cfg.top_p,
             stop=tuple(cfg.stop),
+            stop_token_ids=tuple(cfg.stop_token_ids),
+            min_tokens=cfg.min_tokens,
+            min_p=cfg.min_p,
             ignore_eos=cfg.ignore_eos,
             constraint=job_constraint(cfg),
         )
-        if cfg.choice is not None:
-            self._check_round_trip(_parse_labels(cfg.choice))
 
     @property
     def columns(self) -> set[str]:
         """The input columns the options read."""
-        return {*self.overrides, *self.constraint_columns, *filter(None, [self.stop_column])}
+        named = [self.stop_column, self.stop_ids_column]
+        return {*self.overrides, *self.constraint_columns, *filter(None, named)}
 
     def params(
         self, rec: dict, row_id: Any, sample: int = 0, prompt_tail: str = ""
@@ -154,6 +174,11 @@ class RowOptions:
                 values["constraint"] = constraint
             if self.stop_column and rec[self.stop_column] is not None:
                 values["stop"] = _stop_strings(rec[self.stop_column])
+            if self.stop_ids_column and rec[self.stop_ids_column] is not None:
+                ids = rec[self.stop_ids_column]
+                if isinstance(ids, str | bytes) or not hasattr(ids, "__iter__"):
+                    raise ValueError(f"{STOP_IDS_COLUMN} is {ids!r}, not a list of token ids")
+                values["stop_token_ids"] = tuple(row_number(STOP_IDS_COLUMN, t, True) for t in ids)
             return dataclasses.replace(self.defaults, **values)
         except (ValueError, TypeError) as e:
             raise RowError(f"bad per-row sampling value: {e}") from e
