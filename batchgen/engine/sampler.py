@@ -58,13 +58,16 @@ class SamplingTensors:
 
 
 def ban_tokens(logits: torch.Tensor, ban: torch.Tensor | None) -> torch.Tensor:
-    """logits with each row's banned ids (ban, -1 padded) at -inf. A scatter_add of 0 / -inf,
-    not a scatter: a padding slot's id may repeat a banned one, and a sum has no winner."""
+    """logits with each row's banned ids (ban: packed first, -1 padded) at -inf: one scatter
+    of (B, W) values, not a pass over (B, V). A padding slot repeats its row's first banned id
+    with the same -inf, or, in a row that bans nothing, writes index 0's own logit back, so no
+    two slots of a row write different values to one index."""
     if ban is None:
         return logits
-    src = torch.zeros(ban.shape, dtype=logits.dtype, device=logits.device)
-    src = src.masked_fill(ban >= 0, float("-inf"))
-    return logits + torch.zeros_like(logits).scatter_add(-1, ban.clamp(min=0), src)
+    first = ban[:, :1]  # (B, 1): the row's first banned id, -1 if it bans nothing
+    idx = torch.where(ban >= 0, ban, first.clamp(min=0))
+    vals = torch.where(first >= 0, float("-inf"), logits.gather(-1, idx))
+    return logits.scatter(-1, idx, vals)
 
 
 def _filter(
