@@ -13,10 +13,10 @@ def _long_prompt() -> str:
     return " ".join(["the quick brown fox jumps over the lazy dog."] * 160)
 
 
-def _run(tmp_path, long_model, texts, name):
+def _run(tmp_path, long_model, texts, name, *flags):
     src = write_parquet(tmp_path / f"{name}.parquet", {"prompt": texts})
     out = tmp_path / name
-    r = run_cli("run", src, "-o", out, "--model", long_model, *FLAGS)
+    r = run_cli("run", src, "-o", out, "--model", long_model, *FLAGS, *flags)
     return r, rows_by_id(out), read_stats(out)
 
 
@@ -35,6 +35,6 @@ def test_a_long_row_after_a_window_of_short_rows_runs(tmp_path, long_model):
 
 def test_quiet_summary_counts_errors(tmp_path, long_model):
     texts = [*prompts(3), "x " * 5000]  # the last one is longer than --max-prompt-len
-    r, rows, _ = _run(tmp_path, long_model, texts, "errors")
+    r, rows, _ = _run(tmp_path, long_model, texts, "errors", "--max-error-rate", 1)
     assert rows[3]["finish_reason"] == "error"
     assert "4 rows (1 error)" in r.stdout, r.stdout
