@@ -7,7 +7,10 @@ artifacts, torch's portable ones (`torch.compiler.save_cache_artifacts`: inducto
 AOT autograd's, Triton's compiled kernels), are written to `<root>/<key>/artifacts.bin`; the
 next process with the same key loads them before compiling, and dynamo's trace is all that is
 left. On the CPU inductor's C++ kernels are not among those artifacts, so the warm-up also
-points inductor's own cache at `<root>/<key>/inductor` (its compiled .so files stay there).
+points inductor's own cache at `<root>/<key>/inductor` (its compiled .so files stay there); on
+a GPU, and without a compile cache, at a local folder per batchgen source
+(`local_inductor_dir`): inductor's FX graph cache does not key on a custom op's fake function,
+and a graph another batchgen version cached failed a stride check once the ops had changed.
 
 The key hashes everything that changes the graphs (`key_parts`, written beside as `key.json`):
 the model's config, dtype, quantization, LoRA adapter, block size, attention path, TP size
@@ -24,6 +27,7 @@ import json
 import logging
 import os
 import platform
+import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -135,21 +139,35 @@ class CompileCache:
             log.warning("compile cache not written to %s: %s", self.dir, e)
             return False
 
-    @contextlib.contextmanager
-    def scope(self, device: torch.device) -> Iterator[None]:
-        """While compiling on the CPU: inductor's own cache (its C++ kernels) under the key."""
+    def inductor_dir(self, device: torch.device) -> Path:
+        """Where inductor keeps its own cache while this key's graphs compile: on the CPU
+        beside the artifacts (its C++ kernels are not among them), on a GPU a local folder
+        (inductor's file locks on a shared filesystem are a risk, and the Triton kernels
+        travel in the artifacts)."""
         if device.type == "cuda":
-            yield
-            return
-        before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.dir / "inductor")
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+            return local_inductor_dir() / self.key
+        return self.dir / "inductor"
+
+
+def local_inductor_dir() -> Path:
+    """A local folder for inductor's cache, one per batchgen source: inductor's FX graph cache
+    does not key on a custom op's fake (meta) function, so a graph cached by another batchgen
+    version failed a stride check at run time when the ops' fakes had changed."""
+    return Path(tempfile.gettempdir()) / f"batchgen-inductor-{os.getuid()}" / source_hash()
+
+
+@contextlib.contextmanager
+def inductor_scope(path: Path) -> Iterator[None]:
+    """TORCHINDUCTOR_CACHE_DIR at path for the block (compiles in it use it), then back."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
 def _publish(path: Path, data: bytes) -> bool:

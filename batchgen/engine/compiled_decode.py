@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.compile_cache import CompileCache
+from batchgen.engine.compile_cache import CompileCache, inductor_scope, local_inductor_dir
 from batchgen.engine.compiled_step import CompiledStep
 from batchgen.engine.sampler import SamplingColumns, SamplingTensors
 from batchgen.engine.step_inputs import StepInputs, warmup_decode
@@ -82,6 +81,10 @@ class CompiledDecode:
         self.forward_graph = CompiledStep(self._logits, self.device, dims)
         self.sample_graph = CompiledStep(self._sample, self.device, _SAMPLE_DIMS)
         self.words = -(-model.cfg.vocab_size // 32)  # a grammar bitmask's int32 words a row
+        # inductor's own cache while this engine compiles (engine/compile_cache.py)
+        self.inductor_dir = (
+            cache.inductor_dir(self.device) if cache is not None else local_inductor_dir()
+        )
         import torch._inductor.compile_fx  # noqa: F401  (start-up, ~1 s: not compile_s)
 
     @property
@@ -130,7 +133,8 @@ class CompiledDecode:
     def logits(self, x: StepInputs) -> torch.Tensor:
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        return self.forward_graph(*self.tensors(x))
+        with inductor_scope(self.inductor_dir):  # a compile after the warm-up: none expected
+            return self.forward_graph(*self.tensors(x))
 
     def sample(
         self, logits: torch.Tensor, sampling: SamplingColumns, bitmask: torch.Tensor | None
@@ -143,11 +147,12 @@ class CompiledDecode:
         elif bitmask.shape[0] < b:  # padding rows allow every token
             bitmask = torch.cat([bitmask, bitmask.new_full((b - bitmask.shape[0], self.words), -1)])
         s = samp
-        return self.sample_graph(
-            logits,
-            *(s.temperature, s.top_k, s.top_p, s.seed, s.min_p, steps, s.ban, bitmask),
-            sampling.greedy_only,
-        )
+        with inductor_scope(self.inductor_dir):
+            return self.sample_graph(
+                logits,
+                *(s.temperature, s.top_k, s.top_p, s.seed, s.min_p, steps, s.ban, bitmask),
+                sampling.greedy_only,
+            )
 
     # ------------------------------------------------------------------ warm-up
 
@@ -158,8 +163,7 @@ class CompiledDecode:
         t0 = time.perf_counter()
         if self.cache is not None:
             warm.cache = "hit" if self.cache.load() else "miss"
-        scope = self.cache.scope(self.device) if self.cache is not None else nullcontext()
-        with scope:
+        with inductor_scope(self.inductor_dir):
             for greedy in (True, False):
                 self._warm_step(sizes[0], greedy, broadcast)
             _sync(self.device)
