@@ -5,7 +5,8 @@ Each error's message says what to change. Two kinds end a command:
   - `UsageError` (exit 2): the job cannot run as asked (a bad option, input, model, adapter,
     quantization scheme); raised before the model loads wherever it can be;
   - `RuntimeFailure` (exit 1): the job ran and something failed under it (a full disk, another
-    run holding the output, a failed worker or tensor-parallel rank); finished rows are kept, a rerun resumes.
+    run holding the output, a failed worker or tensor-parallel rank); finished rows are kept,
+    a rerun resumes.
 `JobInterrupted` ends a job on a signal (exit 128 + signal). `RowError` never leaves the job:
 its row gets an error record and the job goes on.
 """

@@ -1,8 +1,9 @@
 """The Python API: `LLM(model_dir).generate(prompts, SamplingParams(...))`, named as in vLLM.
 
 `SamplingParams` (job/sampling.py) takes vLLM's names (max_tokens, n, stop as a string or a
-list, logprobs, ...) beside batchgen's, and `generate`/`chat` return one `RequestOutput` per prompt with its `n`
-completions in `.outputs`, as vLLM does. docs/coming-from-vllm.md lists the names.
+list, logprobs, ...) beside batchgen's, and `generate`/`chat` return one `RequestOutput` per
+prompt with its `n` completions in `.outputs`, as vLLM does. docs/coming-from-vllm.md lists
+the names.
 """
 
 from __future__ import annotations

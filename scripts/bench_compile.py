@@ -101,11 +101,13 @@ def main(argv: list[str] | None = None) -> dict:
     results = [measure(args, prompts, params, m) for m in modes]
     same = all(r["token_ids"] == results[0]["token_ids"] for r in results)
     print(
-        f"{len(prompts)} prompts x {args.new_tokens} new tokens, {torch.get_num_threads()} threads; "
+        f"{len(prompts)} prompts x {args.new_tokens} new tokens, {torch.get_num_threads()} "
+        "threads; "
         f"identical tokens across modes: {same}\n"
     )
     print(
-        "| mode | graphs | compile + warm-up s | cold pass s | warm pass s | warm out tok/s | warm decode tok/s | ms/step |"
+        "| mode | graphs | compile + warm-up s | cold pass s | warm pass s | warm out tok/s | warm "
+        "decode tok/s | ms/step |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:

@@ -118,7 +118,8 @@ def markdown(r: dict) -> str:
         lines.append(
             f"| TP={x['tp']} | {x['wall_s']:.1f} | {x['engine_s']:.1f} | "
             f"{'-' if share is None else f'{share:.0%}'} | "
-            f"{x['weights_bytes_per_rank'] / mib:.0f} | {(x['kv_cache_bytes_per_rank'] or 0) / mib:.0f}"
+            f"{x['weights_bytes_per_rank'] / mib:.0f} | "
+            f"{(x['kv_cache_bytes_per_rank'] or 0) / mib:.0f}"
             f" | {x['peak_rss_bytes'] / mib:.0f} | {x['rows_differing']} |"
         )
     ratios = ", ".join(f"{x:.2f}x" for x in r["pair_ratios"])

@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{', '.join(available(args.device))}\n"
     )
     print(
-        "| backend | method | format | ppl | Δppl | top-1 agree | greedy agree | weights | linears |"
+        "| backend | method | format | ppl | Δppl | top-1 agree | greedy agree | weights | "
+        "linears |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in out:

@@ -3,8 +3,8 @@
 Two ceilings are measured in the same run as the benchmark (datasheet rates are only
 leads): memory bandwidth, from a large tensor copy (bytes read + bytes written over the
 time), and the matrix-multiply rate, from a large matmul on random data in the model's
-dtype; each is the fastest of several timed repetitions. A workload's floor is then, step by step, the larger of its bytes over the
-bandwidth and its FLOPs over the matmul rate:
+dtype; each is the fastest of several timed repetitions. A workload's floor is then, step by
+step, the larger of its bytes over the bandwidth and its FLOPs over the matmul rate:
 
 - a decode step of a batch must read every weight once (the input embedding excepted:
   it is a gather) plus the live KV cache of every row still generating, and does
@@ -130,7 +130,9 @@ def main() -> None:
     copy_bytes = args.copy_mib << 20 if args.copy_mib else None
     c = measure(args.device, dtype, copy_bytes, args.matmul_n)
     print(
-        f"copy bandwidth (read + write): {c.bandwidth_Bps / 1e9:.1f} GB/s ({c.copy_bytes >> 20} MiB)"
+        f"copy bandwidth (read + write): {c.bandwidth_Bps / 1e9:.1f} GB/s "
+        f"({c.copy_bytes >> 20} "
+        f"MiB)"
     )
     print(f"matmul {c.dtype} n={c.matmul_n}: {c.matmul_flops / 1e12:.2f} TFLOP/s")
 

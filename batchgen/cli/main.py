@@ -75,7 +75,10 @@ def main() -> None:
 @click.option(
     "--dry-run",
     is_flag=True,
-    help="Print the processes the job would start (workers, tensor-parallel ranks, their devices) and exit.",
+    help=(
+        "Print the processes the job would start (workers, tensor-parallel ranks, their devices) "
+        "and exit."
+    ),
 )
 @click.pass_context
 def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
@@ -273,8 +276,8 @@ def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
 @main.command("report")
 @click.argument("output")
 def report_cmd(output: str) -> None:
-    """Write OUTPUT/.batchgen/report.html: the run's metrics (throughput and batch over time, TTFT, TPOT
-    and latency distributions, the roofline of its steps, the stats table) as one
+    """Write OUTPUT/.batchgen/report.html: the run's metrics (throughput and batch over time,
+    TTFT, TPOT and latency distributions, the roofline of its steps, the stats table) as one
     self-contained page. For a sharded output, run `batchgen merge OUTPUT` first."""
     from batchgen.report.page import write_report
 

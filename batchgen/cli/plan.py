@@ -140,7 +140,8 @@ def format_plan(p: dict[str, Any]) -> str:
     per = f" per rank, {ranks} tensor-parallel ranks" if ranks > 1 else ""
     lines += [
         "",
-        f"engine   up to {p['max_num_seqs']} sequences, {p['max_num_batched_tokens']} tokens a step, "
+        f"engine   up to {p['max_num_seqs']} sequences, {p['max_num_batched_tokens']} tokens a "
+        "step, "
         f"prefix caching {'on' if p['prefix_caching'] else 'off'}",
         f"weights  {p['weights_bytes_per_rank'] / 2**20:.1f} MiB at {p['dtype']}{per} "
         "(before any quantization)",

@@ -181,6 +181,7 @@ def _messages(row: dict[str, Any], column: str) -> list[dict[str, Any]]:
             raise RowError(f"message {i} has no string 'role'")
         if not isinstance(content, str):
             raise RowError(f"message {i} has no string 'content'")
-        # Struct columns give every message every field; drop the nulls so templates see absent keys.
+        # Struct columns give every message every field; drop the nulls so templates see absent
+        # keys.
         messages.append({k: v for k, v in m.items() if v is not None})
     return messages

@@ -211,7 +211,8 @@ def _resolve(path: str) -> tuple[InputFormat, list[str]]:
         if not files:
             raise InputError(
                 f"directory {path} has no .parquet or .jsonl files directly inside; "
-                f"pass a glob such as '{os.path.join(path, '**', '*.parquet')}' or one of {_SUPPORTED}"
+                f"pass a glob such as '{os.path.join(path, '**', '*.parquet')}' or one of "
+                f"{_SUPPORTED}"
             )
     elif os.path.isfile(path):
         files = [path]

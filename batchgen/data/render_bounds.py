@@ -4,11 +4,12 @@ step and every output chunk) and no value larger than MAX_PROMPT_CHARS.
 
 Size is checked *before* a value is built wherever one operation can multiply it: `*` and `+`,
 `~` (its Concat nodes become calls of `_concat`), the `replace`, `join`, `center`, `indent`,
-`format`, `sum`, `batch`, `slice` filters and the str/list methods of the same kinds (`s.replace`, `sep.join`,
-`s.center`, `l.extend`, ...), and any value about to be printed or turned into a string (a list
-of a thousand references to one long string prints as a billion characters). Every filter's
-and call's result is checked after, so a chain of doublings stops at twice the bound. Sizes are
-counted without building anything: a nested list is walked only until it passes the bound.
+`format`, `sum`, `batch`, `slice` filters and the str/list methods of the same kinds
+(`s.replace`, `sep.join`, `s.center`, `l.extend`, ...), and any value about to be printed or
+turned into a string (a list of a thousand references to one long string prints as a billion
+characters). Every filter's and call's result is checked after, so a chain of doublings stops
+at twice the bound. Sizes are counted without building anything: a nested list is walked only
+until it passes the bound.
 
 Jinja's sandbox already caps range() at MAX_RANGE (100k) items, but not two nested loops of it
 (10**10 steps) nor "x" * 10**10, nor `{% set ns.s = ns.s ~ ns.s %}` 29 times (512M characters).

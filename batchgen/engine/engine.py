@@ -168,11 +168,15 @@ class Engine:
         if longest.max_tokens > limit:
             why = f"exceeds the model's {limit} positions"
         elif not self.scheduler.fits(longest):
-            why = f"exceeds the KV cache's {self.scheduler.capacity_tokens} tokens; raise --kv-cache-tokens"
+            why = (
+                f"exceeds the KV cache's {self.scheduler.capacity_tokens} tokens; "
+                "raise --kv-cache-tokens"
+            )
         else:
             return None
         if r.candidates:
-            return f"prompt ({r.prompt_len} tokens) + its longest candidate ({longest.prompt_len - r.prompt_len}) {why}"
+            cand = longest.prompt_len - r.prompt_len
+            return f"prompt ({r.prompt_len} tokens) + its longest candidate ({cand}) {why}"
         return f"prompt ({r.prompt_len} tokens) + max_new_tokens ({r.params.max_new_tokens}) {why}"
 
     def _check_constraint(self, r: Request) -> str | None:

@@ -247,9 +247,9 @@ class Scheduler:
     def update(
         self, plan: StepPlan, sampled: Seq[tuple], scored: Seq[Seq[float]] = ()
     ) -> list[Sequence]:
-        """Apply a step's results: sampled (token, logprob[, top alternatives or None]) for
-        each scheduled sequence that samples, in plan order, and the scored tokens' log-probabilities of each
-        scored candidate's chunk, in plan order. Returns the sequences that finished."""
+        """Apply a step's results: sampled (token, logprob[, top alternatives or None]) per
+        sampling sequence and the scored tokens' log-probabilities per scored candidate's
+        chunk, each in plan order. Returns the sequences that finished."""
         samplers = [s for s in plan.scheduled if s.samples]
         if len(samplers) != len(sampled):
             raise ValueError(f"{len(sampled)} sampled tokens for {len(samplers)} sequences")

@@ -216,7 +216,8 @@ class RunConfig:
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
             raise ConfigError(
-                f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(cls.field_names())}"
+                f"{source}: unknown key(s) {', '.join(unknown)}; allowed: "
+                f"{', '.join(cls.field_names())}"
             )
         missing = [k for k in ("input", "output") if values.get(k) is None]
         if missing:

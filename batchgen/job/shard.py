@@ -100,7 +100,8 @@ def shard_from_env(env: Mapping[str, str] = os.environ) -> Shard | None:
     except (ValueError, ShardError) as e:
         raise ShardError(
             f"cannot take the shard from SLURM_ARRAY_TASK_ID={task} / SLURM_ARRAY_TASK_COUNT="
-            f"{count} ({e}); submit the array as --array=0-{int(count) - 1 if count.isdigit() else 'N-1'} "
+            f"{count} ({e}); submit the array as "
+            f"--array=0-{int(count) - 1 if count.isdigit() else 'N-1'} "
             "or pass --shard I/N"
         ) from None
 

@@ -14,8 +14,9 @@ from batchgen.job.shard import Shard
 
 
 def check_types(cfg: Any) -> None:
-    """Every field's value of a dataclass against its type hint (RunConfig's options): a job spec's `overwrite: "false"`
-    (a string) must not count as true, nor `max_new_tokens: 3.5` as 3. Ints pass as floats."""
+    """Every field's value of a dataclass against its type hint (RunConfig's options): a job
+    spec's `overwrite: "false"` (a string) must not count as true, nor `max_new_tokens: 3.5`
+    as 3. Ints pass as floats."""
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)

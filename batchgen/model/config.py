@@ -45,7 +45,8 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.kind not in self.SUPPORTED:
             raise ValueError(
-                f"rope scaling {self.kind!r} is not supported; supported: {', '.join(self.SUPPORTED)}"
+                f"rope scaling {self.kind!r} is not supported; supported: "
+                f"{', '.join(self.SUPPORTED)}"
             )
 
 

@@ -198,8 +198,8 @@ def flex_decode_attention(
         return flex_attention(qf, k, v, block_mask=mask).reshape(r, h, d)
     # Inductor's CPU template reads q's storage as 4-d: a view of the (R, H, D) q fails to
     # lower (torch 2.13). The softmax scale applied to the folded view makes q a tensor of its
-    # own (on CUDA too: one rule). BLOCK_N: the key tile, at most a cache block, so the block mask's KV
-    # block (one cache block) is a multiple of it whichever template inductor picks.
+    # own (on CUDA too: one rule). BLOCK_N: the key tile, at most a cache block, so the block
+    # mask's KV block (one cache block) is a multiple of it whichever template inductor picks.
     qf = q.reshape(r, hkv, h // hkv, d) * d**-0.5
     for t in m.tensors():  # the compiled decode step's inputs, marked dynamic there
         unmark(t)

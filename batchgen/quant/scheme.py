@@ -125,7 +125,8 @@ class QuantScheme:
             choices = available(device_type, dtype) or ["none"]
             raise QuantUnavailableError(
                 f"quantize={self.method.value} with backend {self.backend.value} is not available "
-                f"on {device_type} with {_dtype_name(dtype)}. Available there: {', '.join(choices)}. "
+                f"on {device_type} with {_dtype_name(dtype)}. Available there: "
+                f"{', '.join(choices)}. "
                 f"All combinations on {device_type}: {', '.join(available(device_type)) or 'none'}."
             )
 

@@ -1,5 +1,5 @@
-"""OUT/.batchgen/report.html: one self-contained page (the plots inline as PNG data URIs, the styles in
-the page, nothing fetched), written atomically like every file in an output directory."""
+"""OUT/.batchgen/report.html: one self-contained page (the plots inline as PNG data URIs, the
+styles in the page, nothing fetched), written atomically like every file in an output directory."""
 
 from __future__ import annotations
 
@@ -137,7 +137,8 @@ def render(data: RunData) -> str:
     body = "\n".join(parts)
     return (
         "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
-        f"<title>batchgen report</title><style>{_STYLE}</style></head>\n<body>\n{body}\n</body></html>\n"
+        "<title>batchgen "
+        f"report</title><style>{_STYLE}</style></head>\n<body>\n{body}\n</body></html>\n"
     )
 
 

@@ -25,7 +25,8 @@ class IncompleteOutput(MergeError):
         lines = "\n".join(f"  {p}" for p in problems)
         super().__init__(
             f"{out} is not ready to merge:\n{lines}\n"
-            f"shards to (re)run: {','.join(map(str, todo)) or 'none'} (rerunning a shard resumes it)"
+            f"shards to (re)run: {','.join(map(str, todo)) or 'none'} (rerunning a shard resumes "
+            "it)"
         )
 
 

@@ -149,7 +149,8 @@ N={opts.shards}
 I=$SLURM_ARRAY_TASK_ID
 SHARD_DIR={shlex.quote(str(out))}/$(printf 'shard-%05d-of-%05d' "$I" "$N")
 DONE="$SHARD_DIR"/{shlex.quote(SUCCESS_FILE)}
-echo "[$(date -Is)] task $SLURM_ARRAY_JOB_ID.$I (job $SLURM_JOB_ID, restart ${{SLURM_RESTART_COUNT:-0}}) on $(hostname): shard $I/$N"
+echo "[$(date -Is)] task $SLURM_ARRAY_JOB_ID.$I (job $SLURM_JOB_ID," \
+    "restart ${{SLURM_RESTART_COUNT:-0}}) on $(hostname): shard $I/$N"
 if [ -e "$DONE" ]; then
     echo "shard $I/$N is already complete"
     exit 0
