@@ -116,6 +116,27 @@ def test_cli_options_and_columns(llm, model, tmp_path):
     assert got[0]["finish_reason"] == "stop" and got[0]["token_ids"] == base.token_ids[: first + 1]
     assert len(got[1]["token_ids"]) >= 8  # its min_tokens held the stop token back
     assert got[2]["finish_reason"] == "length"  # its column cleared the job's stop token
+    assert "stop_reason" not in got[0]  # a column only where asked
+
+
+def test_stop_reason_column(llm, model, tmp_path):
+    """--with-stop-reason: the stop token id (as text) or the stop string that ended a row,
+    null for a row cut at its length."""
+    base = llm.generate([PROMPT], SamplingParams(max_tokens=12))[0].outputs[0]
+    stop_id = base.token_ids[3]
+    rows = [
+        {"id": 0, "prompt": PROMPT},
+        {"id": 1, "prompt": PROMPT, "stop_token_ids": []},
+        {"id": 2, "prompt": PROMPT, "stop_token_ids": [], "stop": [base.text[4:7]]},
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    flags = ("--max-new-tokens", 12, "--stop-token-ids", stop_id, "--with-stop-reason")
+    run_job(src, out, model, *flags)
+    got = {r["id"]: r for r in read_output(out).to_pylist()}
+    assert (got[0]["finish_reason"], got[0]["stop_reason"]) == ("stop", str(stop_id))
+    assert (got[1]["finish_reason"], got[1]["stop_reason"]) == ("length", None)
+    assert (got[2]["finish_reason"], got[2]["stop_reason"]) == ("stop", base.text[4:7])
 
 
 @pytest.mark.slow

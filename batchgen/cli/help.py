@@ -25,6 +25,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "passthrough",
         "with_token_ids",
         "with_logprobs",
+        "with_stop_reason",
         "with_timings",
         "max_error_rate",
         "quiet",
@@ -81,6 +82,12 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 
 class SectionedCommand(click.Command):
     """A command whose --help lists its options by SECTIONS, in their order there."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        # -h as well, also in a context made for the command alone (click caches the help
+        # option on the command the first time a context asks for it)
+        kwargs.setdefault("context_settings", {}).setdefault("help_option_names", ["-h", "--help"])
+        super().__init__(*args, **kwargs)
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx)}

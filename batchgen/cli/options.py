@@ -130,6 +130,12 @@ def run_options(f):
             _opt("--progress-seconds", type=click.FloatRange(0)),
             _opt("--with-token-ids", is_flag=True, help="Add a token_ids column."),
             _opt("--with-logprobs", is_flag=True, help="Add a logprobs column (each token's)."),
+            _opt(
+                "--with-stop-reason",
+                is_flag=True,
+                help="Add a stop_reason column: the stop string or stop token id that ended "
+                "the row (as text), null for EOS or length.",
+            ),
             _opt("--with-timings", is_flag=True),
             _opt("--peak-tflops", type=float),
             _opt("--peak-bandwidth-gbs", type=float),

@@ -21,7 +21,15 @@ _OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens"
 # --with-timings: each row's seconds (stats/latency.py says what they are)
 TIMING_COLUMNS = ("queued_s", "ttft_s", "latency_s", "tpot_s")
 RESERVED_COLUMNS = frozenset(
-    {"sample_index", *_OUTPUT_COLUMNS, "token_ids", "logprobs", "top_logprobs", *TIMING_COLUMNS}
+    {
+        "sample_index",
+        *_OUTPUT_COLUMNS,
+        "token_ids",
+        "logprobs",
+        "top_logprobs",
+        "stop_reason",
+        *TIMING_COLUMNS,
+    }
 )
 # A generated token's likeliest alternatives, best first (rows that ask: a top_logprobs column).
 TOP_LOGPROBS_TYPE = pa.list_(pa.list_(pa.struct([("id", pa.int32()), ("logprob", pa.float32())])))
@@ -50,6 +58,7 @@ class Result(Protocol):
     scores: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
     error: str | None
+    stop_reason: str | int | None
 
     @property
     def finish_reason(self) -> Any: ...  # an enum whose value is the column's text
@@ -71,6 +80,7 @@ class RecordShape:
     with_logprobs: bool = False
     with_timings: bool = False
     with_top_logprobs: bool = False
+    with_stop_reason: bool = False
 
     def schema(self, id_type: pa.DataType, passthrough: pa.Schema) -> pa.Schema:
         return output_schema(
@@ -84,6 +94,7 @@ class RecordShape:
             as_list=self.as_list,
             with_timings=self.with_timings,
             with_top_logprobs=self.with_top_logprobs,
+            with_stop_reason=self.with_stop_reason,
         )
 
     def record(
@@ -117,6 +128,9 @@ class RecordShape:
         if self.with_top_logprobs:
             top = result.top_logprobs if ok else None
             rec["top_logprobs"] = top and [[{"id": i, "logprob": v} for i, v in t] for t in top]
+        if self.with_stop_reason:  # a stop token id as its decimal text: one column type
+            reason = result.stop_reason if ok else None
+            rec["stop_reason"] = None if reason is None else str(reason)
         return rec
 
 
@@ -144,6 +158,7 @@ def output_schema(
     as_list: bool = False,
     with_timings: bool = False,
     with_top_logprobs: bool = False,
+    with_stop_reason: bool = False,
 ) -> pa.Schema:
     """The one definition of a result row: the id under its input column's name (and
     sample_index, for n samples a row), passthrough input columns, generation fields (a
@@ -184,6 +199,8 @@ def output_schema(
         fields += [pa.field(c, pa.float64()) for c in TIMING_COLUMNS]
     if with_top_logprobs:
         fields.append(pa.field("top_logprobs", TOP_LOGPROBS_TYPE))
+    if with_stop_reason:
+        fields.append(pa.field("stop_reason", pa.string()))
     if as_list:
         fields = [
             pa.field(f.name, pa.list_(f.type)) if f.name in LIST_FIELDS else f for f in fields
@@ -200,6 +217,7 @@ LIST_FIELDS = (
     "logprobs",
     *TIMING_COLUMNS,
     "top_logprobs",
+    "stop_reason",
 )
 
 

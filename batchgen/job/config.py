@@ -88,6 +88,7 @@ class RunConfig:
     flush_seconds: float = 60.0  # write a part at least this often, bounding work lost to a kill
     with_token_ids: bool = False
     with_logprobs: bool = False
+    with_stop_reason: bool = False  # a stop_reason column: the stop string or stop token id
     with_timings: bool = False  # queued_s, ttft_s, latency_s, tpot_s columns
     output_format: OutputFormat = OutputFormat.PARQUET
     overwrite: bool = False

@@ -128,6 +128,8 @@ def options_fingerprint(cfg: RunConfig) -> dict[str, Any]:
         del out["n_as_list"]
     if not cfg.with_timings:  # and jobs without timing columns
         del out["with_timings"]
+    if not cfg.with_stop_reason:  # and jobs without a stop_reason column
+        del out["with_stop_reason"]
     if not cfg.json_any_whitespace:  # and jobs of compact JSON
         del out["json_any_whitespace"]
     for key in ("stop_token_ids", "min_tokens", "min_p"):  # and jobs without these (issue 31)

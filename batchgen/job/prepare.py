@@ -126,6 +126,7 @@ class Preparer:
             as_list=self.as_list,
             with_token_ids=self.cfg.with_token_ids,
             with_logprobs=self.cfg.with_logprobs,
+            with_stop_reason=self.cfg.with_stop_reason,
             with_timings=self.cfg.with_timings,
             with_top_logprobs="top_logprobs" in self.source.columns,
         )
