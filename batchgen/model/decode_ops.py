@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.model.kv_cache import gather_blocks
+from batchgen.model.kv_cache import gather_blocks, write_slots
 from batchgen.model.paged_flex import PagedMask, flex_decode_attention
 from batchgen.model.sdpa import DEFAULT, AttnParams, sdpa
 
@@ -83,8 +83,7 @@ def decode_gather(
     """q (B, H, D), k, v (B, Hkv, D) of B decoding rows; slots (B,), tables (B, n), lens
     (B,) -> (B, H, D). scale, softcap, sinks: a layer's (sdpa.AttnParams; the transformers
     backend's)."""
-    k_pool.index_copy_(0, slots, k)
-    v_pool.index_copy_(0, slots, v)
+    write_slots(k_pool, v_pool, slots, k, v)
     mask = decode_mask(lens, tables.shape[1] * block_size, window)
     params = AttnParams(scale, softcap, sinks)
     # contiguous, as the fake says (the written-out math's matmul may return other strides)
@@ -109,8 +108,7 @@ def decode_flex(
 ) -> torch.Tensor:
     """As decode_gather, the rows read in place through a PagedMask's tensors (R >= B rows,
     a power of two: q is padded to R here and cut back)."""
-    k_pool.index_copy_(0, slots, k)
-    v_pool.index_copy_(0, slots, v)
+    write_slots(k_pool, v_pool, slots, k, v)
     b, r = q.shape[0], lens.shape[0]
     qr = torch.cat([q, q.new_zeros(r - b, *q.shape[1:])]) if r > b else q
     m = PagedMask(num, indices, logical, tables, lens)

@@ -35,12 +35,23 @@ class PagedKVCache(nn.Module):
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (T, Hkv, D) go to flat slots (T,)."""
-        self.k.index_copy_(0, slots, k)
-        self.v.index_copy_(0, slots, v)
+        write_slots(self.k, self.v, slots, k, v)
 
     def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys/values of blocks (..., n), as (..., n * block_size, Hkv, D) each."""
         return gather_blocks(self.k, self.v, blocks, self.block_size)
+
+
+def write_slots(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """k, v (T, Hkv, D) into the pools (slots, Hkv, D) at flat slots (T,), in place."""
+    k_pool.index_copy_(0, slots, k)
+    v_pool.index_copy_(0, slots, v)
 
 
 def gather_blocks(
