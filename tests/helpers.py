@@ -194,3 +194,25 @@ def make_adapter(base_dir, out_dir, config, seed: int = 0):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     model.save_pretrained(out_dir)
     return model
+
+
+# Probe source for a fresh process (the malloc setting is the process's): kept_mib() is how
+# many MiB of 512 1 MiB blocks, freed last to first, glibc keeps in its heap's top (mallinfo2's
+# keepcost): all of them where freed memory is kept, at most its trim threshold where not.
+KEPT_MIB_SOURCE = """
+import ctypes
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split())]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def kept_mib():
+    blocks = [libc.malloc(1 << 20) for _ in range(512)]
+    for block in reversed(blocks):
+        libc.free(block)
+    return libc.mallinfo2().keepcost >> 20
+"""

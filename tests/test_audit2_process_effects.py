@@ -8,29 +8,18 @@ import sys
 
 import pytest
 import torch
+from helpers import KEPT_MIB_SOURCE
 
 from batchgen import LLM
 from batchgen.model.host_malloc import is_glibc
 
 # How many MiB of 512 1 MiB blocks, freed last to first, glibc keeps in its heap's top: all of
 # them while an LLM holds the tuning, at most its trim threshold (128 KiB) once it is back.
-PROBE = """
-import ctypes, json, sys
+PROBE = (
+    KEPT_MIB_SOURCE
+    + """
+import json, sys
 from batchgen import LLM, SamplingParams
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split())]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-
-def kept_mib():
-    blocks = [libc.malloc(1 << 20) for _ in range(512)]
-    for block in reversed(blocks):
-        libc.free(block)
-    return libc.mallinfo2().keepcost >> 20
 
 out = {}
 options = dict(device="cpu", compile=False)
@@ -41,6 +30,7 @@ with LLM(sys.argv[1], **options) as llm, LLM(sys.argv[1], **options) as b:
 out["closed"] = kept_mib()
 print(json.dumps(out))
 """
+)
 
 
 @pytest.mark.skipif(not is_glibc(), reason="glibc only")

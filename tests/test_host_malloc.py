@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import KEPT_MIB_SOURCE
 
 from batchgen.model.host_malloc import MALLOC_TUNING_ENV, is_glibc
 
@@ -28,7 +29,7 @@ FRESH_PAGES = STEPS * sum(mb + mb / 2 for mb in STEP_MIB) * (1 << 20) / 4096
 # steps after one warm-up, then how many MiB of 512 1 MiB blocks, freed last to first, the heap
 # keeps in its top.
 PROBE = f"""
-import ctypes, json, resource, sys
+import json, resource, sys
 import torch
 from batchgen.model.host_malloc import keep_freed_memory
 
@@ -52,19 +53,8 @@ before = faults()
 for _ in range({STEPS}):
     step()
 faulted = faults() - before
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split())]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-blocks = [libc.malloc(1 << 20) for _ in range(512)]
-for block in reversed(blocks):
-    libc.free(block)
-kept_mib = libc.mallinfo2().keepcost >> 20
-print(json.dumps({{"faults": faulted, "kept_mib": kept_mib, "tuned": tuned}}))
+{KEPT_MIB_SOURCE}
+print(json.dumps({{"faults": faulted, "kept_mib": kept_mib(), "tuned": tuned}}))
 """
 
 
