@@ -140,7 +140,7 @@ class CompiledDecode:
         self, logits: torch.Tensor, sampling: SamplingColumns, bitmask: torch.Tensor | None
     ) -> tuple[torch.Tensor, ...]:
         """(tokens, logprobs, top logprobs, their ids) of a padded step's rows."""
-        samp, steps = sampling.tensors(self.device)
+        samp, steps = sampling.tensors(self.device, graph=True)
         b = logits.shape[0]
         if bitmask is None:  # every token allowed
             bitmask = torch.full((b, self.words), -1, dtype=torch.int32, device=self.device)
