@@ -167,6 +167,15 @@ def unmark(t: torch.Tensor) -> None:
 
 
 @functools.cache
+def _flex_sizes():
+    """Dynamo's recompile limit raised for this kernel's calls only (one compile a row count);
+    one patch object, reused: made anew each call it cost 17 us, a layer's call, a step."""
+    import torch._dynamo  # only here: an eager job never pays its import
+
+    return torch._dynamo.config.patch(recompile_limit=_MAX_FLEX_SIZES)
+
+
+@functools.cache
 def _compiled_flex():
     # dynamic=False: the CUDA decoding kernel needs a static batch (inductor picks the main
     # flex template, which pads the queries to its tile and has no split-KV, for a symbolic
@@ -204,8 +213,6 @@ def flex_decode_attention(
     for t in m.tensors():  # the compiled decode step's inputs, marked dynamic there
         unmark(t)
     opts = {"BLOCK_N": min(bs, 64)} if q.device.type == "cuda" else None
-    import torch._dynamo  # only here: an eager job never pays its import
-
-    with torch._dynamo.config.patch(recompile_limit=_MAX_FLEX_SIZES):  # this kernel's sizes
+    with _flex_sizes():
         out = _compiled_flex()(qf, k, v, block_mask=mask, scale=1.0, kernel_options=opts)
     return out.reshape(r, h, d)
