@@ -1,6 +1,7 @@
 """Checkpoint tensor names -> our parameters: the names of each family's weights, GPT-2's
 transposed Conv1D weights, the fusing of q/k/v and gate/up into single matrices, and with
-tensor parallelism which slice of each tensor this rank takes (tensor_parallel.py). Used by
+tensor parallelism which slice of each tensor this rank takes (tensor_parallel.py); a MoE
+layer's experts in moe_checkpoint.py. Used by
 the loader (to read) and the LoRA merge (to find a layer's rows)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from batchgen.model.config import Family, ModelConfig
+from batchgen.model.moe_checkpoint import moe_weight
 from batchgen.model.tensor_parallel import (
     SINGLE,
     WHOLE,
@@ -109,6 +111,8 @@ def weight_slot(cfg: ModelConfig, name: str, tp: TPShard = SINGLE) -> WeightSlot
         if ours is None:
             return None
         return WeightSlot(ours, _copies(cfg, tp, ours, "qkv" if ".wqkv." in ours else "in"), conv)
+    if cfg.n_experts and (moe := moe_weight(cfg, name, tp)) is not None:
+        return WeightSlot(*moe)
     ours, piece = _map_llama(name)
     if ours is not None:
         return WeightSlot(ours, _copies(cfg, tp, ours, ""))

@@ -18,6 +18,8 @@ class Family(str, enum.Enum):
     MISTRAL = "mistral"
     QWEN2 = "qwen2"
     QWEN3 = "qwen3"
+    QWEN3_MOE = "qwen3_moe"
+    MIXTRAL = "mixtral"
 
 
 class NormKind(str, enum.Enum):
@@ -83,6 +85,15 @@ class ModelConfig:
     # (n_kv_heads, head_dim) of each layer's cache where layers differ (the backend's: Gemma 4's
     # global layers); () when every layer's is (n_kv_heads, head_dim)
     layer_kv: tuple[tuple[int, int], ...] = ()
+    # Mixture of experts (Qwen3-MoE, Mixtral; model/moe.py): each token's MLP is the weighted
+    # sum of experts_per_token of n_experts experts (moe_intermediate_size wide each), picked
+    # by a router; norm_topk_prob: the picked weights renormalised to sum to 1. dense_layers:
+    # the layers that keep a dense MLP of intermediate_size. n_experts 0: a dense model.
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         sizes = (
@@ -103,19 +114,51 @@ class ModelConfig:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
             )
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise ValueError(
+                f"experts per token ({self.experts_per_token}) must be 1 to the number of "
+                f"experts ({self.n_experts})"
+            )
+        if self.n_experts and self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be positive ({self.n_experts} experts)")
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts."""
+        return self.n_experts > 0 and i not in self.dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.moe_layer(i) for i in range(self.n_layers))
 
     @property
     def qkv_dim(self) -> int:
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
 
-    @property
-    def num_params(self) -> int:
-        if self.param_count is not None:
-            return self.param_count
+    def layer_params(self, experts: int | None = None) -> int:
+        """The decoder blocks' matrices (norms left out), a MoE layer's with `experts` of its
+        experts (None: all of them, the weights held; experts_per_token: those a token
+        runs through, its FLOPs)."""
         attn = self.dim * self.qkv_dim + self.n_heads * self.head_dim * self.dim
         mlp = (3 if self.gated_mlp else 2) * self.dim * self.intermediate_size
+        n_moe = self.n_moe_layers
+        if not n_moe:
+            return self.n_layers * (attn + mlp)
+        experts = self.n_experts if experts is None else experts
+        moe = self.n_experts * self.dim + experts * 3 * self.dim * self.moe_intermediate_size
+        return self.n_layers * attn + (self.n_layers - n_moe) * mlp + n_moe * moe
+
+    @property
+    def active_layer_params(self) -> int:
+        """layer_params a token runs through: a MoE layer's router and picked experts."""
+        return self.layer_params(self.experts_per_token or None)
+
+    @property
+    def num_params(self) -> int:
+        """Every parameter held (a MoE model's every expert): what memory is sized by."""
+        if self.param_count is not None:
+            return self.param_count
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * (attn + mlp) + embed
+        return self.layer_params() + embed
 
     @property
     def rope_table_bytes(self) -> int:

@@ -142,7 +142,8 @@ def _config_from_hf(hf: dict) -> ModelConfig:
     theta, scaling = _rope(hf)
     attn_bias = bool(hf.get("attention_bias", False))
     sliding = hf.get("sliding_window")
-    if family in (Family.QWEN2, Family.QWEN3) and not hf.get("use_sliding_window", False):
+    qwen = (Family.QWEN2, Family.QWEN3, Family.QWEN3_MOE)
+    if family in qwen and not hf.get("use_sliding_window", False):
         sliding = None
     return ModelConfig(
         family=family,
@@ -160,9 +161,35 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         rope_scaling=scaling,
         activation=_activation(hf.get("hidden_act", "silu")),
         qkv_bias=True if family == Family.QWEN2 else attn_bias,
-        o_bias=attn_bias if family in (Family.LLAMA, Family.QWEN3) else False,
+        o_bias=attn_bias if family in (Family.LLAMA, Family.QWEN3, Family.QWEN3_MOE) else False,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=family == Family.QWEN3,
+        qk_norm=family in (Family.QWEN3, Family.QWEN3_MOE),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=sliding,
+        **_experts(hf, family),
+    )
+
+
+def _experts(hf: dict, family: Family) -> dict:
+    """A MoE family's ModelConfig fields. Qwen3-MoE: num_experts (num_local_experts as
+    transformers 5 saves it), a dense MLP in mlp_only_layers and in layers not a multiple of
+    decoder_sparse_step; Mixtral: every layer's, intermediate_size wide, always renormalised."""
+    if family not in (Family.QWEN3_MOE, Family.MIXTRAL):
+        return {}
+    n = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+    if not n:  # Qwen3-MoE without experts: dense
+        return {}
+    if family == Family.MIXTRAL:
+        width, renorm, dense = hf["intermediate_size"], True, ()
+    else:
+        width, renorm = hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob", False))
+        step, only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+        layers = range(hf["num_hidden_layers"])
+        dense = tuple(i for i in layers if i in only or (i + 1) % step)
+    return dict(
+        n_experts=n,
+        experts_per_token=hf["num_experts_per_tok"],
+        moe_intermediate_size=width,
+        norm_topk_prob=renorm,
+        dense_layers=dense,
     )

@@ -107,7 +107,7 @@ def load_state_dict(
     to device/dtype. shapes: the local parameters' shapes (needed for fused matrices and
     zero biases)."""
     out: dict[str, torch.Tensor] = {}
-    filled: dict[str, int] = {}  # rows written into each fused matrix so far
+    filled: dict[str, int] = {}  # elements written into each fused matrix so far
     for name, tensor, file in _iter_tensors(files):
         slot = weight_slot(cfg, name, tp)
         if slot is None:
@@ -131,8 +131,8 @@ def load_state_dict(
                     "weights and config.json must come from the same model"
                 )
             out[slot.name][c.dst].copy_(t)
-            filled[slot.name] = filled.get(slot.name, 0) + c.dst.stop - c.dst.start
-    missing = sorted(k for k, n in filled.items() if n != shapes[k][0])
+            filled[slot.name] = filled.get(slot.name, 0) + t.numel()
+    missing = sorted(k for k, n in filled.items() if n != shapes[k].numel())
     if missing:
         raise ModelLoadError(f"checkpoint is missing pieces of {missing}")
     return out

@@ -88,9 +88,10 @@ def pack_linears(model: nn.Module) -> int:
     gated MLP with PackedGatedMLP), in place. Returns how many weights were packed."""
     packed = 0
     for block in model.layers:
-        gated = block.mlp.gated
+        gated = isinstance(block.mlp, MLP) and block.mlp.gated
+        moe = not isinstance(block.mlp, MLP)  # its experts stay 3-D (model/moe.py)
         for name in LINEAR_LAYERS:
-            if not (gated and name.startswith("mlp.")):
+            if not ((gated or moe) and name.startswith("mlp.")):
                 block.set_submodule(name, PackedLinear(block.get_submodule(name)))
                 packed += 1
         if gated:  # gate, up and down

@@ -6,12 +6,13 @@ heads (or one replicated KV head where there are fewer KV heads than ranks, as v
 slices (`copies`, used by the loader and the LoRA merge):
 
   - column-parallel (split over output rows): q/k/v (fused `wqkv`, each of q, k, v cut by
-    heads), gate/up (fused `w_in`), their biases;
-  - row-parallel (split over input columns): `wo` and `w_out`, each followed by one
-    all-reduce (tp_layers.py); their bias is added once, by rank 0 (the others hold zeros);
+    heads), gate/up (fused `w_in`), their biases; a MoE layer's every expert's gate/up;
+  - row-parallel (split over input columns): `wo` and `w_out` (a MoE layer's every expert's
+    down), each followed by one all-reduce (tp_layers.py; a MoE layer's after its sum over
+    experts); their bias is added once, by rank 0 (the others hold zeros);
   - vocabulary-parallel: the embedding (each rank looks up its rows, an all-reduce adds them)
     and the LM head (each rank's logits over its rows, all-gathered); tied stay tied;
-  - replicated: norms, q/k norms (per head dim), GPT-2's position table.
+  - replicated: norms, q/k norms (per head dim), GPT-2's position table, MoE routers.
 
 Sizes N does not divide are refused before any weight loads (`check_sizes`), naming the N
 that would work. The same arithmetic serves the loader (checkpoint tensors -> local slices),
@@ -47,12 +48,13 @@ class TPShard:
 class Copy:
     """One slice of a checkpoint tensor into a local parameter. In our (out, in) orientation
     (GPT-2's Conv1D weights transposed): take `src` along `dim` (None: all of it) and write
-    it to rows `dst` of the local parameter (None: the whole parameter); `zero`: the local
-    parameter is zeros (a row-parallel bias on ranks other than 0)."""
+    it to rows `dst` of the local parameter (None: the whole parameter; a tuple: an index of
+    a 3-D expert weight, e.g. (expert, rows)); `zero`: the local parameter is zeros (a
+    row-parallel bias on ranks other than 0)."""
 
     dim: int = 0
     src: slice | None = None
-    dst: slice | None = None
+    dst: slice | tuple[int | slice, ...] | None = None
     zero: bool = False
 
 
@@ -62,15 +64,12 @@ SINGLE = TPShard()  # one rank: the whole model
 
 def size_problems(cfg: ModelConfig, n: int) -> list[str]:
     """Why n ranks cannot split cfg's sizes; empty when they can."""
-    bad = [
-        f"{name} {value}"
-        for name, value in (
-            ("attention heads", cfg.n_heads),
-            ("vocabulary", cfg.vocab_size),
-            ("intermediate size", cfg.intermediate_size),
-        )
-        if value % n
-    ]
+    sizes = [("attention heads", cfg.n_heads), ("vocabulary", cfg.vocab_size)]
+    if cfg.n_moe_layers < cfg.n_layers:  # a dense MLP somewhere
+        sizes.append(("intermediate size", cfg.intermediate_size))
+    if cfg.n_experts:
+        sizes.append(("expert intermediate size", cfg.moe_intermediate_size))
+    bad = [f"{name} {value}" for name, value in sizes if value % n]
     if cfg.n_kv_heads % n and n % cfg.n_kv_heads:  # fewer KV heads than ranks: replicated
         bad.append(f"KV heads {cfg.n_kv_heads} (neither divides the other)")
     return bad
@@ -112,7 +111,8 @@ def local_config(cfg: ModelConfig, tp: TPShard) -> ModelConfig:
         vocab_size=cfg.vocab_size // tp.size,
         n_heads=cfg.n_heads // tp.size,
         n_kv_heads=local_kv_heads(cfg, tp),
-        intermediate_size=cfg.intermediate_size // tp.size,
+        intermediate_size=max(1, cfg.intermediate_size // tp.size),
+        moe_intermediate_size=cfg.moe_intermediate_size // tp.size,
     )
 
 
@@ -146,6 +146,29 @@ def gate_up_copies(cfg: ModelConfig, tp: TPShard, pieces: str) -> tuple[Copy, ..
         return (Copy(0, local, None),)
     dst = slice(0, k) if pieces == "gate" else slice(k, 2 * k)
     return (Copy(0, local if tp.size > 1 else None, dst),)
+
+
+def expert_copies(
+    cfg: ModelConfig, tp: TPShard, piece: str, expert: int | None
+) -> tuple[Copy, ...]:
+    """Copies into a MoE layer's local w_in (E, 2 x I/N, dim) or w_out (E, dim, I/N): piece
+    "gate", "up" or "down" of one expert (a 2-D checkpoint tensor), or with expert None the
+    3-D tensor of all of them ("gate_up": [gate; up] rows, or "down")."""
+    i = cfg.moe_intermediate_size
+    part = tp.split(i)
+    k = part.stop - part.start
+    src = part if tp.size > 1 else None
+    if expert is None and piece == "down":
+        return (Copy(2, src),)
+    if expert is None:  # (E, 2I, dim): this rank's gate rows, then its up rows
+        if tp.size == 1:
+            return WHOLE
+        every = slice(None)
+        up = slice(i + part.start, i + part.stop)
+        return (Copy(1, part, (every, slice(0, k))), Copy(1, up, (every, slice(k, 2 * k))))
+    if piece == "down":
+        return (Copy(1, src, (expert,)),)
+    return (Copy(0, src, (expert, slice(0, k) if piece == "gate" else slice(k, 2 * k))),)
 
 
 def row_parallel_copies(n_in: int, tp: TPShard, bias: bool) -> tuple[Copy, ...]:

@@ -4,7 +4,8 @@ gpt-fast's tp.py does it, so transformer.py stays the single-device model:
   - the embedding looks up only the rank's vocabulary rows (zeros elsewhere) and an
     all-reduce adds the ranks' rows: each token's row comes from exactly one rank;
   - `wo` and `w_out` are row-parallel: each rank's output is a partial sum, completed by an
-    all-reduce (a forward hook) before the residual add;
+    all-reduce (a forward hook) before the residual add; a MoE layer's (model/moe.py) after
+    its weighted sum over the experts, each holding 1/N of every expert;
   - the LM head gives each rank the logits of its vocabulary rows; an all-gather puts the
     rows side by side, so every rank holds the whole (S, vocab) logits.
 
@@ -28,6 +29,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed import _functional_collectives as funcol
 
+from batchgen.model.moe import MoE
 from batchgen.model.tensor_parallel import TPShard
 from batchgen.model.transformer import Transformer
 
@@ -89,6 +91,8 @@ def apply_tensor_parallel(
     vocab = model.embed.weight.shape[0]  # this rank's rows
     model.embed = VocabParallelEmbedding(model.embed.weight, tp.rank * vocab, comm)
     for block in model.layers:
-        for layer in (block.attn.wo, block.mlp.w_out):
+        # a MoE layer's output is the partial sum of every expert's down rows: one all-reduce
+        mlp_out = block.mlp if isinstance(block.mlp, MoE) else block.mlp.w_out
+        for layer in (block.attn.wo, mlp_out):
             layer.register_forward_hook(lambda _m, _i, out: comm.all_reduce(out))
     model.lm_head.register_forward_hook(lambda _m, _i, out: comm.gather_columns(out))

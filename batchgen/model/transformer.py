@@ -1,4 +1,5 @@
-"""A compact decoder covering GPT-2, Llama, Mistral, Qwen2 and Qwen3.
+"""A compact decoder covering GPT-2, Llama, Mistral, Qwen2, Qwen3 and the MoE families
+(Qwen3-MoE, Mixtral: model/moe.py).
 
 A forward is one engine step: a flat, packed run of tokens from many sequences, each with
 its own position. Keys/values go to the paged cache and attention reads each sequence's
@@ -8,15 +9,15 @@ final norm and the LM head.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.model.activations import activation
 from batchgen.model.attention import StepAttention, step_attention
 from batchgen.model.config import ModelConfig, NormKind, PositionKind
 from batchgen.model.kv_cache import PagedKVCache
+from batchgen.model.moe import MoE
 from batchgen.model.rope import apply_rope, rope_tables
 
 
@@ -37,20 +38,6 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     if cfg.norm == NormKind.RMS:
         return RMSNorm(dim, cfg.norm_eps)
     return nn.LayerNorm(dim, eps=cfg.norm_eps)
-
-
-def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    if name == "silu":
-        return F.silu(x)
-    if name == "gelu_tanh":  # GPT-2's gelu_new, written out as transformers does
-        return (
-            0.5
-            * x
-            * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-        )
-    if name == "gelu":
-        return F.gelu(x)
-    raise ValueError(f"unknown activation {name!r}")
 
 
 class Attention(nn.Module):
@@ -102,12 +89,12 @@ LINEAR_LAYERS = ("attn.wqkv", "attn.wo", "mlp.w_in", "mlp.w_out")
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, i: int) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg, cfg.dim)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg, cfg.dim)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.moe_layer(i) else MLP(cfg)
 
     def forward(self, x, rope, step: StepAttention) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, step)
@@ -143,7 +130,7 @@ class Transformer(nn.Module):
             if cfg.position == PositionKind.LEARNED
             else None
         )
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg, cfg.dim)
         self.lm_head = LMHead(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("rope_cos", None, persistent=False)  # (P, head_dim), float32

@@ -1,0 +1,154 @@
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral): each token runs through k of E experts.
+
+Per token x (dim,): the router's logits (E,) -> softmax in float32 -> the top k experts and
+their probabilities -> renormalised to sum to 1 (`norm_topk_prob`; Mixtral always) -> the
+output is the sum over the k picked experts e of p_e * down_e(act(gate_e x) * up_e x). This
+is transformers' computation step for step (the routing weights cast to the model dtype
+before the product for Qwen3-MoE, kept in float32 for Mixtral, as there), and each token's
+experts are added from zeros in ascending expert order as transformers' loop adds them, so
+float32 tokens equal transformers'.
+
+The experts' weights are 3-D: `w_in` (E, 2 x I, dim) holds each expert's [gate; up] rows,
+`w_out` (E, dim, I) its down projection, (out, in) as nn.Linear's; the loader stacks the
+checkpoint's per-expert matrices into them (model/moe_checkpoint.py). With tensor parallelism
+each rank holds every expert's 1/N of I (tensor_parallel.py) and the layer's output is a
+partial sum, all-reduced once (tp_layers.py), as a dense MLP's; the router is replicated.
+
+The experts run in one custom op, `batchgen::moe_experts`, opaque to the compiler, as the
+attention ops are (model/decode_ops.py): how many tokens each expert gets is data, and a
+graph over a symbolic batch cannot hold shapes that depend on it (a per-expert loop indexes
+a data-dependent number of rows; torch 2.13's grouped_mm traces only in bfloat16, its fake
+kernel refuses float32). Inside the op each device takes its best kernel:
+
+  - grouped: the (token, expert) pairs sorted by expert, one `torch._grouped_mm` for every
+    expert's [gate; up] and one for down (CPU, any float dtype; CUDA bfloat16 on sm80+);
+  - loop: per expert, its rows gathered, two matmuls, added back (the rest, and sizes whose
+    rows are not 16-byte multiples, which grouped_mm refuses).
+
+On this CPU (2 threads, float32, scripts/bench_moe.py, docs/benchmarks.md) grouped ran
+1.3-1.6x faster than the loop from 4 to 256 tokens, with the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.model.activations import activation
+from batchgen.model.config import Family, ModelConfig
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, i = cfg.n_experts, cfg.moe_intermediate_size
+        self.top_k, self.renorm, self.act = (
+            cfg.experts_per_token,
+            cfg.norm_topk_prob,
+            cfg.activation,
+        )
+        self.float_weights = cfg.family == Family.MIXTRAL  # see the module's docstring
+        self.router = nn.Linear(cfg.dim, e, bias=False)
+        self.w_in = nn.Parameter(torch.empty(e, 2 * i, cfg.dim))  # per expert [gate; up]
+        self.w_out = nn.Parameter(torch.empty(e, cfg.dim, i))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, dim) -> each token's expert weights and experts, (T, k) each."""
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)  # (T, E)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renorm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.float_weights else weights.to(x.dtype)), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        return moe_experts(x, self.w_in, self.w_out, weights, experts, self.act)
+
+    def extra_repr(self) -> str:
+        e, two_i, dim = self.w_in.shape
+        return f"experts={e}, top_k={self.top_k}, dim={dim}, intermediate={two_i // 2}"
+
+
+def _sorted_by_expert(experts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts (T, k) -> the (token, slot) pairs' flat indices sorted by expert (stable: by
+    token within an expert), and each expert's count (n,)."""
+    flat = experts.reshape(-1)
+    return flat.argsort(stable=True), torch.bincount(flat, minlength=n)
+
+
+def experts_grouped(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    act: str,
+) -> torch.Tensor:
+    """The experts' outputs summed per token (T, dim), as two grouped matmuls over the
+    (token, expert) pairs sorted by expert (T x k rows, E groups)."""
+    k = experts.shape[1]
+    order, counts = _sorted_by_expert(experts, w_in.shape[0])
+    offs = counts.cumsum(0).to(torch.int32)  # where each expert's rows end
+    rows = order // k  # each pair's token
+    h = F.grouped_mm(x[rows], w_in.transpose(1, 2), offs=offs)  # (T*k, 2I)
+    gate, up = h.chunk(2, dim=-1)
+    y = F.grouped_mm(activation(act, gate) * up, w_out.transpose(1, 2), offs=offs)  # (T*k, dim)
+    y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, rows, y)
+
+
+def experts_loop(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    act: str,
+) -> torch.Tensor:
+    """experts_grouped's values, one expert at a time (one host sync for the counts)."""
+    k = experts.shape[1]
+    order, counts = _sorted_by_expert(experts, w_in.shape[0])
+    flat_weights = weights.reshape(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            pairs = order[start : start + n]
+            rows = pairs // k
+            gate, up = F.linear(x[rows], w_in[e]).chunk(2, dim=-1)
+            y = F.linear(activation(act, gate) * up, w_out[e])
+            out.index_add_(0, rows, (y * flat_weights[pairs, None]).to(x.dtype))
+        start += n
+    return out
+
+
+def grouped_runs(x: torch.Tensor, intermediate: int) -> bool:
+    """Whether experts_grouped runs here: grouped_mm's kernels take any float dtype on the
+    CPU, bfloat16 on CUDA from sm80, and rows that are multiples of 16 bytes."""
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False
+    elif x.device.type != "cpu":
+        return False
+    return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], intermediate))
+
+
+@torch.library.custom_op("batchgen::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    act: str,
+) -> torch.Tensor:
+    """x (T, dim); w_in (E, 2I, dim), w_out (E, dim, I); weights, experts (T, k) -> the
+    weighted sum of each token's experts' outputs (T, dim)."""
+    kernel = experts_grouped if grouped_runs(x, w_out.shape[-1]) else experts_loop
+    return kernel(x, w_in, w_out, weights, experts, act)
+
+
+@moe_experts.register_fake
+def _(x, w_in, w_out, weights, experts, act):
+    return torch.empty_like(x)
