@@ -61,7 +61,11 @@ def main(argv=None) -> dict:
                 cmd = bench.batchgen_cmd(a, model, data, out)
             r = bench.timed(cmd, root / f"{name}-{i}.log")
             if name == "choice":
-                rows = pq.read_table(out, columns=["text"]).column("text").to_pylist()
+                rows = (
+                    pq.read_table(out, columns=["generated_text"])
+                    .column("generated_text")
+                    .to_pylist()
+                )
                 assert all(t in LABELS.split(",") for t in rows), "a row outside its labels"
             runs[name].append(a.rows / r["wall_s"])
             print(f"round {i} {name:8s} {r['wall_s']:6.1f} s  {a.rows / r['wall_s']:5.2f} rows/s")

@@ -49,7 +49,7 @@ def _throughput(stats: dict) -> str:
 def report_labels(run_dir: Path) -> None:
     rows, stats = _load(run_dir)
     ok = [r for r in rows if r["error"] is None]
-    predicted = [(r["label"], (r["text"] or "").strip()) for r in ok]
+    predicted = [(r["label"], (r["generated_text"] or "").strip()) for r in ok]
     right = sum(p == t for t, p in predicted)
     print(
         f"label accuracy: {right}/{len(ok)} = {right / max(1, len(ok)):.1%}"
@@ -71,15 +71,15 @@ def report_labels(run_dir: Path) -> None:
 def report_summaries(run_dir: Path, show: int = 3) -> None:
     rows, stats = _load(run_dir)
     ok = [r for r in rows if r["error"] is None]
-    exact = sum((r["text"] or "").strip() == r["summary"] for r in ok)
+    exact = sum((r["generated_text"] or "").strip() == r["summary"] for r in ok)
     # "The reviewer liked/disliked/found ...": does the summary carry the reference's verdict?
-    verdict = sum(_verdict(r["text"]) == _verdict(r["summary"]) for r in ok)
+    verdict = sum(_verdict(r["generated_text"]) == _verdict(r["summary"]) for r in ok)
     print(
         f"summaries equal to the reference: {exact}/{len(ok)} = {exact / max(1, len(ok)):.1%}; "
         f"same verdict (liked/disliked/found): {verdict / max(1, len(ok)):.1%}"
     )
     for r in sorted(ok, key=lambda r: r["id"])[:show]:
-        print(f"  {r['id']}: {r['text'].strip()!r}\n    reference: {r['summary']!r}")
+        print(f"  {r['id']}: {r['generated_text'].strip()!r}\n    reference: {r['summary']!r}")
     print(_throughput(stats))
 
 

@@ -29,7 +29,7 @@ DEVICE_FLAGS = ("--device", "cpu", "--no-compile", "--kv-cache-tokens", "4096")
 EAGER = (*DEVICE_FLAGS, "--max-error-rate", "1")
 FAST = (*EAGER, "--quiet")
 
-BASE_COLUMNS = ["text", "finish_reason", "prompt_tokens", "completion_tokens", "error"]
+BASE_COLUMNS = ["generated_text", "finish_reason", "prompt_tokens", "completion_tokens", "error"]
 
 # Short prompts in the tiny tokenizer's corpus, of a few different token lengths.
 PROMPTS = [
@@ -159,8 +159,9 @@ def random_prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(2, 500, (n,), generator=g).tolist() for n in lens]
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """transformers' batched generate with left padding, per-row outputs up to EOS."""
+def hf_greedy(model_dir, prompts: list[list[int]], max_new: int, **generate) -> list[list[int]]:
+    """transformers' batched generate with left padding, per-row outputs up to EOS; generate:
+    more of its options (repetition_penalty=1.3)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad = hf.generation_config.pad_token_id or 0
     width = max(map(len, prompts))
@@ -172,6 +173,7 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new: int) -> list[list[in
         max_new_tokens=max_new,
         do_sample=False,
         pad_token_id=pad,
+        **generate,
     )[:, width:]
     eos = hf.generation_config.eos_token_id
     rows = []

@@ -15,7 +15,7 @@ def _run(src, out, model, *flags, exit_code=0):
 
 def _check_error_row(row, *words):
     assert row["finish_reason"] == "error"
-    assert row["text"] is None and row["completion_tokens"] == 0
+    assert row["generated_text"] is None and row["completion_tokens"] == 0
     for w in words:
         assert w in row["error"], (w, row["error"])
 
@@ -23,7 +23,7 @@ def _check_error_row(row, *words):
 def _check_ok_row(row):
     assert row["error"] is None
     assert row["finish_reason"] in ("stop", "length")
-    assert isinstance(row["text"], str) and row["completion_tokens"] >= 1
+    assert isinstance(row["generated_text"], str) and row["completion_tokens"] >= 1
     assert row["prompt_tokens"] >= 1
 
 

@@ -79,7 +79,7 @@ def test_parquet_end_to_end(tmp_path, model, tok):
         assert (r["finish_reason"] == "length") == (r["completion_tokens"] == 8)
         assert len(r["token_ids"]) == len(r["logprobs"]) == r["completion_tokens"]
         assert all(lp <= 0 for lp in r["logprobs"])
-        assert r["text"] == tok.decode(r["token_ids"], skip_special_tokens=True)
+        assert r["generated_text"] == tok.decode(r["token_ids"], skip_special_tokens=True)
         assert r["prompt_tokens"] == len(tok(prompts(N)[i])["input_ids"])
     assert success(out)
     assert read_job(out)["max_new_tokens"] == 8
@@ -123,13 +123,13 @@ def test_other_inputs_give_the_same_results(tmp_path, model, reference, make):
     assert sorted(rows) == list(range(N))
     for i, r in rows.items():
         assert (r["prompt"], r["k"]) == (prompts(N)[i], i)
-        assert r["text"] == reference[i]["text"]
+        assert r["generated_text"] == reference[i]["generated_text"]
         assert r["completion_tokens"] == reference[i]["completion_tokens"]
 
 
 def test_template_over_columns_equals_the_rendered_prompt(tmp_path, model, tok, caplog):
-    """A template over `text` (also an output column's name) and `lang` renders per row;
-    the result equals running the rendered strings as plain prompts."""
+    """A template over `text` and `lang` renders per row; the result equals running the
+    rendered strings as plain prompts."""
     texts, langs = prompts(6), ["en", "fr"] * 3
     rendered = [f"Review ({lang}): {t}\nSentiment:" for t, lang in zip(texts, langs, strict=True)]
     src = write_parquet(tmp_path / "in.parquet", {"text": texts, "lang": langs})
@@ -140,13 +140,13 @@ def test_template_over_columns_equals_the_rendered_prompt(tmp_path, model, tok, 
     run_job(plain, tmp_path / "plain", model, "--max-new-tokens", 6)
 
     got, want = rows_by_id(out), rows_by_id(tmp_path / "plain")
-    # the input `text` column cannot pass through under its own name: it is kept as input_text
-    assert read_output(out).schema.names == ["id", "input_text", "lang", *BASE_COLUMNS]
-    assert "'text' as 'input_text'" in caplog.text
+    # the input's usual `text` column keeps its name: the output's own is generated_text
+    assert read_output(out).schema.names == ["id", "text", "lang", *BASE_COLUMNS]
+    assert "under another name" not in caplog.text
     for i in range(6):
-        assert (got[i]["lang"], got[i]["input_text"]) == (langs[i], texts[i])
+        assert (got[i]["lang"], got[i]["text"]) == (langs[i], texts[i])
         assert got[i]["prompt_tokens"] == len(tok(rendered[i])["input_ids"])
-        assert (got[i]["text"], got[i]["error"]) == (want[i]["text"], None)
+        assert (got[i]["generated_text"], got[i]["error"]) == (want[i]["generated_text"], None)
 
 
 def test_messages_column_uses_the_chat_template(tmp_path, model, tok):
@@ -177,7 +177,7 @@ def test_messages_column_uses_the_chat_template(tmp_path, model, tok):
     for (i, text), ref in zip(rendered.items(), want, strict=True):
         assert rows[i]["error"] is None
         assert rows[i]["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"])
-        assert rows[i]["text"] == ref["text"]
+        assert rows[i]["generated_text"] == ref["generated_text"]
     for i in (2, 3):
         assert rows[i]["finish_reason"] == "error"
         assert "messages" in rows[i]["error"]
@@ -233,9 +233,9 @@ def test_an_input_id_column_is_the_default_id(tmp_path, model, caplog):
 
 
 def test_id_column_named_like_an_output_column_is_refused(tmp_path, model):
-    src = write_parquet(tmp_path / "in.parquet", {"text": prompts(3), "prompt": prompts(3)})
-    r = run_job(src, tmp_path / "out", model, "--id-column", "text", exit_code=2)
-    assert_one_line_error(r, "id column 'text'", "output column", "rename it")
+    src = write_parquet(tmp_path / "in.parquet", {"error": prompts(3), "prompt": prompts(3)})
+    r = run_job(src, tmp_path / "out", model, "--id-column", "error", exit_code=2)
+    assert_one_line_error(r, "id column 'error'", "output column", "rename it")
     assert not (tmp_path / "out").exists()
 
 
@@ -283,10 +283,10 @@ def test_per_row_sampling_columns(tmp_path, model):
     def flags_run(name, *flags, src=plain):
         run_job(src, tmp_path / name, model, "--max-new-tokens", 8, *flags)
         rows = rows_by_id(tmp_path / name)
-        return [rows[i]["text"] for i in sorted(rows)]
+        return [rows[i]["generated_text"] for i in sorted(rows)]
 
     rows = rows_by_id(tmp_path / "mixed")
-    mixed = [rows[i]["text"] for i in sorted(rows)]
+    mixed = [rows[i]["generated_text"] for i in sorted(rows)]
     by_group = {g: mixed[j * n : (j + 1) * n] for j, g in enumerate(groups)}
     greedy = flags_run("greedy")
     assert by_group["greedy"] == greedy
@@ -336,7 +336,7 @@ def test_greedy_cli_equals_the_python_api(tmp_path, tiny_dirs, family):
     rows = rows_by_id(out)
     for i, c in enumerate(want):
         assert rows[i]["token_ids"] == c.token_ids
-        assert rows[i]["text"] == c.text
+        assert rows[i]["generated_text"] == c.text
         assert rows[i]["finish_reason"] == c.finish_reason.value
 
 
@@ -543,7 +543,7 @@ def test_compiled_run_equals_eager(tmp_path, model):
     assert sorted(compiled) == [0, 1, 2, 3]
     for i in range(4):
         assert compiled[i]["token_ids"] == eager[i]["token_ids"]
-        assert compiled[i]["text"] == eager[i]["text"]
+        assert compiled[i]["generated_text"] == eager[i]["generated_text"]
     stats = read_stats(tmp_path / "compiled")
     assert stats["compiled"] is True
     assert stats["compiled_shapes"] == 0  # every compile in the warm-up, none after it

@@ -81,7 +81,7 @@ def test_a_job_of_no_rows_writes_an_empty_part_with_the_schema(tmp_path, model):
     run_job(src, out, model)
     (part,) = out.glob("part-*.parquet")
     table = pq.read_table(part)
-    assert table.num_rows == 0 and {"id", "k", "text", "error"} <= set(table.column_names)
+    assert table.num_rows == 0 and {"id", "k", "generated_text", "error"} <= set(table.column_names)
     assert success(out) and read_stats(out)["rows"] == 0
 
 

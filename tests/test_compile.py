@@ -251,4 +251,6 @@ def test_a_second_process_loads_the_compile_cache(model, tmp_path):
     assert cold["compiled_shapes"] == warm["compiled_shapes"] == 0  # no compile after warm-up
     assert warm["compile_s"] <= 0.5 * cold["compile_s"], (warm["compile_s"], cold["compile_s"])
     a, b = rows_by_id(tmp_path / "a"), rows_by_id(tmp_path / "b")
-    assert {k: r["text"] for k, r in a.items()} == {k: r["text"] for k, r in b.items()}
+    assert {k: r["generated_text"] for k, r in a.items()} == {
+        k: r["generated_text"] for k, r in b.items()
+    }

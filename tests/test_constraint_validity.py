@@ -38,9 +38,9 @@ def test_json_strings_hold_no_raw_control_characters(tmp_path, model):
     done = [r for r in rows.values() if r["finish_reason"] == "stop"]
     assert len(done) >= 16
     for r in done:
-        value = json.loads(r["text"], strict=True)  # strict: no raw U+0000-U+001F
+        value = json.loads(r["generated_text"], strict=True)  # strict: no raw U+0000-U+001F
         assert isinstance(value, str) and len(value) <= 6
-        assert not any(ord(ch) < 0x20 for ch in r["text"]), repr(r["text"])
+        assert not any(ord(ch) < 0x20 for ch in r["generated_text"]), repr(r["generated_text"])
 
 
 def test_unsatisfiable_job_constraint_is_refused_before_the_run(tmp_path, model):
@@ -59,9 +59,9 @@ def test_unsatisfiable_row_constraint_is_that_rows_error(tmp_path, model):
     for i in (0, 2):  # never a `stop` row with text "" that fails its constraint
         assert rows[i]["finish_reason"] == "error"
         assert "cannot be met" in rows[i]["error"]
-        assert rows[i]["text"] is None
+        assert rows[i]["generated_text"] is None
     assert rows[1]["error"] is None and rows[3]["error"] is None
-    assert rows[3]["finish_reason"] == "stop" and len(rows[3]["text"]) == 2
+    assert rows[3]["finish_reason"] == "stop" and len(rows[3]["generated_text"]) == 2
 
 
 _OBJECT = {
@@ -81,7 +81,7 @@ def _json_rows(tmp_path, model, name: str, *flags):
 
 def test_json_whitespace_is_compact_by_default(tmp_path, model):
     rows = _json_rows(tmp_path, model, "compact")
-    done = [r["text"] for r in rows.values() if r["finish_reason"] == "stop"]
+    done = [r["generated_text"] for r in rows.values() if r["finish_reason"] == "stop"]
     assert len(done) >= 8
     for text in done:  # the only whitespace: one space after each , and :
         json.loads(text, strict=True)
@@ -91,7 +91,7 @@ def test_json_whitespace_is_compact_by_default(tmp_path, model):
 
 def test_json_any_whitespace_option_allows_free_whitespace(tmp_path, model):
     rows = _json_rows(tmp_path, model, "free", "--json-any-whitespace")
-    texts = [r["text"] for r in rows.values() if r["text"] is not None]
+    texts = [r["generated_text"] for r in rows.values() if r["generated_text"] is not None]
     assert any(ch in t for t in texts for ch in "\n\t\r")  # a random model uses the freedom
 
 
@@ -103,7 +103,7 @@ def test_constrained_row_cut_at_max_new_tokens_is_marked_incomplete(tmp_path, mo
     rows = rows_by_id(out)
     for r in rows.values():
         assert r["finish_reason"] == "length"
-        assert r["text"]  # what was generated is kept
+        assert r["generated_text"]  # what was generated is kept
         assert "does not complete" in r["error"]
     # counted as errors: an incomplete JSON answer is not a result
     assert read_stats(out)["rows_error"] == 4
@@ -130,7 +130,7 @@ def test_a_stop_string_that_cuts_a_constrained_row_marks_it(tmp_path, model):
     assert cut, "no row was cut: pick another seed"
     for r in rows:
         assert r["finish_reason"] == "stop"
-        if re.fullmatch("[a-c]{4}", r["text"]):
+        if re.fullmatch("[a-c]{4}", r["generated_text"]):
             assert r["error"] is None
         else:  # cut before the b: kept, but not passed off as a match
-            assert "b" not in r["text"] and "stop string cut" in r["error"]
+            assert "b" not in r["generated_text"] and "stop string cut" in r["error"]

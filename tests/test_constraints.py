@@ -63,8 +63,10 @@ def test_choice_flag_gives_only_labels_even_sampling_noise(tmp_path, model):
     run_cli("run", src, "-o", out, "--model", model, *SAMPLED, "--choice", ",".join(LABELS))
     rows = rows_by_id(out)
     assert len(rows) == 12
-    assert all(r["text"] in LABELS and r["finish_reason"] == "stop" for r in rows.values())
-    assert len({r["text"] for r in rows.values()}) > 1  # sampled, not one forced label
+    assert all(
+        r["generated_text"] in LABELS and r["finish_reason"] == "stop" for r in rows.values()
+    )
+    assert len({r["generated_text"] for r in rows.values()}) > 1  # sampled, not one forced label
     assert read_stats(out)["rows_error"] == 0
 
 
@@ -79,11 +81,11 @@ def test_unconstrained_rows_are_unaffected_by_constrained_neighbours(tmp_path, m
     a, b = rows_by_id(tmp_path / "a"), rows_by_id(tmp_path / "b")
     for i in range(8):
         if regex[i] is None:
-            assert b[i]["text"] == a[i]["text"]
+            assert b[i]["generated_text"] == a[i]["generated_text"]
         elif b[i]["finish_reason"] == "stop":
-            assert re.fullmatch(regex[i], b[i]["text"]), b[i]["text"]
+            assert re.fullmatch(regex[i], b[i]["generated_text"]), b[i]["generated_text"]
         else:  # the grammar allows digits forever; it may run out of tokens, never of form
-            assert re.fullmatch(r"[a-c]{2}-[0-9]*", b[i]["text"]), b[i]["text"]
+            assert re.fullmatch(r"[a-c]{2}-[0-9]*", b[i]["generated_text"]), b[i]["generated_text"]
 
 
 def test_json_schema_file_gives_valid_json(tmp_path, model):
@@ -113,7 +115,7 @@ def test_json_schema_file_gives_valid_json(tmp_path, model):
     )
     for r in rows_by_id(out).values():
         assert r["finish_reason"] == "stop", r  # the grammar ends the row, EOS ignored or not
-        obj = json.loads(r["text"])
+        obj = json.loads(r["generated_text"])
         assert set(obj) == {"label", "score"} and obj["label"] in LABELS
         assert isinstance(obj["score"], int)
 
@@ -130,9 +132,9 @@ def test_per_row_choice_lists_and_a_bad_row_regex(tmp_path, model):
     out = tmp_path / "out"
     run_cli("run", src, "-o", out, "--model", model, *SAMPLED)
     rows = rows_by_id(out)
-    assert rows[0]["text"] in ("yes", "no")
-    assert re.fullmatch("[0-9]{4}", rows[1]["text"])
-    assert rows[2]["text"] in ("red", "green", "blue")
+    assert rows[0]["generated_text"] in ("yes", "no")
+    assert re.fullmatch("[0-9]{4}", rows[1]["generated_text"])
+    assert rows[2]["generated_text"] in ("red", "green", "blue")
     assert rows[3]["finish_reason"] == "error" and "does not compile" in rows[3]["error"]
     assert "\n" not in rows[3]["error"]
 
@@ -146,7 +148,7 @@ def test_a_row_with_two_constraints_is_an_error_record(tmp_path, model):
     run_cli("run", src, "-o", out, "--model", model, *SAMPLED)
     rows = rows_by_id(out)
     assert "give one constraint" in rows[0]["error"]
-    assert rows[1]["text"] in ("a", "b")
+    assert rows[1]["generated_text"] in ("a", "b")
 
 
 @pytest.mark.parametrize(

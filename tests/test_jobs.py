@@ -44,16 +44,20 @@ def _run_spec(name: str, out) -> list[dict]:
 def test_label_job_runs_on_the_embedded_default(tmp_path):
     rows = _run_spec("label_sentiment.yaml", tmp_path / "out")
     assert len(rows) == 12 and all(r["id"].startswith("r") for r in rows)
-    assert {r["text"].strip() for r in rows} <= {"positive", "negative", "neutral"}
-    assert sum(r["text"].strip() == r["label"] for r in rows) >= 6  # the demo model is ~78% right
+    assert {r["generated_text"].strip() for r in rows} <= {"positive", "negative", "neutral"}
+    assert (
+        sum(r["generated_text"].strip() == r["label"] for r in rows) >= 6
+    )  # the demo model is ~78% right
 
 
 def test_choice_label_job_gives_only_labels(tmp_path):
     rows = _run_spec("label_sentiment_choice.yaml", tmp_path / "out")
     assert len(rows) == 12
-    assert all(r["text"] in (" positive", " negative", " neutral") for r in rows)
+    assert all(r["generated_text"] in (" positive", " negative", " neutral") for r in rows)
     assert all(r["finish_reason"] == "stop" for r in rows)
-    assert sum(r["text"].strip() == r["label"] for r in rows) >= 9  # measured: 100/100 of 100
+    assert (
+        sum(r["generated_text"].strip() == r["label"] for r in rows) >= 9
+    )  # measured: 100/100 of 100
 
 
 def test_score_label_job_gives_probabilities_of_the_labels(tmp_path):

@@ -128,7 +128,7 @@ def test_cli_records_the_adapter_and_refuses_one_changed_in_place(
     part = sorted((tmp_path / "out").glob("part-*.parquet"))[0]
     assert json.loads(pq.read_schema(part).metadata[b"batchgen"])["lora"]["sha256"] == sha
     rows = rows_by_id(tmp_path / "out")
-    texts = [rows[i]["text"] for i in range(6)]
+    texts = [rows[i]["generated_text"] for i in range(6)]
     llm = LLM(model, dtype="float32", device="cpu", compile=False, lora=mine)
     assert texts == [c.text for c in llm.generate(prompts(6), SamplingParams(max_new_tokens=6))]
 

@@ -30,7 +30,7 @@ def write_shard(out, shard: Shard, ids, *, complete=True, wall_s=2.0, job=None, 
         {
             "id": i,
             "label": "x",
-            "text": f"t{i}",
+            "generated_text": f"t{i}",
             "finish_reason": "stop",
             "prompt_tokens": 5,
             "completion_tokens": 2,

@@ -111,7 +111,10 @@ def test_a_job_loads_its_tokenizer_and_reads_config_json_once(tmp_path, model, m
     assert calls["config.json"] == calls["generation_config.json"] == 1
     assert calls["grammar vocabulary"] == 1
     rows = rows_by_id(out)
-    assert sorted(rows) == [0, 1, 2, 3] and {r["text"] for r in rows.values()} <= {"yes", "no"}
+    assert sorted(rows) == [0, 1, 2, 3] and {r["generated_text"] for r in rows.values()} <= {
+        "yes",
+        "no",
+    }
 
 
 def test_a_device_that_is_not_there_is_a_config_error_for_both(tmp_path, model, monkeypatch):

@@ -199,7 +199,7 @@ def test_mixed_file_equals_plain_runs(tmp_path, model, tok):
     }
     for cid, row in rows.items():
         assert row["error"] is None, row
-        keys = ("text", "finish_reason", "prompt_tokens", "completion_tokens")
+        keys = ("generated_text", "finish_reason", "prompt_tokens", "completion_tokens")
         assert {k: row[k] for k in keys} == {k: want[cid][k] for k in keys}, cid
     assert [rows[c]["completion_tokens"] for c in ("c0", "p0", "c1")] == [5, 3, 6]
     # The request's prompt travels with its row; the chat one through the model's template.
@@ -237,7 +237,7 @@ def test_malformed_lines_become_error_rows(tmp_path, model):
         "t": ["line 4", "temperature"],
     }.items():
         row = rows[cid]
-        assert row["finish_reason"] == "error" and row["text"] is None
+        assert row["finish_reason"] == "error" and row["generated_text"] is None
         assert all(w in row["error"] for w in words), row["error"]
     for cid in ("ok0", "ok1"):
         assert rows[cid]["error"] is None and rows[cid]["completion_tokens"] >= 1
@@ -269,27 +269,29 @@ def test_per_row_stop_cuts_only_its_row(tmp_path, model):
     line only, cuts that line and leaves the same prompt on another line as it was."""
     ref = tmp_path / "ref"
     _run(write_jsonl(tmp_path / "ref.jsonl", [completion_line("a", PROMPTS[0])]), ref, model)
-    text = rows_by_id(ref, "custom_id")["a"]["text"]
+    text = rows_by_id(ref, "custom_id")["a"]["generated_text"]
     stop = text[len(text) // 2 :][:2]
     assert stop.strip() and text.index(stop) > 0, text
     lines = [completion_line("cut", PROMPTS[0], stop=[stop]), completion_line("same", PROMPTS[0])]
     out = tmp_path / "out"
     _run(write_jsonl(tmp_path / "req.jsonl", lines), out, model)
     rows = rows_by_id(out, "custom_id")
-    assert rows["cut"]["text"] == text[: text.index(stop)]
+    assert rows["cut"]["generated_text"] == text[: text.index(stop)]
     assert rows["cut"]["finish_reason"] == "stop"
-    assert rows["same"]["text"] == text
+    assert rows["same"]["generated_text"] == text
 
 
 def test_stop_column_in_a_plain_input_overrides_the_job_stop(tmp_path, model):
     ref = tmp_path / "ref"
     _run(write_parquet(tmp_path / "r.parquet", {"prompt": [PROMPTS[0]]}), ref, model)
-    text = rows_by_id(ref)[0]["text"]
+    text = rows_by_id(ref)[0]["generated_text"]
     stop = text[len(text) // 2 :][:2]
     src = write_parquet(tmp_path / "in.parquet", {"prompt": [PROMPTS[0]] * 2, "stop": [stop, None]})
     _run(src, tmp_path / "out", model, "--stop", "nothing-like-this")
     rows = rows_by_id(tmp_path / "out")
-    assert rows[0]["text"] == text[: text.index(stop)] and rows[1]["text"] == text
+    assert (
+        rows[0]["generated_text"] == text[: text.index(stop)] and rows[1]["generated_text"] == text
+    )
 
 
 # -- --output-format openai ------------------------------------------------------------------
@@ -333,9 +335,9 @@ def test_openai_output_lines_in_input_order(tmp_path, model):
         assert choice["index"] == 0 and choice["finish_reason"] == row["finish_reason"]
         if g["custom_id"] in ("a-first-id", "m"):
             assert body["object"] == "chat.completion"
-            assert choice["message"] == {"role": "assistant", "content": row["text"]}
+            assert choice["message"] == {"role": "assistant", "content": row["generated_text"]}
         else:
-            assert body["object"] == "text_completion" and choice["text"] == row["text"]
+            assert body["object"] == "text_completion" and choice["text"] == row["generated_text"]
     assert [g["response"]["status_code"] for g in got] == [200, 400, 200, 400, 200]
     assert "line 2" in got[1]["error"]["message"] and "positions" in got[3]["error"]["message"]
 
@@ -391,7 +393,7 @@ def test_output_lines_of_several_samples(tmp_path):
         {
             "custom_id": ["y", "x", "x", "z", "z"],
             "sample_index": [0, 1, 0, 0, 1],
-            "text": ["t", "b", "a", "ok", None],
+            "generated_text": ["t", "b", "a", "ok", None],
             "finish_reason": ["length", "stop", "length", "stop", "error"],
             "prompt_tokens": [3, 5, 5, 2, 0],
             "completion_tokens": [4, 1, 2, 1, 0],
@@ -516,7 +518,7 @@ def test_output_echoes_the_model_and_leaves_eos_out_of_logprobs(tmp_path):
     results = pa.table(
         {
             "custom_id": ["a", "b"],
-            "text": ["xy", "z"],
+            "generated_text": ["xy", "z"],
             "finish_reason": ["stop", "stop"],
             "prompt_tokens": [3, 3],
             "completion_tokens": [3, 1],

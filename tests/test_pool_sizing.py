@@ -29,8 +29,10 @@ def test_a_long_row_after_a_window_of_short_rows_runs(tmp_path, long_model):
     assert stats["kv_cache_tokens"] >= 4 * (rows[8]["prompt_tokens"] + 8)
     # the same rows with the long one first: the same outputs
     _, first, _ = _run(tmp_path, long_model, [texts[-1], *texts[:-1]], "first")
-    assert first[0]["text"] == rows[8]["text"]
-    assert [first[i + 1]["text"] for i in range(8)] == [rows[i]["text"] for i in range(8)]
+    assert first[0]["generated_text"] == rows[8]["generated_text"]
+    assert [first[i + 1]["generated_text"] for i in range(8)] == [
+        rows[i]["generated_text"] for i in range(8)
+    ]
 
 
 def test_quiet_summary_counts_errors(tmp_path, long_model):

@@ -77,7 +77,7 @@ def test_mfu_and_mbu_say_why_they_are_missing():
 def test_the_page_lists_finish_reasons_and_errors_with_examples(tmp_path):
     rows = {
         "id": [1, 2, 3, 4],
-        "text": ["a", None, None, "b"],
+        "generated_text": ["a", None, None, "b"],
         "finish_reason": ["stop", "error", "error", "length"],
         "error": [None, "prompt of 2000 tokens > 1024", "prompt of 3000 tokens > 1024", None],
     }

@@ -51,13 +51,13 @@ def job(tiny_dirs, tmp_path_factory):
     run_cli("run", src, "-o", d / "clean", "--model", model, *FLAGS)
     clean = rows_by_id(d / "clean")
     assert sorted(clean) == list(range(N))
-    return src, model, {i: r["text"] for i, r in clean.items()}
+    return src, model, {i: r["generated_text"] for i, r in clean.items()}
 
 
 def _check_complete(out, clean, id_column="id"):
     rows = rows_by_id(out, id_column)  # fails on a duplicate
     assert sorted(rows) == sorted(clean)
-    assert {i: r["text"] for i, r in rows.items()} == clean
+    assert {i: r["generated_text"] for i, r in rows.items()} == clean
     assert all(r["error"] is None and r["completion_tokens"] == 16 for r in rows.values())
     assert success(out)
     assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
@@ -86,7 +86,7 @@ def test_sigkill_then_rerun_finishes_every_row_once(tmp_path, job, id_column):
     todo = sorted(set(clean) - done)[:4]
     table = read_output(out)
     row = table.to_pylist()[0]
-    bogus = [{**row, id_column: i, "text": "BOGUS"} for i in todo]
+    bogus = [{**row, id_column: i, "generated_text": "BOGUS"} for i in todo]
     pq.write_table(
         pa.Table.from_pylist(bogus, schema=table.schema), out / ".tmp-part-00090.parquet.abc123"
     )
@@ -119,7 +119,7 @@ def test_sigterm_saves_finished_rows_and_says_rerun(tmp_path, job):
 
     saved = rows_by_id(out)
     assert 0 < len(saved) < N, "SIGTERM should land mid-job"
-    assert all(r["text"] == clean[i] for i, r in saved.items())  # finished rows are whole
+    assert all(r["generated_text"] == clean[i] for i, r in saved.items())  # finished rows are whole
     assert not success(out)
     stats = read_stats(out)
     assert stats["complete"] is False

@@ -96,15 +96,15 @@ def test_n_as_list_gives_one_row_with_the_samples_in_order(tmp_path, model):
     )
     table = read_output(out)
     assert "sample_index" not in table.column_names
-    assert table.schema.field("text").type.value_type == pa.string()
+    assert table.schema.field("generated_text").type.value_type == pa.string()
     got = {r["id"]: r for r in table.to_pylist()}
     assert sorted(got) == [0, 1, 2]  # one record per row
     for i, n in ((0, 2), (1, 3)):
         assert got[i]["token_ids"] == [per_sample[(i, k)]["token_ids"] for k in range(n)]
-        assert got[i]["text"] == [per_sample[(i, k)]["text"] for k in range(n)]
+        assert got[i]["generated_text"] == [per_sample[(i, k)]["generated_text"] for k in range(n)]
         assert got[i]["finish_reason"] == ["length"] * n and got[i]["error"] is None
         assert [len(x) for x in got[i]["logprobs"]] == got[i]["completion_tokens"] == [6] * n
-    assert got[2]["text"] == [None] and "bad per-row n" in got[2]["error"]
+    assert got[2]["generated_text"] == [None] and "bad per-row n" in got[2]["error"]
     assert read_stats(out)["rows"] == 2 + 3 + 1  # samples run
     # a rerun finds every row done; a killed part's rows are redone whole
     (out / SUCCESS_FILE).unlink()
@@ -132,10 +132,14 @@ def test_sample_lists_hold_a_row_until_its_last_sample():
     from batchgen.data.records import SampleLists
 
     lists = SampleLists()
-    rec = lambda k, err=None: {"id": 7, "sample_index": k, "text": f"t{k}", "error": err}  # noqa: E731
+    rec = lambda k, err=None: {"id": 7, "sample_index": k, "generated_text": f"t{k}", "error": err}  # noqa: E731
     assert lists.add(7, 3, 2, rec(2)) is None and lists.add(7, 3, 0, rec(0, "x")) is None
     assert lists.pending == 1
-    assert lists.add(7, 3, 1, rec(1)) == {"id": 7, "text": ["t0", "t1", "t2"], "error": "x"}
+    assert lists.add(7, 3, 1, rec(1)) == {
+        "id": 7,
+        "generated_text": ["t0", "t1", "t2"],
+        "error": "x",
+    }
     assert lists.pending == 0
 
 
@@ -160,4 +164,4 @@ def test_n_as_list_shards_merge(tmp_path, model):
     run_cli("merge", out)
     merged = pq.read_table(out / MERGED_FILE)
     assert sorted(merged.column("id").to_pylist()) == list(range(5))
-    assert all(len(t) == 2 for t in merged.column("text").to_pylist())
+    assert all(len(t) == 2 for t in merged.column("generated_text").to_pylist())

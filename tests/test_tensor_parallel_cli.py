@@ -41,7 +41,11 @@ def job(model, tmp_path_factory):
     d = tmp_path_factory.mktemp("tp")
     src = write_parquet(d / "in.parquet", {"prompt": prompts(N)})
     run_job(src, d / "one", model, *FLAGS)
-    return src, {i: r["text"] for i, r in rows_by_id(d / "one").items()}, read_stats(d / "one")
+    return (
+        src,
+        {i: r["generated_text"] for i, r in rows_by_id(d / "one").items()},
+        read_stats(d / "one"),
+    )
 
 
 def _followers(pid: int) -> list[int]:
@@ -83,7 +87,7 @@ def _complete(out, clean):
     near-tie, tests/test_tensor_parallel_ranks.py checks those)."""
     rows = rows_by_id(out)  # fails on a duplicate id
     assert sorted(rows) == sorted(clean) and success(out)
-    same = sum(rows[i]["text"] == clean[i] for i in clean)
+    same = sum(rows[i]["generated_text"] == clean[i] for i in clean)
     assert same >= 0.9 * N, f"{same}/{N} rows equal the one-process run"
 
 
@@ -137,7 +141,7 @@ def test_sigterm_to_any_rank_stops_the_job_cleanly(model, job, tmp_path, target)
     assert _gone(follower, within=10)
     saved = rows_by_id(out)
     assert 0 < len(saved) < N
-    assert sum(r["text"] == clean[i] for i, r in saved.items()) >= 0.9 * len(saved)
+    assert sum(r["generated_text"] == clean[i] for i, r in saved.items()) >= 0.9 * len(saved)
 
     run_cli(*args)
     _complete(out, clean)

@@ -50,7 +50,9 @@ def test_bare_labels_label_the_reviews_as_spaced_ones_do(tmp_path):
     )
     truth = _truth(30)
     out = rows_by_id(gen)
-    assert {i: r["text"] for i, r in out.items()} == truth  # every label as written, right
+    assert {
+        i: r["generated_text"] for i, r in out.items()
+    } == truth  # every label as written, right
     assert all(r["finish_reason"] == "stop" and r["error"] is None for r in out.values())
     assert {i: r["label"] for i, r in rows_by_id(score).items()} == truth
 
@@ -76,7 +78,7 @@ def test_tiny_model_outputs_only_labels_as_written(tmp_path, model):
     )
     rows = list(rows_by_id(out).values())
     assert all(r["finish_reason"] == "stop" for r in rows), rows
-    assert {r["text"] for r in rows} <= {"positive", "negative"}, rows
+    assert {r["generated_text"] for r in rows} <= {"positive", "negative"}, rows
 
 
 def test_a_prompt_ending_in_a_space_warns(tmp_path, model):

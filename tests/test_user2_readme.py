@@ -111,7 +111,7 @@ def test_every_readme_command_runs(tmp_path, model, monkeypatch):
         labels = _labels(args, tmp_path)
         if labels is not None:
             out = _output(args, tmp_path)
-            texts = [r["text"] for r in pq.read_table(out).to_pylist()]
+            texts = [r["generated_text"] for r in pq.read_table(out).to_pylist()]
             assert texts and {t.strip() for t in texts} <= labels, (cmd, texts)
             assert "--choice" not in args or set(texts) <= labels, (cmd, texts)  # as written
     assert len(skipped) == 2, skipped  # slurm and -tp 4

@@ -17,7 +17,7 @@ from batchgen.runner.run import run
 from batchgen.scaleout.workers import plan_workers, run_workers
 
 N_SLOW = 60
-COMPARED = ["id", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens"]
+COMPARED = ["id", "prompt", "generated_text", "finish_reason", "prompt_tokens", "completion_tokens"]
 
 
 def _data(path, n=30):

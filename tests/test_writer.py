@@ -21,7 +21,7 @@ def _result(i: int, error: str | None = None, **extra) -> dict:
     return {
         "id": i,
         "label": None if i % 2 else f"l{i}",
-        "text": f"out{i}" if ok else None,
+        "generated_text": f"out{i}" if ok else None,
         "finish_reason": "stop" if ok else "error",
         "prompt_tokens": 3 if ok else None,
         "completion_tokens": 5 if ok else None,
@@ -39,7 +39,7 @@ def test_output_schema_fields():
     assert schema.names == [
         "id",
         "label",
-        "text",
+        "generated_text",
         "finish_reason",
         "prompt_tokens",
         "completion_tokens",
@@ -53,8 +53,8 @@ def test_output_schema_fields():
 
 
 def test_output_schema_refuses_clashing_passthrough():
-    with pytest.raises(InputError, match="'text'"):
-        output_schema(pa.int64(), pa.schema([("text", pa.string())]))
+    with pytest.raises(InputError, match="'generated_text'"):
+        output_schema(pa.int64(), pa.schema([("generated_text", pa.string())]))
 
 
 def test_output_schema_keeps_the_id_columns_name():
@@ -92,7 +92,7 @@ def test_parts_and_done_ids(tmp_path):
     assert out.done_ids() == set(range(10))
     table = read_output(tmp_path / "out")
     assert table.column("id").to_pylist() == list(range(10))
-    assert table.column("text").to_pylist() == [f"out{i}" for i in range(10)]
+    assert table.column("generated_text").to_pylist() == [f"out{i}" for i in range(10)]
     assert not out.is_complete
     out.mark_success()
     assert out.is_complete
@@ -126,7 +126,9 @@ def test_nulls_and_schema_are_consistent_across_parts(tmp_path):
     assert len(schemas) == 2
     assert schemas[0].equals(schemas[1])
     assert schemas[0].field("prompt_tokens").type == pa.int32()
-    assert schemas[0].field("text").type == pa.string()  # not null-typed in the all-null part
+    assert (
+        schemas[0].field("generated_text").type == pa.string()
+    )  # not null-typed in the all-null part
     table = read_output(tmp_path)
     assert table.column("error").to_pylist() == ["bad", "bad", None, None]
     assert table.column("token_ids").to_pylist() == [None, None, [1, 2], []]

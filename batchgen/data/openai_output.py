@@ -24,11 +24,12 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchgen.data.records import TEXT_COLUMN
 from batchgen.data.writer import RESULTS_FILE, write_file
 
 _RESULT_COLUMNS = (
     "custom_id",
-    "text",
+    TEXT_COLUMN,
     "finish_reason",
     "prompt_tokens",
     "completion_tokens",
@@ -105,9 +106,9 @@ def output_line(
     choices = []
     for i, row in enumerate(rows):
         if chat:
-            choice = {"index": i, "message": {"role": "assistant", "content": row["text"]}}
+            choice = {"index": i, "message": {"role": "assistant", "content": row[TEXT_COLUMN]}}
         else:
-            choice = {"index": i, "text": row["text"]}
+            choice = {"index": i, "text": row[TEXT_COLUMN]}
         logprobs = _logprobs(row, chat, token_text, eos_ids) if token_text is not None else None
         choices.append({**choice, "logprobs": logprobs, "finish_reason": row["finish_reason"]})
     kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")

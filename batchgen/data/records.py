@@ -15,7 +15,11 @@ from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.data.writer import OutputDir
 from batchgen.errors import InputError
 
-_OUTPUT_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+# A generated row's text, named as Ray Data LLM names it: an input's usual `text` column keeps
+# its name beside it. batchgen before 0.5 wrote it as `text` (LEGACY_TEXT_COLUMN).
+TEXT_COLUMN = "generated_text"
+LEGACY_TEXT_COLUMN = "text"
+_OUTPUT_COLUMNS = (TEXT_COLUMN, "finish_reason", "prompt_tokens", "completion_tokens", "error")
 # Names an input column cannot keep in the output: the result row already has them. The id
 # column keeps its input name (`id` for row numbers), so it is reserved only for the passthrough.
 # --with-timings: each row's seconds (stats/latency.py says what they are)
@@ -73,7 +77,7 @@ class RecordShape:
     schema (`schema`) and for each record (`record`)."""
 
     id_column: str = DEFAULT_ID_COLUMN
-    score: bool = False  # the labels' probabilities (`label`, `scores`) in place of `text`
+    score: bool = False  # the labels' probabilities (`label`, `scores`) in place of the text
     samples: bool = False  # a record per sample, keyed by (id, sample_index)
     as_list: bool = False  # a record per row, its samples' fields as lists
     with_token_ids: bool = False
@@ -112,7 +116,7 @@ class RecordShape:
             rec["label"] = row.labels[probs.index(max(probs))] if ok else None
             rec["scores"] = list(zip(row.labels, probs, strict=True)) if ok else None
         else:
-            rec["text"] = result.text if ok else None
+            rec[TEXT_COLUMN] = result.text if ok else None
         rec.update(
             finish_reason=result.finish_reason.value if ok else "error",
             prompt_tokens=row.prompt_tokens,
@@ -144,7 +148,7 @@ def normalise(logprobs: list[float]) -> list[float]:
 
 def reserved_columns(score: bool = False) -> frozenset[str]:
     """Output columns of a job (besides its id): an input column cannot keep their names."""
-    return (RESERVED_COLUMNS - {"text"}) | SCORE_COLUMNS if score else RESERVED_COLUMNS
+    return (RESERVED_COLUMNS - {TEXT_COLUMN}) | SCORE_COLUMNS if score else RESERVED_COLUMNS
 
 
 def output_schema(
@@ -179,7 +183,7 @@ def output_schema(
     result = (
         [pa.field("label", pa.string()), pa.field("scores", pa.map_(pa.string(), pa.float64()))]
         if score
-        else [pa.field("text", pa.string())]
+        else [pa.field(TEXT_COLUMN, pa.string())]
     )
     fields = [
         pa.field(id_column, id_type),
@@ -210,7 +214,7 @@ def output_schema(
 
 # A sample's own fields: gathered into lists (in sample order) by SampleLists.
 LIST_FIELDS = (
-    "text",
+    TEXT_COLUMN,
     "finish_reason",
     "completion_tokens",
     "token_ids",

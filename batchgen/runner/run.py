@@ -16,6 +16,7 @@ import torch
 
 from batchgen.choices import OutputFormat
 from batchgen.data import InputSource, OutputDir, PartBuffer
+from batchgen.data.legacy_columns import rename_legacy_parts
 from batchgen.data.openai_output import write_results
 from batchgen.data.reader import OpenAIBatchSource
 from batchgen.data.records import Row, SampleLists
@@ -26,6 +27,7 @@ from batchgen.errors import JobInterrupted
 from batchgen.job.config import RunConfig
 from batchgen.job.fingerprint import check_weights, job_fingerprint
 from batchgen.job.open import Job, open_job
+from batchgen.job.passthrough import legacy_renames
 from batchgen.llm import LLM
 from batchgen.runner.deadline import Watchdog, deadlines
 from batchgen.runner.progress import ProgressLine, postfix, progress_bar
@@ -85,6 +87,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
         )
     schema = prep.output_schema()  # checked before the output directory is touched
     out = job_scope.enter_context(OutputDir(cfg.output_dir, job_fingerprint(job), cfg.overwrite))
+    rename_legacy_parts(out, legacy_renames(cfg, source, prep.id_column))  # `text`, pre-0.5
     shape = prep.record_shape
     done = out.done_ids(shape.id_column)  # ids, or (id, sample_index) pairs with samples
     stats = RunStats(
