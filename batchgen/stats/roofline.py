@@ -2,7 +2,8 @@
 
 FLOPs of a step (the whole model, over all tensor-parallel ranks), from its StepReport:
 
-    2 * layer_params * tokens          every computed token through every decoder matrix
+    2 * layer_params * tokens          every computed token through every decoder matrix (of a
+                                       MoE layer: the router and the token's k experts)
   + 4 * layers * heads * head_dim * C  attention: Q.K^T and P.V over C, the sum over computed
                                        tokens of the keys each attends to (engine/step_cost.py)
   + 2 * vocab * dim * logits_rows      the LM head, only for positions whose logits are used
@@ -30,7 +31,7 @@ from batchgen.model.config import ModelConfig
 class ModelCost:
     """What one token costs a decoder, from its architecture."""
 
-    layer_params: int  # all decoder-block matrices
+    layer_params: int  # the decoder-block matrices a token runs through
     head_params: int  # the LM head (vocab x dim)
     kv_bytes_per_token: int  # all layers, K and V
     attn_width: int  # layers * heads * head_dim: attention FLOPs per key attended, / 4
@@ -42,12 +43,10 @@ class ModelCost:
     ) -> ModelCost:
         """dtype_bytes: the KV cache's (the activations'); weight_bytes: the weights a decode
         step reads (default: the decoder blocks and the LM head at dtype_bytes)."""
-        attn = cfg.dim * cfg.qkv_dim + cfg.n_heads * cfg.head_dim * cfg.dim
-        mlp = (3 if cfg.gated_mlp else 2) * cfg.dim * cfg.intermediate_size
-        layer_params = cfg.n_layers * (attn + mlp)
+        layer_params = cfg.active_layer_params  # a MoE layer's router and k experts
         head_params = cfg.vocab_size * cfg.dim
-        if weight_bytes is None:
-            weight_bytes = (layer_params + head_params) * dtype_bytes
+        if weight_bytes is None:  # every expert: a batch's rows pick most of them
+            weight_bytes = (cfg.layer_params() + head_params) * dtype_bytes
         return cls(
             layer_params=layer_params,
             head_params=head_params,
