@@ -9,6 +9,7 @@ keys are sharpened (tiny_models.sharpen_attention) so a missing feature changes 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -82,6 +83,33 @@ FAMILIES = {
         first_k_dense_replace=1,
     ),
 }
+# Multimodal wrappers whose language model runs text jobs alone (batchgen/model/multimodal.py),
+# each with a tiny vision tower (1 layer, 28-pixel images of 14-pixel patches) that is saved and
+# never loaded. Mistral 3's head is its own (Mistral Small 3.1's is), Gemma 3's tied.
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
+WRAPPERS = {
+    "gemma3": dict(
+        text_config={**COMMON, **FAMILIES["gemma3_text"]},
+        vision_config=VISION,
+        mm_tokens_per_image=4,
+        image_token_index=500,
+        boi_token_index=498,
+        eoi_token_index=499,
+    ),
+    "mistral3": dict(
+        text_config=dict(model_type="mistral", **COMMON),
+        vision_config=dict(model_type="pixtral", head_dim=16, **VISION),
+        image_token_index=500,
+        tie_word_embeddings=False,
+    ),
+}
 # Refused by the backend: their configs build, their layers are not all softmax attention.
 HYBRIDS = {
     "qwen3_next": dict(head_dim=16, layer_types=["linear_attention", "full_attention"]),
@@ -94,6 +122,13 @@ def save_tiny_hf_model(model_type: str, path: str | Path, seed: int = 0, **overr
     refused before anything else is read). overrides: config values over the family's."""
     path = Path(path)
     torch.manual_seed(seed)
+    if model_type in WRAPPERS:
+        cfg = transformers.AutoConfig.for_model(model_type, **WRAPPERS[model_type])
+        model = transformers.AutoModelForImageTextToText.from_config(cfg)
+        sharpen_attention(model, SHARPEN)
+        model.save_pretrained(path)
+        tiny_tokenizer().save_pretrained(path)
+        return path
     extra = FAMILIES.get(model_type, HYBRIDS.get(model_type, {}))
     cfg = transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra, **overrides})
     if model_type in HYBRIDS:
@@ -110,6 +145,37 @@ def save_tiny_hf_model(model_type: str, path: str | Path, seed: int = 0, **overr
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def quantize_experts_mxfp4(path: Path, seed: int = 0) -> Path:
+    """A saved gpt-oss checkpoint's experts rewritten as gpt-oss's MXFP4 (with its
+    quantization_config): each (E, in, out) weight becomes random 4-bit values, blocks of 32
+    along `in` packed two a byte (E, out, in / 32, 16), and a power-of-two scale per block
+    (E8M0 bytes, 2^-7..2^-4 here) (E, out, in / 32). Loaded, they dequantize to weights that
+    differ from the float ones, so only a dequantizing load reproduces transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    file = Path(path) / "model.safetensors"
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, n_in, n_out = tensors.pop(name).shape
+        blocks = (experts, n_out, n_in // 32)
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (*blocks, 16), generator=g).byte()
+        tensors[f"{name}_scales"] = torch.randint(120, 124, blocks, generator=g).byte()
+    save_file(tensors, file, metadata={"format": "pt"})
+    config = json.loads((Path(path) / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
+    return Path(path)
 
 
 if __name__ == "__main__":
