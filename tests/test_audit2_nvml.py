@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from batchgen.stats.nvml import NvmlSampler
+from batchgen.stats.nvml import NvmlSampler, gpu_rows
 
 # Three GPUs in the machine, by NVML's (physical) index; this process sees only the last.
 GPUS = [("GPU-aaaa", "GPU A"), ("GPU-bbbb", "GPU B"), ("GPU-cccc", "GPU C")]
@@ -56,5 +56,33 @@ def test_the_sampled_gpu_is_torchs_not_nvmls_index_0(fake_nvml, monkeypatch):
 def test_a_gpu_nvml_cannot_find_shuts_nvml_down(fake_nvml, monkeypatch):
     _visible(monkeypatch, "GPU-dddd")
     s = NvmlSampler(0).start()
-    assert s.samples is None and s.stop() is None
+    assert s.samples == [] and s.stop() is None
+    assert fake_nvml == ["init", "shutdown"]
+
+
+def test_a_tensor_parallel_job_samples_every_ranks_gpu(fake_nvml, monkeypatch):
+    """Item 14.2: rank r runs on cuda:r; with CUDA_VISIBLE_DEVICES=1,2 those are NVML's GPUs
+    B and C, and both are sampled: memory is the fuller one's, power the sum."""
+    visible = ["bbbb", "cccc"]
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=visible[i])
+    )
+    summary = NvmlSampler(range(2), interval=0.01).start().stop()
+    assert summary["gpu_count"] == 2
+    assert [g["gpu_name"] for g in summary["gpus"]] == ["GPU B", "GPU C"]
+    assert summary["gpu_mem_total_bytes"] == 2 << 30  # the first's, as each GPU's own
+    assert summary["gpu_mem_used_max_bytes"] == 2 << 20  # GPU C's, the fuller
+    assert summary["gpu_power_mean_w"] == 200.0  # 100 W each
+    assert fake_nvml == ["init", "shutdown"]
+    rows = dict(gpu_rows(summary))
+    assert rows["GPUs sampled"].startswith("2 ")
+
+
+def test_one_missing_gpu_of_several_shuts_nvml_down(fake_nvml, monkeypatch):
+    visible = ["bbbb", "dddd"]
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=visible[i])
+    )
+    s = NvmlSampler([0, 1]).start()
+    assert s.samples == [] and s.stop() is None
     assert fake_nvml == ["init", "shutdown"]

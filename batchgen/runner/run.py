@@ -122,7 +122,9 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
         meta["lora"] = info.lora
     schema = schema.with_metadata({"batchgen": json.dumps(meta)})
     device = spec.device
-    nvml = NvmlSampler(device.index or 0).start() if device.type == "cuda" else None
+    # every rank's GPU: rank r of a tensor-parallel job runs on cuda:r (parallel/rank_model.py)
+    gpus = range(tp) if tp > 1 else [device.index or 0]
+    nvml = NvmlSampler(gpus).start() if device.type == "cuda" else None
     clear_steps(out.path)  # the timeline is this run's, as stats.json will be
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
     progress = progress_bar(cfg, source.num_rows)

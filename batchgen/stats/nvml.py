@@ -10,12 +10,18 @@ not report power (some do not) still reports the rest.
 Which GPU: NVML counts every GPU in the machine and ignores CUDA_VISIBLE_DEVICES (which
 `--workers` sets per worker), so a torch device index is no NVML index: `cuda:0` of a worker
 given GPU 3 is NVML's GPU 3. The GPU is found by its UUID, which torch and NVML share.
+
+Tensor parallelism: one sampler in rank 0's process samples every rank's GPU (rank r runs on
+`cuda:r`, parallel/rank_model.py). The summary's SM and memory-controller figures are over all
+of them, memory is the fullest GPU's, power is their sum (the job's draw), and `gpus` holds
+each GPU's own summary.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +60,8 @@ def gpu_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
     if d.get("gpu_util_mean_pct") is None:
         return []
     rows = [("GPU SM % mean/max", f"{d['gpu_util_mean_pct']:.0f}% / {d['gpu_util_max_pct']}%")]
+    if d.get("gpu_count", 1) > 1:
+        rows.insert(0, ("GPUs sampled", f"{d['gpu_count']} (memory: the fullest; power: the sum)"))
     used, total = d["gpu_mem_used_max_bytes"], d["gpu_mem_total_bytes"]
     share = f" ({used / total:.0%} of {total / 2**30:.1f} GiB)" if total else ""
     rows.append(("GPU memory max", f"{used / 2**30:.2f} GiB{share}"))
@@ -75,18 +83,37 @@ def nvml_uuid(device_index: int) -> str:
     return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
-class NvmlSampler:
-    """Samples one GPU every `interval` seconds between start() and stop().
+def combine(each: list[dict]) -> dict:
+    """One summary over several GPUs' (a tensor-parallel job's), with each GPU's in `gpus`."""
+    if len(each) == 1:
+        return each[0]
+    out = dict(each[0])
 
-    device_index is torch's (`cuda:N`, counted among the visible devices). Does nothing
-    (samples stays None) where NVML or the GPU is unavailable, so the run goes on without GPU
-    statistics rather than failing.
+    def over(key: str, how) -> float | None:
+        values = [d[key] for d in each if d[key] is not None]
+        return how(values) if values else None
+
+    for key in ("gpu_util_mean_pct", "gpu_mem_used_mean_bytes", "gpu_mem_util_mean_pct"):
+        out[key] = over(key, _mean)
+    for key in ("gpu_util_max_pct", "gpu_mem_used_max_bytes", "gpu_mem_util_max_pct"):
+        out[key] = over(key, max)
+    out["gpu_samples"] = min(d["gpu_samples"] for d in each)
+    out["gpu_power_mean_w"] = over("gpu_power_mean_w", sum)  # the job's draw: all its GPUs'
+    out["gpu_power_max_w"] = over("gpu_power_max_w", sum)
+    return {**out, "gpu_count": len(each), "gpus": each}
+
+
+class NvmlSampler:
+    """Samples GPUs every `interval` seconds between start() and stop(): torch's
+    `cuda:N` for each N in devices (counted among the visible devices; a tensor-parallel job's
+    ranks' GPUs). Does nothing (samples stays empty) where NVML or a GPU is unavailable, so the
+    run goes on without GPU statistics rather than failing.
     """
 
-    def __init__(self, device_index: int = 0, interval: float = 0.5) -> None:
-        self.device_index = device_index
+    def __init__(self, devices: int | Sequence[int] = 0, interval: float = 0.5) -> None:
+        self.devices = [devices] if isinstance(devices, int) else list(devices)
         self.interval = interval
-        self.samples: GpuSamples | None = None
+        self.samples: list[GpuSamples] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._nvml = None
@@ -95,34 +122,37 @@ class NvmlSampler:
         try:
             import pynvml  # from the nvidia-ml-py package
 
-            uuid = nvml_uuid(self.device_index)
+            uuids = [nvml_uuid(i) for i in self.devices]
             pynvml.nvmlInit()
         except Exception:  # no driver, no GPU, no library: no GPU stats
             return self
+        handles = []
         try:
-            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-            name = pynvml.nvmlDeviceGetName(handle)
-            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
-        except Exception:  # initialised, but not this GPU: let NVML go
+            for uuid in uuids:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                name = pynvml.nvmlDeviceGetName(handle)
+                total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+                name = name if isinstance(name, str) else name.decode()
+                handles.append((handle, GpuSamples(name=name, mem_total_bytes=total)))
+        except Exception:  # initialised, but not these GPUs: let NVML go
             with contextlib.suppress(Exception):
                 pynvml.nvmlShutdown()
             return self
         self._nvml = pynvml
-        self.samples = GpuSamples(
-            name=name if isinstance(name, str) else name.decode(), mem_total_bytes=total
-        )
-        self._thread = threading.Thread(target=self._loop, args=(handle,), daemon=True)
+        self.samples = [s for _, s in handles]
+        self._thread = threading.Thread(target=self._loop, args=(handles,), daemon=True)
         self._thread.start()
         return self
 
-    def _loop(self, handle) -> None:
+    def _loop(self, handles: list) -> None:
         while True:
-            self._sample(handle)
+            for handle, samples in handles:
+                self._sample(handle, samples)
             if self._stop.wait(self.interval):
                 return
 
-    def _sample(self, handle) -> None:
-        nvml, s = self._nvml, self.samples
+    def _sample(self, handle, s: GpuSamples) -> None:
+        nvml = self._nvml
         try:
             util = nvml.nvmlDeviceGetUtilizationRates(handle)
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
@@ -140,4 +170,4 @@ class NvmlSampler:
         self._stop.set()
         self._thread.join()
         self._nvml.nvmlShutdown()
-        return self.samples.summary()
+        return combine([s.summary() for s in self.samples])
