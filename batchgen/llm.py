@@ -80,9 +80,10 @@ class LLM:
             self.ranks = Ranks(rank_spec, threads=torch.get_num_threads(), resumable=resumable)
         try:
             tp = TPShard(0, n)
-            if spec.model_cfg.impl is ModelImpl.TRANSFORMERS:  # one rank, float, no adapter
-                hf = load_hf_model(spec.model_dir, spec.model_cfg, spec.dtype, spec.device)
-                part = RankModel(hf, spec.quant, None)
+            if spec.model_cfg.impl is ModelImpl.TRANSFORMERS:  # one rank, float
+                cfg = spec.model_cfg
+                hf = load_hf_model(spec.model_dir, cfg, spec.dtype, spec.device, spec.lora)
+                part = RankModel(hf, spec.quant, spec.lora)
             else:
                 part = load_rank_model(rank_spec, tp, self.ranks and self.ranks.group.data, clock)
             self._holds_malloc_tuning = part.holds_malloc_tuning

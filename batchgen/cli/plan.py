@@ -9,6 +9,8 @@ from typing import Any
 from batchgen.job.config import RunConfig
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.open import open_job
+from batchgen.model.checkpoint_notes import load_notes
+from batchgen.model.hf_config import read_hf_config
 from batchgen.model.memory import available_bytes, format_bytes
 from batchgen.model.tensor_parallel import TPShard, local_config, weight_bytes
 
@@ -48,13 +50,16 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
     )
     kv_bytes = None if blocks is None else blocks * eng.block_size * kv_per_token  # a rank's
     weights = weight_bytes(spec.model_cfg, spec.dtype.itemsize, tp)  # a rank's
+    hf = read_hf_config(spec.model_dir, native=False)
+    dtype = str(spec.dtype).removeprefix("torch.")
     return {
         "warnings": memory_warnings(spec, kv_bytes, weights),
         "input": cfg.input,
         "model": str(spec.model_dir),
         "model_type": spec.model_cfg.model_type,
         "model_impl": spec.model_cfg.impl.value,
-        "dtype": str(spec.dtype).removeprefix("torch."),
+        "dtype": dtype,
+        "load_notes": load_notes(spec.model_dir, hf, weights * tp, dtype),
         "rows": rows,
         "prompts": prompts,
         "rows_error": errors,
@@ -147,5 +152,6 @@ def format_plan(p: dict[str, Any]) -> str:
         "(before any quantization)",
         f"KV cache {kv}{per if p['kv_cache_blocks'] is not None else ''}",
     ]
+    lines += [f"note: {n}" for n in p["load_notes"]]
     lines += [f"warning: {w}" for w in p["warnings"]]
     return "\n".join(lines)

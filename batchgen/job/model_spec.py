@@ -11,6 +11,7 @@ before the model loads; `LLM.from_spec` then builds the model and the engine fro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,8 +31,10 @@ from batchgen.job.generation import read_generation_config
 from batchgen.model.attention import DECODE_ATTENTION_ENV, DecodeBackend, decode_backend
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import native_config, read_hf_config
+from batchgen.model.hf_lora import check_hf_adapter
 from batchgen.model.hf_support import backend_config, resolve_impl
 from batchgen.model.lora import LoraAdapter, check_adapter
+from batchgen.model.multimodal import language_config
 from batchgen.model.tensor_parallel import check_sizes
 from batchgen.quant import QuantScheme, make_scheme
 
@@ -98,10 +101,9 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, device: torch.device) -> Non
             )
 
 
-def check_backend_options(lora: object, quantize: str, tensor_parallel_size: int) -> None:
-    """ConfigError for what the transformers backend does not do (yet)."""
+def check_backend_options(quantize: str, tensor_parallel_size: int) -> None:
+    """ConfigError for what the transformers backend does not do (its LoRA: hf_lora.py)."""
     refused = {
-        "LoRA adapters (not yet: merge the adapter into the weights first)": lora is not None,
         "--quantize (its pass replaces native layers; load a smaller --dtype)": quantize
         not in ("none", None),
         "tensor parallelism (its sharding is native-only)": tensor_parallel_size != 1,
@@ -248,17 +250,21 @@ class ModelSpec:
         ~/.cache/batchgen/compile; "off": none). model_impl: auto|native|transformers."""
         model_dir = Path(model) if model is not None else DEFAULT_MODEL
         hf = read_hf_config(model_dir, native=False)
+        text = language_config(hf)  # a multimodal wrapper's text model runs text jobs
         try:
-            impl = resolve_impl(model_impl, hf.get("model_type"))
+            impl = resolve_impl(model_impl, text.get("model_type"))
         except ValueError:
             names = "|".join(m.value for m in ModelImpl)
             raise ConfigError(f"model_impl {model_impl!r}: use one of {names}") from None
         if impl is ModelImpl.TRANSFORMERS:
             model_cfg = backend_config(model_dir)
-            check_backend_options(lora, quantize, tensor_parallel_size)
+            check_backend_options(quantize, tensor_parallel_size)
+            adapter = check_hf_adapter(lora, model_dir) if lora is not None else None
         else:
-            model_cfg = native_config(model_dir, hf)
-        adapter = check_adapter(lora, model_cfg) if lora is not None else None
+            model_cfg = native_config(model_dir, text)
+            if text is not hf:  # reported as config.json's model (mistral3), not its text model
+                model_cfg = dataclasses.replace(model_cfg, model_type=hf["model_type"])
+            adapter = check_adapter(lora, model_cfg) if lora is not None else None
         try:
             dev = resolve_device(device)
             dt = resolve_dtype(dtype, dev)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from batchgen.model.config import Family, ModelConfig
 from batchgen.model.moe_checkpoint import moe_weight
+from batchgen.model.multimodal import text_name
 from batchgen.model.tensor_parallel import (
     SINGLE,
     WHOLE,
@@ -105,7 +106,8 @@ class WeightSlot:
 
 def weight_slot(cfg: ModelConfig, name: str, tp: TPShard = SINGLE) -> WeightSlot | None:
     """Our parameter and the copies into it for a checkpoint tensor name (rank tp's part);
-    None for one we do not load."""
+    None for one we do not load (a multimodal wrapper's vision tower: multimodal.py)."""
+    name = text_name(name)  # a wrapper's language model: the text family's own names
     if cfg.family == Family.GPT2:
         ours, conv = _map_gpt2(name)
         if ours is None:

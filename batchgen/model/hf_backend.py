@@ -19,6 +19,9 @@ index tensor).
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +32,10 @@ from torch import nn
 from batchgen.errors import ModelLoadError
 from batchgen.model.attention import DecodeBackend, StepAttention, step_attention
 from batchgen.model.config import ModelConfig
+from batchgen.model.hf_lora import merge_hf_lora
+from batchgen.model.hf_support import load_plan
 from batchgen.model.kv_cache import PagedKVCache
+from batchgen.model.lora import LoraAdapter
 from batchgen.model.memory import check_allocation
 from batchgen.model.quiet_import import quiet_torchao
 from batchgen.model.sdpa import AttnParams
@@ -163,11 +169,32 @@ class HFModel(nn.Module):
         return out.logits[0].float()
 
 
+@contextlib.contextmanager
+def _unexpected_keys_unreported(on: bool) -> Iterator[None]:
+    """transformers' load report (a warning listing every checkpoint tensor the model has no
+    place for) left out while a wrapper's text model loads: its vision tower is left unread on
+    purpose. Missing weights are still refused (load_hf_model), mismatched ones raise."""
+    # A filter, not a level: transformers checks this logger's level for other warnings too.
+    logger = logging.getLogger("transformers.modeling_utils")
+    drop = logging.Filter("transformers.modeling_utils.never")  # passes no record of logger
+    if on:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 def load_hf_model(
-    path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    path: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    lora: LoraAdapter | None = None,
 ) -> HFModel:
-    """The model in path, loaded by transformers (offline) with batchgen's attention."""
-    from transformers import AutoModelForCausalLM
+    """The model in path, loaded by transformers (offline) with batchgen's attention, as
+    hf_support.load_plan says (a wrapper's text model, MXFP4 dequantized); lora: a checked
+    adapter, merged into the weights (hf_lora.py)."""
     from transformers.utils import logging as hf_logging
 
     register()
@@ -177,16 +204,30 @@ def load_hf_model(
     hf_logging.disable_progress_bar()  # batchgen's own progress is the run's
     try:
         with quiet_torchao():  # some families' modeling code imports torchao
-            hf = AutoModelForCausalLM.from_pretrained(
+            plan = load_plan(Path(path))
+        with quiet_torchao(), _unexpected_keys_unreported("key_mapping" in plan.options):
+            hf, info = plan.cls.from_pretrained(
                 str(path),
+                config=plan.config,
                 dtype=dtype,
                 attn_implementation=ATTN_IMPLEMENTATION,
                 local_files_only=True,
+                output_loading_info=True,
+                **plan.options,
             )
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelLoadError(f"transformers could not load {path}: {e}") from None
     finally:
         if bar:
             hf_logging.enable_progress_bar()
+    if info["missing_keys"]:  # transformers would run them as initialised: random
+        missing = sorted(info["missing_keys"])
+        raise ModelLoadError(
+            f"the checkpoint in {path} has no {', '.join(missing[:3])}"
+            + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else "")
+            + "; the weights and config.json must come from the same model"
+        )
+    if lora is not None:
+        hf = merge_hf_lora(hf, lora, plan.options.get("key_mapping"))
     hf = hf.to(device).eval().requires_grad_(False)
     return HFModel(hf, cfg)

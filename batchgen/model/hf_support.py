@@ -7,12 +7,21 @@ exactly the models whose every layer is softmax attention called through transfo
 `AttentionInterface` (the class says so with `_supports_attention_backend`), full or with a
 sliding window. Refused, naming why: recurrent or linear-attention layers (Mamba state,
 Gated DeltaNet: Qwen3-Next, Granite 4 hybrids, Jamba), chunked attention (Llama 4),
-encoder-decoders and pre-quantized checkpoints.
+encoder-decoders and pre-quantized checkpoints other than MXFP4.
+
+Two kinds of checkpoint load as something other than their config.json's class:
+- a multimodal wrapper of model/multimodal.py's table (Gemma 3) loads its text model alone,
+  the class of its text_config with the wrapper's weights renamed (the vision tower is not read);
+- gpt-oss's MXFP4 experts (blocks of 4-bit values with a shared power-of-two scale) are
+  dequantized at load by transformers (`Mxfp4Config(dequantize=True)`, which needs no kernel
+  and runs on the CPU): they take the --dtype's bytes, which is what memory is sized by.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,11 +29,13 @@ from torch import nn
 from batchgen.choices import ModelImpl
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import SUPPORTED_FAMILIES, UnsupportedModelError
+from batchgen.model.multimodal import KEY_MAPPING, TEXT_MODEL_WRAPPERS
 from batchgen.model.quiet_import import quiet_torchao
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
 # The attention-interface kwargs and mask hooks the backend uses are transformers 5's.
 TESTED_MAJOR, TESTED_ON = 5, "5.25"
+DEQUANTIZED = frozenset({"mxfp4"})  # pre-quantized formats transformers dequantizes at load
 
 
 def resolve_impl(choice: ModelImpl | str, model_type: str | None) -> ModelImpl:
@@ -45,8 +56,12 @@ def _refusal(config, cls) -> str | None:
     """Why the backend cannot serve this model exactly; None if it can."""
     if getattr(config, "is_encoder_decoder", False):
         return "it is an encoder-decoder; the backend runs decoder-only causal LMs"
-    if getattr(config, "quantization_config", None):
-        return "its checkpoint is pre-quantized; the backend loads float weights only"
+    method = quant_method(config)
+    if method is not None and method not in DEQUANTIZED:
+        return (
+            f"its checkpoint is pre-quantized ({method}); the backend loads float weights "
+            f"(and dequantizes {', '.join(sorted(DEQUANTIZED))} at load)"
+        )
     if not getattr(cls, "_supports_attention_backend", False):
         return (
             f"{cls.__name__}'s layers do not call transformers' attention interface (recurrent "
@@ -62,6 +77,60 @@ def _refusal(config, cls) -> str | None:
             "attention's keys and values only (full or sliding-window layers)"
         )
     return None
+
+
+def quant_method(config) -> str | None:
+    """The pre-quantized checkpoint's quant_method (None: float weights)."""
+    q = getattr(config, "quantization_config", None)
+    if not q:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return str(getattr(method, "value", method))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """How transformers loads the model in a directory: from_pretrained's class, config and
+    extra arguments (a text model's key renames, MXFP4's dequantization)."""
+
+    cls: type
+    config: Any
+    options: dict[str, Any]
+    model_type: str  # config.json's (a wrapper's, where config is its text model's)
+
+
+def load_plan(path: Path) -> LoadPlan:
+    """The LoadPlan of the model in path; UnsupportedModelError if transformers has no causal LM
+    for its config.json, or the backend cannot serve that model exactly."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        options: dict[str, Any] = {}
+        model_type = config.model_type
+        if config.model_type in TEXT_MODEL_WRAPPERS:
+            text = config.get_text_config()
+            # The wrapper's tie decides (transformers 5 ties a wrapper's head by it), not the
+            # text_config's own default: Mistral's is False, and a head saved tied is absent.
+            text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+            config, options = text, {"key_mapping": dict(KEY_MAPPING)}
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (ValueError, KeyError, OSError) as e:
+        raise UnsupportedModelError(
+            f"{path}: transformers has no causal LM for this config.json ({e})"
+        ) from None
+    why = _refusal(config, cls)
+    if why is not None:
+        raise UnsupportedModelError(
+            f"model_type {config.model_type!r} cannot run on the transformers backend: {why}"
+        )
+    if quant_method(config) == "mxfp4":
+        from transformers import Mxfp4Config
+
+        # without dequantize, transformers fetches a Triton kernel from the Hub
+        options["quantization_config"] = Mxfp4Config(dequantize=True)
+    return LoadPlan(cls, config, options, model_type)
 
 
 def _get(config, name: str):
@@ -91,28 +160,15 @@ def backend_config(path: Path) -> ModelConfig:
 
 def _backend_config(path: Path) -> ModelConfig:
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     if int(transformers.__version__.split(".")[0]) != TESTED_MAJOR:
         raise UnsupportedModelError(
             f"the transformers backend runs on transformers {TESTED_MAJOR}.x (tested on "
             f"{TESTED_ON}); this is {transformers.__version__}"
         )
-    try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except (ValueError, KeyError, OSError) as e:
-        raise UnsupportedModelError(
-            f"{path}: transformers has no causal LM for this config.json ({e})"
-        ) from None
-    why = _refusal(config, cls)
-    if why is not None:
-        raise UnsupportedModelError(
-            f"model_type {config.model_type!r} cannot run on the transformers backend: {why}"
-        )
-    with torch.device("meta"):  # sizes only: no memory, no init
-        skeleton = AutoModelForCausalLM.from_config(config)
+    plan = load_plan(path)
+    config = plan.config
+    skeleton = meta_model(plan)
     params = sum(p.numel() for p in skeleton.parameters())
     text = config.get_text_config()
     heads = text.num_attention_heads
@@ -136,10 +192,19 @@ def _backend_config(path: Path) -> ModelConfig:
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_window=window,
         impl=ModelImpl.TRANSFORMERS,
-        model_type=config.model_type,
+        model_type=plan.model_type,
         param_count=params,
         layer_kv=layer_kv if len(set(layer_kv)) > 1 else (),
     )
+
+
+def meta_model(plan: LoadPlan) -> nn.Module:
+    """The model plan loads, built on the meta device: its sizes, no memory, no init. A
+    pre-quantized checkpoint's skeleton holds float parameters: what dequantizing gives."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(plan.config)
 
 
 def _layer_kv(model: nn.Module, n_layers: int, default: tuple[int, int]):
