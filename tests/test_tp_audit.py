@@ -6,9 +6,12 @@ thread that ends keeps its ranks, and a rank's SIGTERM does not kill the API use
 
 import contextlib
 import datetime
+import fcntl
 import ipaddress
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -243,3 +246,31 @@ def test_sigterm_to_a_rank_spares_the_api_users_process(model):
     assert r.returncode == 0, r.stderr  # before the fix: -15, killed by its own rank
     assert "RankFailed: tensor-parallel rank 1 was killed by SIGTERM" in r.stdout
     assert "close() it and create a new one" in r.stdout and "same command" not in r.stdout
+
+
+def _routable_interface() -> str | None:
+    """A network interface with an IPv4 address other than loopback's, if the machine has one."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        if not ipaddress.ip_address(raw[20:24]).is_loopback:
+            return name
+    return None
+
+
+def test_gloo_sockets_stay_on_loopback_whatever_gloo_socket_ifname_says(model, monkeypatch):
+    """gloo binds the interface GLOO_SOCKET_IFNAME names (else the host name's address): the
+    groups are made with it set to loopback, and the caller's value is put back after."""
+    routable = _routable_interface()
+    if routable is None:
+        pytest.skip("no network interface besides loopback")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", routable)  # the follower inherits it too
+    with LLM(model, device="cpu", tensor_parallel_size=2) as llm:
+        assert os.environ["GLOO_SOCKET_IFNAME"] == routable
+        follower = llm.ranks.procs[0].pid
+        sockets = _listening(os.getpid()) | _listening(follower)
+        assert {ip for ip, _ in sockets} == {"127.0.0.1"}, sockets
+        assert llm.generate(PROMPTS, PARAMS)[0].token_ids

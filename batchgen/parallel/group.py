@@ -10,15 +10,23 @@ local process cannot check in as a rank. The store does not wait for the other r
 process, so a rank that dies while starting is reported within a second instead of after the
 rendezvous timeout. Collectives time out after `TIMEOUT`, a backstop behind rank 0's watchdog
 (watchdog.py), which ends a step that waits on a stopped or silent rank sooner.
+
+gloo's own sockets (the CPU group's data, and the control group on CUDA) are bound to the
+loopback interface too: gloo picks its interface from GLOO_SOCKET_IFNAME, else from the
+address the host name resolves to, which on many machines is a routable one. The ranks are
+processes of one machine, so `init_group` sets GLOO_SOCKET_IFNAME to loopback while it creates
+the groups, whatever it was, and puts the previous value back after: the variable is read when
+a group is made, and the caller's process keeps its own setting for anything else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +105,30 @@ def rendezvous(
 def init_group(store: dist.Store, rank: int, size: int, device: torch.device) -> Group:
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=TIMEOUT, **kw)
-    world = dist.group.WORLD
-    control = dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else world
+    with gloo_on_loopback():
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=size, timeout=TIMEOUT, **kw
+        )
+        world = dist.group.WORLD
+        control = dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else world
     return Group(rank, size, world, control)
+
+
+def loopback_interface() -> str:
+    """The loopback interface's name (`lo` on Linux, `lo0` on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n in ("lo", "lo0")), "lo")
+
+
+@contextlib.contextmanager
+def gloo_on_loopback() -> Iterator[None]:
+    """GLOO_SOCKET_IFNAME set to loopback for the groups made inside, then as it was."""
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = before
