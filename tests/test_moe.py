@@ -10,7 +10,7 @@ one is saved in transformers' own layout (3-D gate_up_proj / down_proj per layer
 import pytest
 import torch
 import transformers
-from helpers import hf_greedy, prompts, read_stats, run_job, write_parquet
+from helpers import hf_greedy, make_adapter, prompts, read_stats, run_job, write_parquet
 from test_compile import ENGINE as COMPILE_ENGINE
 from test_compile import CompileEvents, _run, _same, _workload
 from test_hf_backend import MAX_NEW, PARAMS, TIGHT, _prompts
@@ -199,6 +199,32 @@ def test_cli_run_native_and_backend(moe_dirs, tmp_path):
     assert cfg.active_layer_params < cfg.layer_params()
     run_job(src, tmp_path / "hf", d, "--max-new-tokens", 4, "--model-impl", "transformers")
     assert read_stats(tmp_path / "hf")["model_impl"] == "transformers"
+
+
+def test_quantize_takes_attention_and_keeps_the_experts(moe_dirs):
+    llm = LLM(moe_dirs("qwen3_moe"), device="cpu", quantize="int8", quant_backend="torchao")
+    block = llm.model.layers[0]
+    assert type(block.attn.wqkv.weight).__name__ == "Int8Tensor"
+    assert type(block.mlp.w_in) is torch.nn.Parameter and block.mlp.w_in.dtype == torch.float32
+    assert llm.quant.to_dict()["unquantized"] == ["layers.0.mlp", "layers.1.mlp"]
+    assert all(c.token_ids for c in llm.generate(_prompts(), PARAMS))
+
+
+def test_an_attention_lora_merges_and_an_expert_lora_is_refused(moe_dirs, tmp_path):
+    from peft import LoraConfig
+
+    from batchgen.model.lora import LoraError
+
+    d = moe_dirs("qwen3_moe")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])
+    peft_model = make_adapter(d, tmp_path / "attn", config)
+    peft_model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    got = LLM(d, dtype="float32", device="cpu", lora=tmp_path / "attn").generate(_prompts(), PARAMS)
+    assert [c.token_ids for c in got] == hf_greedy(tmp_path / "merged", _prompts(), MAX_NEW)
+    # peft adapts transformers' 3-D experts as parameters, which no merge here takes
+    make_adapter(d, tmp_path / "experts", LoraConfig(r=4, target_modules=["gate_proj", "up_proj"]))
+    with pytest.raises(LoraError, match="parameter targets"):
+        LLM(d, device="cpu", lora=tmp_path / "experts")
 
 
 def test_num_params_counts_every_expert(moe_dirs):

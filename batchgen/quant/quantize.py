@@ -3,6 +3,10 @@
 Blocks are moved to the device one at a time and quantized there, so the device never
 holds more than one block in full precision (and packed int4 layouts, which differ
 between CPU and CUDA kernels, are built for the device that runs them).
+
+A MoE layer (model/moe.py) has no MLP linears: its experts are 3-D weights that the
+backends' linear-layer passes do not take, so they and the router keep the model dtype; its
+attention is quantized, as a dense layer's MLP is (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from batchgen.model.moe import MoE
 from batchgen.model.transformer import Transformer
 from batchgen.quant import quanto_backend, torchao_backend
 from batchgen.quant.scheme import (
@@ -71,6 +76,12 @@ def make_scheme(
     return scheme
 
 
+def block_targets(block: nn.Module) -> tuple[str, ...]:
+    """The TARGETS block holds as linear layers: a MoE layer's are its attention's."""
+    moe = isinstance(block.mlp, MoE)
+    return tuple(t for t in TARGETS if not (moe and t.startswith("mlp.")))
+
+
 def layer_group_sizes(
     model: Transformer, scheme: QuantScheme
 ) -> tuple[dict[str, int], dict[str, int]]:
@@ -81,7 +92,13 @@ def layer_group_sizes(
     no target can take int4 at all."""
     sizes, int8 = {}, {}
     for name in TARGETS:
-        widths = {block.get_submodule(name).in_features for block in model.layers}
+        widths = {
+            block.get_submodule(name).in_features
+            for block in model.layers
+            if name in block_targets(block)
+        }
+        if not widths:  # every layer MoE: no MLP linears
+            continue
         fits = [
             g
             for g in INT4_GROUP_SIZES
@@ -129,11 +146,16 @@ def quantize_model(
             )
     backend = _BACKENDS[scheme.backend]
     as_int8 = QuantScheme(QuantMethod.INT8, scheme.backend)
+    moe = tuple(f"layers.{i}.mlp" for i, b in enumerate(model.layers) if isinstance(b.mlp, MoE))
+    if moe:
+        log.warning("--quantize: the MoE layers' experts and routers keep the model dtype")
+        scheme = dataclasses.replace(scheme, unquantized=moe)
     for block in model.layers:
         block.to(device)
-        backend.quantize_linears(block, tuple(t for t in TARGETS if t not in int8), scheme, device)
-        if int8:
-            backend.quantize_linears(block, tuple(int8), as_int8, device)
+        targets = block_targets(block)
+        backend.quantize_linears(block, tuple(t for t in targets if t not in int8), scheme, device)
+        if any(t in int8 for t in targets):
+            backend.quantize_linears(block, tuple(t for t in targets if t in int8), as_int8, device)
     for name in ("embed", "pos_embed", "norm", "lm_head"):
         module = getattr(model, name)
         if module is not None:
@@ -145,7 +167,9 @@ def quantize_model(
     # cache writes, flip the cache buffers to requires_grad and force a recompile.
     model.requires_grad_(False)
     # quanto picks a tensor type (and kernel) per layer shape: record every one chosen.
-    formats = {type(b.get_submodule(n).weight).__name__ for b in model.layers for n in TARGETS}
+    formats = {
+        type(b.get_submodule(n).weight).__name__ for b in model.layers for n in block_targets(b)
+    }
     return dataclasses.replace(scheme, weight_format="/".join(sorted(formats)))
 
 

@@ -88,6 +88,8 @@ class QuantScheme:
     weight_format: str | None = None
     layer_group_sizes: tuple[tuple[str, int], ...] = ()  # (target, group size) per int4 target
     int8_layers: tuple[tuple[str, int], ...] = ()  # (target, input width) kept at int8
+    # MoE layers' MLPs (3-D experts and router), kept at the model dtype: "layers.0.mlp", ...
+    unquantized: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept the plain strings the CLI and config files carry.
@@ -154,4 +156,6 @@ class QuantScheme:
             out["group_sizes"] = sizes
         if int8:  # int4 layers that no group size fits, kept at int8 per output channel
             out["int8_layers"] = {f"layers.*.{t}": f"{k} input features" for t, k in int8.items()}
+        if self.unquantized:
+            out["unquantized"] = list(self.unquantized)
         return out
