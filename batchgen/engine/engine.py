@@ -147,9 +147,8 @@ class Engine:
     def _add(self, r: Request) -> Completion | None:
         """Queue r, or return its error completion if it cannot run."""
         parts = expand(r)
-        error = self._size_error(
-            r, max(parts, key=lambda c: c.max_tokens)
-        ) or self._check_constraint(r)
+        longest = max(parts, key=lambda c: c.max_tokens)
+        error = self._size_error(r, longest) or self._check_constraint(r) or self._check_bias(r)
         if error is not None:
             return error_completion(r, error)
         now = time.perf_counter()  # queue entry: a row's timings count from here
@@ -178,6 +177,16 @@ class Engine:
             cand = longest.prompt_len - r.prompt_len
             return f"prompt ({r.prompt_len} tokens) + its longest candidate ({cand}) {why}"
         return f"prompt ({r.prompt_len} tokens) + max_new_tokens ({r.params.max_new_tokens}) {why}"
+
+    def _check_bias(self, r: Request) -> str | None:
+        vocab = self.runner.model.cfg.vocab_size
+        bad = [t for t, _ in r.params.logit_bias if t >= vocab]
+        if bad:
+            return (
+                f"logit_bias token id {bad[0]} is not in the model's vocabulary (0 to "
+                f"{vocab - 1}); bias this model's token ids (its tokenizer's)"
+            )
+        return None
 
     def _check_constraint(self, r: Request) -> str | None:
         if r.params.constraint is None:

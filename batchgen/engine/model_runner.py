@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from batchgen.engine.penalties import TokenCounts, apply_penalties
 from batchgen.engine.sampler import SamplingColumns
 from batchgen.engine.sequence import StepPlan
 from batchgen.engine.step_inputs import StepInputs, capture_sizes, pack_decode, pack_step
@@ -87,6 +88,7 @@ class ModelRunner:
         self.broadcast, self.clock = broadcast, clock
         self.shapes: set[tuple[int, bool]] = set()  # (padded batch, greedy-only) decodes run
         self.decode: CompiledDecode | None = None
+        self.counts = TokenCounts(model.cfg.vocab_size, self.device)  # no memory until used
         if compile:
             # imported here: torch._dynamo takes ~1 s to import, a tenth of a small eager job
             from batchgen.engine.compiled_decode import CompiledDecode
@@ -212,6 +214,7 @@ class ModelRunner:
         for s in packed.sampled:
             sampling.add(s)
         samp, steps = sampling.tensors(dev)
+        apply_penalties(logits[:n], packed.sampled, self.counts)
         nd = len(packed.decode_order)
         if bitmask is not None:  # to the packed order: decodes by width, then prefills
             bitmask = bitmask[torch.tensor(packed.decode_order + list(range(nd, n)), device=dev)]
@@ -240,7 +243,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.broadcast is not None:
             self.broadcast(x)
-        result = self.decode.sample(self.decode.logits(x), sampling, bitmask)
+        logits = apply_penalties(self.decode.logits(x), packed.sampled[:n], self.counts)
+        result = self.decode.sample(logits, sampling, bitmask)
         out = to_host(result, packed.sampled[:n], wants_top(packed.sampled))  # the one sync
         dt = time.perf_counter() - t0
         self.shapes.add(key)

@@ -10,27 +10,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# SamplingParams and Constraint live in engine/params.py; imported from here too, as before
+from batchgen.engine.params import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS
+from batchgen.engine.params import Constraint as Constraint
+from batchgen.engine.params import ConstraintKind as ConstraintKind
+from batchgen.engine.params import SamplingParams as SamplingParams
 
-class ConstraintKind(str, enum.Enum):
-    CHOICE = "choice"  # one of a list of strings
-    REGEX = "regex"
-    JSON_SCHEMA = "json_schema"  # the JSON text of a schema
-
-
-@dataclass(slots=True, frozen=True)
-class Constraint:
-    kind: ConstraintKind
-    spec: str | tuple[str, ...]  # the choices (CHOICE) or the pattern / schema text
-    any_whitespace: bool = False  # JSON: free whitespace between tokens, not one space after , :
-
-    def describe(self) -> str:
-        if self.kind is ConstraintKind.CHOICE:
-            return f"--choice {','.join(self.spec)}"
-        return f"--{self.kind.value.replace('_', '-')} {str(self.spec)[:60]}"
-
-
-# The most alternatives a generated token reports (`top_logprobs`, OpenAI's bound for chat).
-MAX_TOP_LOGPROBS = 20
 TopLogprobs = list[tuple[int, float]]  # a position's likeliest (token id, logprob), best first
 
 
@@ -38,48 +23,6 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS token, a stop token id or a stop string
     LENGTH = "length"  # max_new_tokens reached
     ERROR = "error"  # the row could not be run (see Completion.error)
-
-
-@dataclass(slots=True, frozen=True)
-class SamplingParams:
-    """Per-row decoding parameters. temperature == 0 means greedy."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1.0: off
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    constraint: Constraint | None = None  # a choice, regex or JSON schema the output must match
-    top_logprobs: int = 0  # each generated token's likeliest alternatives kept (0: none)
-    stop_token_ids: tuple[int, ...] = ()  # a sampled one ends the row (kept out of its text)
-    min_tokens: int = 0  # no EOS, stop token id or stop string ends the row before this many
-    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest's (0: off)
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.seed < 2**31:
-            raise ValueError(f"seed must be in [0, 2**31), got {self.seed}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-        if not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_new_tokens], got {self.min_tokens}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 @dataclass(slots=True)

@@ -25,7 +25,9 @@ class SamplingParams(sequence.SamplingParams):
     string or a list of them; logprobs: the likeliest alternatives kept per generated token (each
     token's own logprob is always in `.logprobs`); seed None means 0; stop_token_ids: tokens
     that end the output (kept in token_ids, out of the text; `.stop_reason` says which);
-    min_tokens: nothing but max_tokens ends it sooner; min_p 0 is off."""
+    min_tokens: nothing but max_tokens ends it sooner; min_p 0 is off; repetition_penalty
+    (1 is off), presence_penalty, frequency_penalty (0 is off) and logit_bias ({token id:
+    bias}, clamped to [-100, 100]) as vLLM applies them, to the raw logits."""
 
     n: int = 1
 
@@ -47,6 +49,10 @@ class SamplingParams(sequence.SamplingParams):
         stop_token_ids: Sequence[int] | None = None,
         min_tokens: int = 0,
         min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int | str, float] | None = None,
     ) -> None:
         if max_tokens is not None and max_new_tokens not in (None, max_tokens):
             raise ValueError(
@@ -73,6 +79,10 @@ class SamplingParams(sequence.SamplingParams):
             stop_token_ids=tuple(stop_token_ids or ()),
             min_tokens=min_tokens,
             min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias,  # made (id, bias) pairs there
         )
         object.__setattr__(self, "n", n)
 
