@@ -109,6 +109,8 @@ BOUNDS = {
     "top_k": Bound(0),
     "top_p": Bound(0, 1, low_open=True),
     "seed": Bound(0, 2**31 - 1),
+    "repetition_penalty": Bound(0, low_open=True),
+    **dict.fromkeys(("presence_penalty", "frequency_penalty"), Bound(-2, 2)),
     "flush_seconds": Bound(0),
     "peak_tflops": Bound(0, low_open=True),
     "peak_bandwidth_gbs": Bound(0, low_open=True),

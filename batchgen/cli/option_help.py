@@ -59,6 +59,23 @@ HELP: dict[str, str] = {
         "Stop string (repeatable). On the command line \\n, \\t and \\\\ are read as a newline, "
         "a tab and a backslash."
     ),
+    "repetition_penalty": (
+        "vLLM's: logits of tokens already in the prompt or output divided by it (> 1 "
+        "discourages repeats; 1 = off; a column of the name overrides per row)."
+    ),
+    "presence_penalty": (
+        "OpenAI's: subtracted from the logit of each token already in the output, in [-2, 2] "
+        "(0 = off; a column of the name overrides per row)."
+    ),
+    "frequency_penalty": (
+        "OpenAI's: x the times a token is already in the output, subtracted from its logit, "
+        "in [-2, 2] (0 = off; a column of the name overrides per row)."
+    ),
+    "logit_bias": (
+        "OpenAI's: JSON {\"token id\": bias} added to those tokens' logits, e.g. "
+        "'{\"42\": -100}' bans token 42; each bias clamped to [-100, 100] (a logit_bias column "
+        "overrides per row)."
+    ),
     "task": (
         "generate: sample a completion per row. score: the probability of each --choice "
         "label (or choice column) given the prompt, in `scores` and `label` columns; nothing "

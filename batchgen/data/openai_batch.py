@@ -4,7 +4,8 @@ A .jsonl file whose first non-blank line is an object with `custom_id` and `body
 line is a POST to `/v1/chat/completions` (body.messages) or `/v1/completions` (body.prompt).
 Each line becomes one row of the columns the pipeline already uses: `custom_id` (the row id),
 `prompt` or `messages` (JSON text, rendered with the chat template), the per-row overrides
-`max_new_tokens`, `temperature`, `top_p`, `seed`, `stop`, and `n`, `logprobs`, `json_schema`.
+`max_new_tokens`, `temperature`, `top_p`, `seed`, `stop`, the penalties (`presence_penalty`,
+`frequency_penalty`, vLLM's `repetition_penalty`, `logit_bias`), and `n`, `logprobs`, `json_schema`.
 
 A malformed line is not a failed job: its row carries `OPENAI_ERROR_COLUMN`, a one-line message
 naming the line, and becomes an error record. Body fields with no mapping are counted per name
@@ -42,6 +43,10 @@ SCHEMA = pa.schema(
         ("logprobs", pa.bool_()),
         ("top_logprobs", pa.int64()),  # alternatives per generated token (logprobs asked)
         ("json_schema", pa.string()),  # JSON text of the schema to follow
+        ("presence_penalty", pa.float64()),
+        ("frequency_penalty", pa.float64()),
+        ("repetition_penalty", pa.float64()),  # vLLM's extra parameter
+        ("logit_bias", pa.string()),  # the body's {"token id": bias} as JSON text
         ("model", pa.string()),  # the body's model, echoed in the output lines
         (OPENAI_ERROR_COLUMN, pa.string()),
     ]
@@ -62,6 +67,10 @@ MAPPED_FIELDS = frozenset(
         "logprobs",
         "top_logprobs",
         "response_format",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
     }
 )
 _PARSE_ROWS = 4096  # lines per Arrow batch while parsing

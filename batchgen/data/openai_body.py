@@ -47,6 +47,9 @@ def parse_body(url: Any, body: dict[str, Any], record: dict[str, Any]) -> None:
     record["logprobs"] = _logprobs(body.get("logprobs"), url)
     record["top_logprobs"] = _top_logprobs(body, url, record["logprobs"])
     record["json_schema"] = _json_schema(body.get("response_format"))
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        record[name] = _number(body.get(name), name)  # ranges: checked with the row's options
+    record["logit_bias"] = _logit_bias(body.get("logit_bias"))
     model = body.get("model")
     record["model"] = model if isinstance(model, str) else None
 
@@ -122,6 +125,15 @@ def _top_logprobs(body: dict[str, Any], url: str, asked: bool | None) -> int | N
         v = body.get("logprobs")
         n = None if isinstance(v, bool) else _int(v, "logprobs", minimum=0, maximum=5)
     return n or None
+
+
+def _logit_bias(v: Any) -> str | None:
+    """{"token id": bias} as JSON text (the row's logit_bias column reads it)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise LineError(f'logit_bias is {v!r}, not an object of {{"token id": bias}}')
+    return json.dumps(v)
 
 
 def _json_schema(v: Any) -> str | None:

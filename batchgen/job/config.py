@@ -21,6 +21,7 @@ from batchgen.choices import (
     Truncate,
 )
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.params import logit_bias_pairs
 from batchgen.errors import ConfigError
 from batchgen.job.paths import check_local_paths, resolve_path
 from batchgen.job.shard import Shard, ShardError
@@ -57,6 +58,11 @@ class RunConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # a sampled one ends the row
     min_tokens: int = 0  # no EOS, stop token or stop string ends a row before this many
     min_p: float = 0.0  # drop tokens below min_p x the likeliest's probability (0: off)
+    # vLLM's penalties (engine/params.py): 1.0 and 0.0 are off
+    repetition_penalty: float = 1.0  # over the prompt and the output
+    presence_penalty: float = 0.0  # over the output
+    frequency_penalty: float = 0.0  # x each token's count in the output
+    logit_bias: dict[int, float] = field(default_factory=dict)  # {token id: bias}; JSON text too
     ignore_eos: bool = False
     n: int = 1  # sampled completions per row (an n column overrides), each its own record
     n_as_list: bool = False  # one record per row, its samples' fields as lists
@@ -107,6 +113,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        try:  # a job spec's mapping, or the JSON text --logit-bias takes, as {int id: bias}
+            self.logit_bias = dict(logit_bias_pairs(self.logit_bias))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         check_types(self)
         for key in ("input", "output"):
             if not getattr(self, key).strip():

@@ -90,6 +90,14 @@ RUN_ONLY_OPTIONS = frozenset(
     }
 )
 
+# vLLM's penalties switched off: a job's fingerprint holds them only when on
+PENALTIES_OFF = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": {},
+}
+
 
 def job_fingerprint(job: Job) -> dict[str, Any]:
     """The fingerprint of an opened job: its options and what they resolved to."""
@@ -135,6 +143,11 @@ def options_fingerprint(cfg: RunConfig) -> dict[str, Any]:
     for key in ("stop_token_ids", "min_tokens", "min_p"):  # and jobs without these (issue 31)
         if not out[key]:
             del out[key]
+    for key, off in PENALTIES_OFF.items():  # and jobs without penalties
+        if out[key] == off:
+            del out[key]
+    if "logit_bias" in out:  # keys as job.json reads back: strings
+        out["logit_bias"] = {str(t): b for t, b in out["logit_bias"].items()}
     if cfg.shard:  # and unsharded runs
         out["shard"] = str(cfg.shard)
     else:

@@ -90,6 +90,12 @@ def open_job(cfg: RunConfig) -> Job:
         cfg = dataclasses.replace(cfg, with_token_ids=True, with_logprobs=True)
     model_len, max_prompt, limit = prompt_limits(cfg, spec.model_cfg.max_position_embeddings)
     check_weights(spec)  # a config.json's sizes, before a grammar is built over its vocabulary
+    vocab = spec.model_cfg.vocab_size
+    if any(t >= vocab for t in cfg.logit_bias):  # a row's own: an error row (engine.py)
+        raise ConfigError(
+            f"logit_bias: token id {max(cfg.logit_bias)} is not in the model's vocabulary (0 to "
+            f"{vocab - 1}); bias this model's token ids (its tokenizer's)"
+        )
     if cfg.kv_cache_tokens:  # an explicit size is checked against memory before allocating
         rank = local_config(spec.model_cfg, TPShard(0, spec.tensor_parallel_size))
         per_token = rank.kv_bytes_per_token(spec.dtype.itemsize)  # each rank holds its KV heads

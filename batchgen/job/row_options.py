@@ -19,6 +19,7 @@ from collections.abc import Collection
 from typing import Any
 
 from batchgen.engine.constraints import ConstraintError, parse_choices, word_boundary
+from batchgen.engine.params import logit_bias_pairs
 from batchgen.engine.sequence import Constraint, ConstraintKind, SamplingParams
 from batchgen.errors import ConfigError, RowError
 from batchgen.job.config import RunConfig, Task, read_json_schema
@@ -30,6 +31,7 @@ from batchgen.job.tokenization import tokenize
 # top_logprobs: keep each generated token's N likeliest alternatives (a top_logprobs column).
 OVERRIDE_COLUMNS = (
     *("max_new_tokens", "temperature", "top_p", "seed", "top_logprobs", "min_tokens", "min_p"),
+    *("repetition_penalty", "presence_penalty", "frequency_penalty"),
 )
 _INTEGERS = ("max_new_tokens", "seed", "top_logprobs", "min_tokens")
 # Optional input columns that constrain their row's output (over the job's --choice etc.).
@@ -38,6 +40,8 @@ CONSTRAINT_COLUMNS = tuple(k.value for k in ConstraintKind)
 STOP_COLUMN = "stop"
 # One of token ids (a list of integers) that replaces --stop-token-id for its row.
 STOP_IDS_COLUMN = "stop_token_ids"
+# One of {token id: bias} (a map or struct, or its JSON text) that replaces --logit-bias.
+BIAS_COLUMN = "logit_bias"
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +51,8 @@ Labels = tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]  # labels and their
 def warn_option_columns(columns: Collection[str]) -> None:
     """Log once which input columns act as per-row options: a data column that happens to be
     named `choice`, `stop` or `n` would otherwise change its rows' outputs silently."""
-    used = [
-        c
-        for c in (*OVERRIDE_COLUMNS, *CONSTRAINT_COLUMNS, STOP_COLUMN, STOP_IDS_COLUMN, "n")
-        if c in columns
-    ]
+    named = (STOP_COLUMN, STOP_IDS_COLUMN, BIAS_COLUMN, "n")
+    used = [c for c in (*OVERRIDE_COLUMNS, *CONSTRAINT_COLUMNS, *named) if c in columns]
     if used:
         log.warning(
             "input column(s) %s set their rows' options (docs/jobs.md, per-row columns); "
@@ -113,6 +114,7 @@ class RowOptions:
         self.constraint_columns = [c for c in CONSTRAINT_COLUMNS if c in columns]
         self.stop_column = STOP_COLUMN if STOP_COLUMN in columns else None
         self.stop_ids_column = STOP_IDS_COLUMN if STOP_IDS_COLUMN in columns else None
+        self.bias_column = BIAS_COLUMN if BIAS_COLUMN in columns else None
         self.score = cfg.task is Task.SCORE
         if self.score:  # a choice column holds the row's labels to score; nothing constrains
             self.constraint_columns = [c for c in self.constraint_columns if c == "choice"]
@@ -142,6 +144,10 @@ class RowOptions:
             stop_token_ids=tuple(cfg.stop_token_ids),
             min_tokens=cfg.min_tokens,
             min_p=cfg.min_p,
+            repetition_penalty=cfg.repetition_penalty,
+            presence_penalty=cfg.presence_penalty,
+            frequency_penalty=cfg.frequency_penalty,
+            logit_bias=tuple(cfg.logit_bias.items()),
             ignore_eos=cfg.ignore_eos,
             constraint=job_constraint(cfg),
         )
@@ -149,7 +155,7 @@ class RowOptions:
     @property
     def columns(self) -> set[str]:
         """The input columns the options read."""
-        named = [self.stop_column, self.stop_ids_column]
+        named = [self.stop_column, self.stop_ids_column, self.bias_column]
         return {*self.overrides, *self.constraint_columns, *filter(None, named)}
 
     def params(
@@ -179,6 +185,8 @@ class RowOptions:
                 if isinstance(ids, str | bytes) or not hasattr(ids, "__iter__"):
                     raise ValueError(f"{STOP_IDS_COLUMN} is {ids!r}, not a list of token ids")
                 values["stop_token_ids"] = tuple(row_number(STOP_IDS_COLUMN, t, True) for t in ids)
+            if self.bias_column and rec[self.bias_column] is not None:
+                values["logit_bias"] = logit_bias_pairs(rec[self.bias_column])
             return dataclasses.replace(self.defaults, **values)
         except (ValueError, TypeError) as e:
             raise RowError(f"bad per-row sampling value: {e}") from e

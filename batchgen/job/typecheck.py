@@ -40,6 +40,12 @@ def _conform(value: Any, hint: Any) -> tuple[bool, Any]:
         return False, value
     if hint is type(None):
         return value is None, value
+    if origin is dict:
+        kt, vt = typing.get_args(hint)
+        if not isinstance(value, dict):
+            return False, value
+        items = [(_conform(k, kt), _conform(v, vt)) for k, v in value.items()]
+        return all(k[0] and v[0] for k, v in items), {k[1]: v[1] for k, v in items}
     if origin is list:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list | tuple):
@@ -62,6 +68,9 @@ def _conform(value: Any, hint: Any) -> tuple[bool, Any]:
 def _describe(hint: Any) -> str:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) is dict:
+        k, v = typing.get_args(hint)
+        return f"a mapping of {_describe(k)} to {_describe(v)}"
     if typing.get_origin(hint) is list:
         return f"a list of {_describe(typing.get_args(hint)[0])}"
     names = {
