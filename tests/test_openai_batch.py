@@ -82,10 +82,14 @@ def test_parse_chat_line_maps_every_field():
         "logprobs": True,
         "top_logprobs": None,
         "json_schema": json.dumps(schema),
+        "presence_penalty": None,
+        "frequency_penalty": None,
+        "repetition_penalty": None,
+        "logit_bias": '{"1": 2}',  # JSON text: the row's logit_bias column
         "model": "any",
         OPENAI_ERROR_COLUMN: None,
     }
-    assert unsupported == ["logit_bias", "tools"]
+    assert unsupported == ["tools"]
 
 
 def test_parse_completion_line():
@@ -247,20 +251,20 @@ def test_malformed_lines_become_error_rows(tmp_path, model):
 
 def test_unsupported_fields_are_reported(tmp_path, model, caplog):
     lines = [
-        chat_line("a", CHATS[0], tools=[{"type": "function"}], frequency_penalty=0.5),
-        completion_line("b", PROMPTS[0], frequency_penalty=1.0, logit_bias={"5": 1}),
+        chat_line("a", CHATS[0], tools=[{"type": "function"}], user="x"),
+        completion_line("b", PROMPTS[0], user="y", suffix="!"),
         completion_line("c", PROMPTS[1]),
     ]
     out = tmp_path / "out"
     _run(write_jsonl(tmp_path / "req.jsonl", lines), out, model)
     assert read_stats(out)["openai_unsupported_fields"] == {
-        "frequency_penalty": 2,
-        "logit_bias": 1,
+        "suffix": 1,
         "tools": 1,
+        "user": 2,
     }
     warnings = [r.getMessage() for r in caplog.records if "not supported" in r.getMessage()]
     assert len(warnings) == 1
-    assert all(w in warnings[0] for w in ("frequency_penalty (2 lines)", "tools (1 line)"))
+    assert all(w in warnings[0] for w in ("user (2 lines)", "tools (1 line)"))
     assert all(r["error"] is None for r in rows_by_id(out, "custom_id").values())
 
 
