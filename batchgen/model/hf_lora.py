@@ -96,11 +96,15 @@ def check_hf_adapter(path: str | Path, model_dir: Path) -> LoraAdapter:
 
 def _merge(path: Path, config, module: str, name: str, layer, ab: dict) -> LoraMerge:
     """The merge of one adapted module, checked against the model's layer (None: absent)."""
-    if not isinstance(layer, nn.Linear):
-        what = "no such module" if layer is None else f"a {type(layer).__name__}"
+    if layer is None:
         raise LoraError(
-            f"LoRA adapter {path} adapts {module} ({what} in this model); the transformers "
-            "backend merges adapters of linear layers (nn.Linear) only"
+            f"LoRA adapter {path} adapts {module} (no such module in this model); the adapter "
+            "was trained for another base model"
+        )
+    if not isinstance(layer, nn.Linear):
+        raise LoraError(
+            f"LoRA adapter {path} adapts {module}, of type {type(layer).__name__}; the "
+            "transformers backend merges adapters of linear layers (nn.Linear) only"
         )
     if set(ab) != {"A", "B"}:
         (have,) = ab

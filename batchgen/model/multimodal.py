@@ -23,6 +23,7 @@ TEXT_MODEL_WRAPPERS = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
 }
+_IMAGE_PARTS = ("vision_tower.", "multi_modal_projector.")
 # checkpoint name -> text model name (transformers' from_pretrained `key_mapping` form)
 KEY_MAPPING = {
     r"^language_model\.model\.": "model.",
@@ -52,6 +53,6 @@ def text_name(name: str) -> str:
 
 
 def is_language_model(name: str) -> bool:
-    """A wrapper's checkpoint tensor that the text model loads (not the vision tower's or the
-    projector's)."""
-    return text_name(name) != name or name.startswith("lm_head.")
+    """A wrapper's checkpoint tensor (or adapted module) that the text model loads: any but
+    the vision tower's and the projector's."""
+    return not name.removeprefix("model.").startswith(_IMAGE_PARTS)
