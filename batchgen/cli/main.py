@@ -17,6 +17,7 @@ from batchgen.cli.help import SectionedCommand
 from batchgen.cli.jobspec import build_config
 from batchgen.cli.options import data_options, run_options
 from batchgen.errors import ConfigError, JobInterrupted, RuntimeFailure, UsageError
+from batchgen.job.precheck import precheck
 
 EXIT_USAGE = 2
 EXIT_CODES = """\b
@@ -94,10 +95,12 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
     """
     try:
         with _exit_on_sigint():  # start-up: nothing to save; the job's loop has its own handler
+            cfg = build_config(ctx, source, **flags)
+            precheck(cfg)  # paths and input, before torch loads
+
             from batchgen.runner.run import run
             from batchgen.scaleout.workers import describe_workers, run_workers
 
-            cfg = build_config(ctx, source, **flags)
             if dry_run:
                 click.echo(describe_workers(cfg))
                 return

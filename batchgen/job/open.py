@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from batchgen.choices import OutputFormat, Task
 from batchgen.data import InputFormat, InputSource, open_input
 from batchgen.data.reader import OpenAIBatchSource
 from batchgen.engine.constraints import ConstraintError
-from batchgen.errors import ConfigError, InputError
+from batchgen.errors import ConfigError
 from batchgen.job.config import RunConfig
 from batchgen.job.generation import KEYS as GENERATION_KEYS
 from batchgen.job.generation import GenerationDefaults
 from batchgen.job.ids import check_unique_ids
 from batchgen.job.model_spec import ModelSpec
+from batchgen.job.precheck import check_input_outside_output
 from batchgen.job.prepare import Preparer
 from batchgen.model.memory import check_allocation
 from batchgen.model.tensor_parallel import TPShard, local_config, weight_bytes
@@ -138,19 +136,6 @@ def prompt_limits(cfg: RunConfig, positions: int) -> tuple[int, int, str]:
         return model_len, cfg.max_prompt_len, "--max-prompt-len"
     what = f"--max-model-len {model_len}" if cfg.max_model_len else f"the model's {positions}"
     return model_len, model_len - room, f"{what} less {room} new token{'s' * (room != 1)}"
-
-
-def check_input_outside_output(source: InputSource, output: str) -> None:
-    """Refuse an input inside the output directory (or the directory itself): a run replaces
-    the files there and --overwrite deletes them, an input's too, before it is read."""
-    out = Path(os.path.realpath(os.path.expanduser(output)))
-    paths = [*source.files, *([] if glob.has_magic(source.path) else [source.path])]
-    for p in paths:
-        if Path(os.path.realpath(p)).is_relative_to(out):
-            raise InputError(
-                f"input {p} is inside the output directory {output}, whose files a run replaces "
-                "(and --overwrite deletes); pass another -o, or move the input out of it"
-            )
 
 
 def check_weights(spec: ModelSpec) -> None:
