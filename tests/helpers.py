@@ -19,6 +19,7 @@ from click.testing import CliRunner, Result
 
 from batchgen.cli import main
 from batchgen.data.layout import JOB_FILE, STATS_FILE, SUCCESS_FILE
+from batchgen.llm import LLM
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,6 +73,22 @@ def run_cli(*args: Any, exit_code: int | None = 0) -> Result:
 def run_job(source: Any, out: Any, model: Any, *flags: Any, exit_code: int | None = 0) -> Result:
     """`batchgen run SOURCE -o OUT --model MODEL` with the fast test flags, then FLAGS."""
     return run_cli("run", source, "-o", out, "--model", model, *FAST, *flags, exit_code=exit_code)
+
+
+def run_plan(source: Any, model: Any, *flags: Any, exit_code: int | None = 0) -> Result:
+    """`batchgen plan SOURCE --model MODEL FLAGS`."""
+    return run_cli("plan", source, "--model", model, *flags, exit_code=exit_code)
+
+
+def prompt_file(tmp_path: Path, n: int, **columns: list) -> Path:
+    """tmp_path/in.parquet, the input most tests run: a `prompt` column of prompts(n), then
+    any more columns (regex=[...])."""
+    return write_parquet(tmp_path / "in.parquet", {"prompt": prompts(n), **columns})
+
+
+def cpu_llm(model_dir: Any, compile: bool = False, **kw: Any) -> LLM:
+    """The LLM the tests run the tiny models in: float32 on the CPU, eager by default."""
+    return LLM(model_dir, dtype="float32", device="cpu", compile=compile, **kw)
 
 
 def assert_one_line_error(r: Result | str, *words: str) -> None:
@@ -159,27 +176,34 @@ def random_prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(2, 500, (n,), generator=g).tolist() for n in lens]
 
 
+def hf_generate(
+    hf, prompts: list[list[int]], max_new: int, pad: int, **generate
+) -> list[list[int]]:
+    """transformers' batched greedy generate with left padding, on hf's device: each row's
+    max_new new tokens (fewer where all rows stop; generate: more of its options)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
+    with torch.inference_mode():
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=pad,
+            **generate,
+        )
+    return out[:, width:].tolist()
+
+
 def hf_greedy(model_dir, prompts: list[list[int]], max_new: int, **generate) -> list[list[int]]:
-    """transformers' batched generate with left padding, per-row outputs up to EOS; generate:
+    """transformers' float32 greedy rows (hf_generate) on the CPU, each up to its EOS; generate:
     more of its options (repetition_penalty=1.3)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad = hf.generation_config.pad_token_id or 0
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = hf.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=max_new,
-        do_sample=False,
-        pad_token_id=pad,
-        **generate,
-    )[:, width:]
     eos = hf.generation_config.eos_token_id
-    rows = []
-    for r in out.tolist():
-        rows.append(r[: r.index(eos) + 1] if eos in r else r)
-    return rows
+    rows = hf_generate(hf, prompts, max_new, pad, **generate)
+    return [r[: r.index(eos) + 1] if eos in r else r for r in rows]
 
 
 def make_adapter(base_dir, out_dir, config, seed: int = 0):

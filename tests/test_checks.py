@@ -11,6 +11,7 @@ import torch
 import yaml
 from helpers import (
     assert_one_line_error,
+    prompt_file,
     prompts,
     read_stats,
     rows_by_id,
@@ -55,7 +56,7 @@ def _model_copy(tmp_path, model, **config):
     ],
 )
 def test_spec_values_are_checked_against_the_option_types(tmp_path, model, values, words):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    src = prompt_file(tmp_path, 2)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("")  # overwrite: "false" must not touch it
     spec = tmp_path / "job.yaml"
@@ -82,7 +83,7 @@ def test_spec_values_are_checked_against_the_option_types(tmp_path, model, value
     ],
 )
 def test_flag_values_are_usage_errors(tmp_path, model, flags):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    src = prompt_file(tmp_path, 2)
     r = run_cli("run", src, "-o", tmp_path / "out", "--model", model, *flags, exit_code=2)
     assert "Traceback" not in r.stderr
     assert f"Invalid value for '{flags[0]}'" in r.stderr
@@ -151,7 +152,7 @@ def test_runaway_template_is_a_row_error(tmp_path, model):
 
 def test_huge_rope_table_is_refused_naming_the_setting(tmp_path, model):
     big = _model_copy(tmp_path, model, max_position_embeddings=10**10)
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    src = prompt_file(tmp_path, 2)
     r = run_job(src, tmp_path / "out", big, exit_code=2)
     assert_one_line_error(
         r, "RoPE tables", "TiB", "lower max_position_embeddings in", "config.json"
@@ -159,22 +160,11 @@ def test_huge_rope_table_is_refused_naming_the_setting(tmp_path, model):
 
 
 def test_huge_kv_cache_is_refused_naming_the_flag(tmp_path, model):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    r = run_cli(
-        "run",
-        src,
-        "-o",
-        tmp_path / "out",
-        "--model",
-        model,
-        "--device",
-        "cpu",
-        "--kv-cache-tokens",
-        10**11,
-        exit_code=2,
-    )
+    src = prompt_file(tmp_path, 2)
+    huge = ("--kv-cache-tokens", 10**11)
+    r = run_job(src, tmp_path / "out", model, *huge, exit_code=2)
     assert_one_line_error(r, "KV cache of 100000000000 tokens", "TiB", "lower --kv-cache-tokens")
-    r = run_cli("plan", src, "--model", model, "--kv-cache-tokens", 10**11, exit_code=2)
+    r = run_cli("plan", src, "--model", model, *huge, exit_code=2)
     assert_one_line_error(r, "lower --kv-cache-tokens")
 
 
@@ -182,7 +172,7 @@ def test_huge_kv_cache_is_refused_naming_the_flag(tmp_path, model):
 
 
 def test_slurm_quotes_paths_and_refuses_newlines(tmp_path, model):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    src = prompt_file(tmp_path, 2)
     out = tmp_path / "out dir"
     args = ("slurm", src, "--shards", 2, "--dry-run", "--", "-o", out, "--model", model)
     script = run_cli(*args[:5], "--job-name", "my job", *args[5:]).stdout
@@ -235,7 +225,7 @@ def _pickle_with_objects(tmp_path, model):
 )
 def test_broken_model_directory_is_a_one_line_error(tmp_path, model, make):
     d, words = make(tmp_path, model)
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    src = prompt_file(tmp_path, 2)
     r = run_job(src, tmp_path / "out", d, "--allow-pickle", exit_code=2)
     assert_one_line_error(r, *words)
 
@@ -245,7 +235,7 @@ def test_broken_model_directory_is_a_one_line_error(tmp_path, model, make):
 
 def test_int4_on_a_model_128_does_not_divide(tmp_path, model):
     """The tiny model is 32 wide (MLP 64): int4's default group of 128 divides no layer."""
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
+    src = prompt_file(tmp_path, 3)
     out = tmp_path / "out"
     run_job(src, out, model, "--max-new-tokens", 2, "--quantize", "int4")
     assert sorted(rows_by_id(out)) == [0, 1, 2]

@@ -5,17 +5,7 @@ whitespace by default, and a row cut at max_new_tokens marked as incomplete."""
 import json
 import re
 
-from helpers import (
-    FAST,
-    assert_one_line_error,
-    prompts,
-    read_stats,
-    rows_by_id,
-    run_cli,
-    run_job,
-    success,
-    write_parquet,
-)
+from helpers import assert_one_line_error, prompt_file, read_stats, rows_by_id, run_job, success
 
 SAMPLED = ("--temperature", 1.0, "--seed", 7)
 NEVER = r"[^\s\S]"  # a regex no text matches, not even the empty one
@@ -31,7 +21,7 @@ def test_json_strings_hold_no_raw_control_characters(tmp_path, model):
     # The tiny model's byte-level BPE has a token for every control byte; xgrammar 0.2.9's
     # maxLength string rule allowed them. 32 sampled rows: before the fix 5-14 failed.
     schema = _schema(tmp_path, {"type": "string", "maxLength": 6})
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(32)})
+    src = prompt_file(tmp_path, 32)
     out = tmp_path / "out"
     run_job(src, out, model, *SAMPLED, "--max-new-tokens", 12, "--json-schema", schema)
     rows = rows_by_id(out)
@@ -44,7 +34,7 @@ def test_json_strings_hold_no_raw_control_characters(tmp_path, model):
 
 
 def test_unsatisfiable_job_constraint_is_refused_before_the_run(tmp_path, model):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
+    src = prompt_file(tmp_path, 4)
     r = run_job(src, tmp_path / "out", model, "--regex", NEVER, exit_code=2)
     assert_one_line_error(r, "--regex", "cannot be met")
     assert not success(tmp_path / "out")
@@ -52,7 +42,7 @@ def test_unsatisfiable_job_constraint_is_refused_before_the_run(tmp_path, model)
 
 def test_unsatisfiable_row_constraint_is_that_rows_error(tmp_path, model):
     regex = [NEVER, None, NEVER, r"[a-c]{2}"]
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4), "regex": regex})
+    src = prompt_file(tmp_path, 4, regex=regex)
     out = tmp_path / "out"
     run_job(src, out, model, *SAMPLED, "--max-new-tokens", 8)
     rows = rows_by_id(out)
@@ -73,7 +63,7 @@ _OBJECT = {
 
 def _json_rows(tmp_path, model, name: str, *flags):
     schema = _schema(tmp_path, _OBJECT)
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(16)})
+    src = prompt_file(tmp_path, 16)
     out = tmp_path / name
     run_job(src, out, model, *SAMPLED, "--max-new-tokens", 48, "--json-schema", schema, *flags)
     return rows_by_id(out)
@@ -97,7 +87,7 @@ def test_json_any_whitespace_option_allows_free_whitespace(tmp_path, model):
 
 def test_constrained_row_cut_at_max_new_tokens_is_marked_incomplete(tmp_path, model):
     schema = _schema(tmp_path, _OBJECT)
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
+    src = prompt_file(tmp_path, 4)
     out = tmp_path / "out"
     run_job(src, out, model, "--max-new-tokens", 3, "--json-schema", schema)
     rows = rows_by_id(out)
@@ -108,7 +98,7 @@ def test_constrained_row_cut_at_max_new_tokens_is_marked_incomplete(tmp_path, mo
     # counted as errors: an incomplete JSON answer is not a result
     assert read_stats(out)["rows_error"] == 4
     # an unconstrained row cut at the limit is a plain `length` row
-    run_cli("run", src, "-o", tmp_path / "plain", "--model", model, *FAST, "--max-new-tokens", 3)
+    run_job(src, tmp_path / "plain", model, "--max-new-tokens", 3)
     assert all(r["error"] is None for r in rows_by_id(tmp_path / "plain").values())
 
 
@@ -121,7 +111,7 @@ def test_exclude_controls_patches_classes_but_not_quoted_text():
 
 
 def test_a_stop_string_that_cuts_a_constrained_row_marks_it(tmp_path, model):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(16)})
+    src = prompt_file(tmp_path, 16)
     out = tmp_path / "out"
     flags = ("--regex", "[a-c]{4}", "--stop", "b", "--max-new-tokens", 8)
     run_job(src, out, model, *SAMPLED, *flags)

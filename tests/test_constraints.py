@@ -7,12 +7,11 @@ import re
 import pytest
 import torch
 from helpers import (
-    FAST,
     assert_one_line_error,
+    prompt_file,
     prompts,
     read_stats,
     rows_by_id,
-    run_cli,
     run_job,
     write_parquet,
 )
@@ -30,7 +29,7 @@ from batchgen.engine.sequence import FinishReason, SamplingParams
 from batchgen.llm import LLM
 
 LABELS = ["positive", "negative", "neutral"]
-SAMPLED = (*FAST, "--temperature", 1.0, "--max-new-tokens", 24)
+SAMPLED = ("--temperature", 1.0, "--max-new-tokens", 24)
 
 
 def test_apply_bitmask_keeps_exactly_the_set_bits():
@@ -58,9 +57,9 @@ def test_bad_choice_lists_are_refused(value, why):
 
 
 def test_choice_flag_gives_only_labels_even_sampling_noise(tmp_path, model):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(12)})
+    src = prompt_file(tmp_path, 12)
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *SAMPLED, "--choice", ",".join(LABELS))
+    run_job(src, out, model, *SAMPLED, "--choice", ",".join(LABELS))
     rows = rows_by_id(out)
     assert len(rows) == 12
     assert all(
@@ -97,21 +96,10 @@ def test_json_schema_file_gives_valid_json(tmp_path, model):
     }
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(schema))
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(6)})
+    src = prompt_file(tmp_path, 6)
     out = tmp_path / "out"
-    run_cli(
-        "run",
-        src,
-        "-o",
-        out,
-        "--model",
-        model,
-        *SAMPLED,
-        "--max-new-tokens",
-        96,
-        "--json-schema",
-        path,
-        "--ignore-eos",
+    run_job(
+        src, out, model, *SAMPLED, "--max-new-tokens", 96, "--json-schema", path, "--ignore-eos"
     )
     for r in rows_by_id(out).values():
         assert r["finish_reason"] == "stop", r  # the grammar ends the row, EOS ignored or not
@@ -121,16 +109,14 @@ def test_json_schema_file_gives_valid_json(tmp_path, model):
 
 
 def test_per_row_choice_lists_and_a_bad_row_regex(tmp_path, model):
-    src = write_parquet(
-        tmp_path / "in.parquet",
-        {
-            "prompt": prompts(4),
-            "choice": [["yes", "no"], None, ["red", "green", "blue"], None],
-            "regex": [None, "[0-9]{4}", None, "[a-"],
-        },
+    src = prompt_file(
+        tmp_path,
+        4,
+        choice=[["yes", "no"], None, ["red", "green", "blue"], None],
+        regex=[None, "[0-9]{4}", None, "[a-"],
     )
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *SAMPLED)
+    run_job(src, out, model, *SAMPLED)
     rows = rows_by_id(out)
     assert rows[0]["generated_text"] in ("yes", "no")
     assert re.fullmatch("[0-9]{4}", rows[1]["generated_text"])
@@ -140,12 +126,9 @@ def test_per_row_choice_lists_and_a_bad_row_regex(tmp_path, model):
 
 
 def test_a_row_with_two_constraints_is_an_error_record(tmp_path, model):
-    src = write_parquet(
-        tmp_path / "in.parquet",
-        {"prompt": prompts(2), "choice": [["a", "b"], ["a", "b"]], "regex": ["x+", None]},
-    )
+    src = prompt_file(tmp_path, 2, choice=[["a", "b"], ["a", "b"]], regex=["x+", None])
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", model, *SAMPLED)
+    run_job(src, out, model, *SAMPLED)
     rows = rows_by_id(out)
     assert "give one constraint" in rows[0]["error"]
     assert rows[1]["generated_text"] in ("a", "b")
@@ -161,7 +144,7 @@ def test_a_row_with_two_constraints_is_an_error_record(tmp_path, model):
     ],
 )
 def test_bad_job_constraints_fail_before_the_model_loads(tmp_path, model, flags, words):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    src = prompt_file(tmp_path, 2)
     out = tmp_path / "out"
     r = run_job(src, out, model, *flags, exit_code=2)
     assert_one_line_error(r, *words)

@@ -13,6 +13,7 @@ from helpers import (
     ROOT,
     assert_one_line_error,
     cli_command,
+    prompt_file,
     prompts,
     read_job,
     read_stats,
@@ -31,7 +32,7 @@ N = 60
 
 
 def _job(tmp_path, model, n=N, *flags):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(n)})
+    src = prompt_file(tmp_path, n)
     out = tmp_path / "out"
     return ("run", src, "-o", out, "--model", model, *FAST, "--max-new-tokens", 2, *flags), out
 
@@ -106,7 +107,7 @@ def test_part_sizes_and_windows_may_change_between_runs(tmp_path, model):
 
 
 def test_workers_refuse_an_output_of_another_split(tmp_path, model):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
+    src = prompt_file(tmp_path, 4)
     out = tmp_path / "out"
     (out / "shard-00000-of-00003").mkdir(parents=True)
     r = run_job(src, out, model, "--workers", 2, exit_code=2)
@@ -158,31 +159,19 @@ def test_another_id_column_is_another_job(tmp_path, model):
     cols = {"a": keys, "b": keys[::-1], "prompt": prompts(8)}
     src = write_parquet(tmp_path / "in.parquet", cols)
     out = tmp_path / "out"
-    args = (
-        "run",
-        src,
-        "-o",
-        out,
-        "--model",
-        model,
-        *FAST,
-        "--max-new-tokens",
-        2,
-        "--rows-per-part",
-        4,
-    )
-    run_cli(*args, "--id-column", "a")
+    args = (src, out, model, "--max-new-tokens", 2, "--rows-per-part", 4)
+    run_job(*args, "--id-column", "a")
     for other in (("--id-column", "b"), ()):  # another column, or row numbers
-        r = run_cli(*args, *other, exit_code=2)
+        r = run_job(*args, *other, exit_code=2)
         assert_one_line_error(r, "another job", "id_column", "--overwrite")
     part = out / "part-00000.parquet"
     old = pq.read_table(part)
     pq.write_table(old.rename_columns(["id", *old.column_names[1:]]), part)
     (out / SUCCESS_FILE).unlink()
-    r = run_cli(*args, "--id-column", "a", exit_code=2)
+    r = run_job(*args, "--id-column", "a", exit_code=2)
     assert_one_line_error(r, "has no id column 'a'", "--overwrite")
     assert pq.read_table(part).equals(old.rename_columns(["id", *old.column_names[1:]]))
-    run_cli(*args, "--id-column", "a", "--overwrite")
+    run_job(*args, "--id-column", "a", "--overwrite")
     assert sorted(rows_by_id(out, "a")) == sorted(keys)
 
 
@@ -255,7 +244,7 @@ def test_full_disk_is_a_one_line_error_and_a_rerun_resumes(tmp_path, model, monk
 
 
 def test_unwritable_empty_or_file_output_is_aassert_one_line_error(tmp_path, model, monkeypatch):
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    src = prompt_file(tmp_path, 2)
     common = ("--model", model, *FAST)
     r = run_cli("run", src, "-o", "", *common, exit_code=2)
     assert_one_line_error(r, "output is empty")

@@ -4,11 +4,11 @@ its own seed, exactly once across reruns; the real CLI on a tiny random model.""
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import FAST, prompts, read_output, read_stats, run_cli, success, write_parquet
+from helpers import prompts, read_output, read_stats, run_cli, run_job, success, write_parquet
 
 from batchgen.data.layout import MERGED_FILE, SUCCESS_FILE
 
-SAMPLED = (*FAST, "--temperature", 1.0, "--max-new-tokens", 6, "--ignore-eos", "--with-token-ids")
+SAMPLED = ("--temperature", 1.0, "--max-new-tokens", 6, "--ignore-eos", "--with-token-ids")
 
 
 def _samples(out, id_column: str = "id") -> dict:
@@ -20,11 +20,11 @@ def _samples(out, id_column: str = "id") -> dict:
 
 def test_n_samples_are_distinct_and_sample_0_is_the_plain_row(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": ["the same prompt"] * 2})
-    run_cli("run", src, "-o", tmp_path / "n3", "--model", model, *SAMPLED, "--n", 3)
+    run_job(src, tmp_path / "n3", model, *SAMPLED, "--n", 3)
     got = _samples(tmp_path / "n3")
     assert sorted(got) == [(i, k) for i in range(2) for k in range(3)]
     assert len({tuple(r["token_ids"]) for r in got.values()}) == 6  # all independent
-    run_cli("run", src, "-o", tmp_path / "n1", "--model", model, *SAMPLED)
+    run_job(src, tmp_path / "n1", model, *SAMPLED)
     plain = {r["id"]: r for r in read_output(tmp_path / "n1").to_pylist()}
     assert "sample_index" not in read_output(tmp_path / "n1").column_names
     assert all(got[(i, 0)]["token_ids"] == plain[i]["token_ids"] for i in range(2))
@@ -34,7 +34,7 @@ def test_n_samples_are_distinct_and_sample_0_is_the_plain_row(tmp_path, model):
 def test_n_column_overrides_per_row_and_a_bad_n_is_an_error_record(tmp_path, model):
     n = [None, 3, 0, 129]  # 129: over the 128 an OpenAI request may ask for
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4), "n": n})
-    run_cli("run", src, "-o", tmp_path / "out", "--model", model, *SAMPLED, "--n", 2)
+    run_job(src, tmp_path / "out", model, *SAMPLED, "--n", 2)
     got = _samples(tmp_path / "out")
     assert sorted(got) == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0), (3, 0)]
     assert "bad per-row n" in got[(2, 0)]["error"]
@@ -53,10 +53,10 @@ def test_resume_completes_every_sample_exactly_once(tmp_path, model, id_column):
     keys = ["d", "b", "a", "c"]
     src = write_parquet(tmp_path / "in.parquet", {"key": keys, "prompt": prompts(4)})
     out = tmp_path / "out"
-    args = ("run", src, "-o", out, "--model", model, *SAMPLED, "--n", 3, "--rows-per-part", 2)
+    args = (src, out, model, *SAMPLED, "--n", 3, "--rows-per-part", 2)
     if id_column != "id":
         args = (*args, "--id-column", id_column)
-    run_cli(*args)
+    run_job(*args)
     first = _samples(out, id_column)
     ids = keys if id_column != "id" else range(4)
     assert sorted(first) == sorted((i, k) for i in ids for k in range(3))
@@ -67,7 +67,7 @@ def test_resume_completes_every_sample_exactly_once(tmp_path, model, id_column):
     for p in parts[1::2]:  # as if the job had been killed before these were written
         p.unlink()
     (out / SUCCESS_FILE).unlink()
-    run_cli(*args)
+    run_job(*args)
     again = _samples(out, id_column)
     assert sorted(again) == sorted(first)
     assert all(again[k]["token_ids"] == first[k]["token_ids"] for k in first)
@@ -76,24 +76,11 @@ def test_resume_completes_every_sample_exactly_once(tmp_path, model, id_column):
 
 def test_n_as_list_gives_one_row_with_the_samples_in_order(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3), "n": [2, None, 0]})
-    run_cli("run", src, "-o", tmp_path / "rows", "--model", model, *SAMPLED, "--n", 3)
+    run_job(src, tmp_path / "rows", model, *SAMPLED, "--n", 3)
     per_sample = _samples(tmp_path / "rows")
     out = tmp_path / "lists"
-    run_cli(
-        "run",
-        src,
-        "-o",
-        out,
-        "--model",
-        model,
-        *SAMPLED,
-        "--n",
-        3,
-        "--n-as-list",
-        "--with-logprobs",
-        "--rows-per-part",
-        1,
-    )
+    as_lists = ("--n", 3, "--n-as-list", "--with-logprobs", "--rows-per-part", 1)
+    run_job(src, out, model, *SAMPLED, *as_lists)
     table = read_output(out)
     assert "sample_index" not in table.column_names
     assert table.schema.field("generated_text").type.value_type == pa.string()
@@ -109,21 +96,7 @@ def test_n_as_list_gives_one_row_with_the_samples_in_order(tmp_path, model):
     # a rerun finds every row done; a killed part's rows are redone whole
     (out / SUCCESS_FILE).unlink()
     sorted(out.glob("part-*.parquet"))[0].unlink()
-    run_cli(
-        "run",
-        src,
-        "-o",
-        out,
-        "--model",
-        model,
-        *SAMPLED,
-        "--n",
-        3,
-        "--n-as-list",
-        "--with-logprobs",
-        "--rows-per-part",
-        1,
-    )
+    run_job(src, out, model, *SAMPLED, *as_lists)
     again = {r["id"]: r for r in read_output(out).to_pylist()}
     assert again == got
 
@@ -147,20 +120,7 @@ def test_n_as_list_shards_merge(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(5)})
     out = tmp_path / "out"
     for shard in ("0/2", "1/2"):
-        run_cli(
-            "run",
-            src,
-            "-o",
-            out,
-            "--model",
-            model,
-            *SAMPLED,
-            "--n",
-            2,
-            "--n-as-list",
-            "--shard",
-            shard,
-        )
+        run_job(src, out, model, *SAMPLED, "--n", 2, "--n-as-list", "--shard", shard)
     run_cli("merge", out)
     merged = pq.read_table(out / MERGED_FILE)
     assert sorted(merged.column("id").to_pylist()) == list(range(5))
