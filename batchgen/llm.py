@@ -34,6 +34,7 @@ from batchgen.model.tp_layers import CollectiveClock
 from batchgen.parallel.rank_model import RankModel, RankSpec, load_rank_model
 from batchgen.parallel.ranks import RankedRunner, Ranks
 from batchgen.quant import weight_bytes
+from batchgen.quant.hf_quantize import quantize_hf_model
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +81,11 @@ class LLM:
             self.ranks = Ranks(rank_spec, threads=torch.get_num_threads(), resumable=resumable)
         try:
             tp = TPShard(0, n)
-            if spec.model_cfg.impl is ModelImpl.TRANSFORMERS:  # one rank, float
-                cfg = spec.model_cfg
-                hf = load_hf_model(spec.model_dir, cfg, spec.dtype, spec.device, spec.lora)
-                part = RankModel(hf, spec.quant, spec.lora)
+            if spec.model_cfg.impl is ModelImpl.TRANSFORMERS:  # one rank
+                # quantizing: loaded on the host, moved a layer at a time by the pass
+                at = torch.device("cpu") if spec.quant.enabled else spec.device
+                hf = load_hf_model(spec.model_dir, spec.model_cfg, spec.dtype, at, spec.lora)
+                part = RankModel(hf, quantize_hf_model(hf, spec.quant, spec.device), spec.lora)
             else:
                 part = load_rank_model(rank_spec, tp, self.ranks and self.ranks.group.data, clock)
             self._holds_malloc_tuning = part.holds_malloc_tuning

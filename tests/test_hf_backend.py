@@ -142,7 +142,7 @@ def test_hybrids_are_refused_before_loading(model_type, hf_dirs):
     "options, words",
     [
         ({"tensor_parallel_size": 2}, "tensor parallelism"),
-        ({"quantize": "int8"}, "--quantize"),
+        ({"quantize": "int4"}, "--quantize int4"),
     ],
 )
 def test_backend_refuses_what_it_does_not_do(options, words, hf_dirs):

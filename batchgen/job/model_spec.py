@@ -27,6 +27,7 @@ from batchgen.engine.compile_cache import CompileCache, default_root
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Grammars
 from batchgen.errors import ConfigError, ModelLoadError
+from batchgen.job.backend_options import check_backend_options
 from batchgen.job.generation import read_generation_config
 from batchgen.model.attention import DECODE_ATTENTION_ENV, DecodeBackend, decode_backend
 from batchgen.model.config import ModelConfig
@@ -98,20 +99,6 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, device: torch.device) -> Non
             raise ValueError(
                 f"tensor_parallel_size {n} needs {n} GPUs and {visible} are visible; lower it "
                 "or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
-            )
-
-
-def check_backend_options(quantize: str, tensor_parallel_size: int) -> None:
-    """ConfigError for what the transformers backend does not do (its LoRA: hf_lora.py)."""
-    refused = {
-        "--quantize (its pass replaces native layers; load a smaller --dtype)": quantize
-        not in ("none", None),
-        "tensor parallelism (its sharding is native-only)": tensor_parallel_size != 1,
-    }
-    for what, asked in refused.items():
-        if asked:
-            raise ConfigError(
-                f"the transformers backend (--model-impl transformers) does not support {what}"
             )
 
 
@@ -258,7 +245,7 @@ class ModelSpec:
             raise ConfigError(f"model_impl {model_impl!r}: use one of {names}") from None
         if impl is ModelImpl.TRANSFORMERS:
             model_cfg = backend_config(model_dir)
-            check_backend_options(quantize, tensor_parallel_size)
+            check_backend_options(quantize, tensor_parallel_size, model_dir)
             adapter = check_hf_adapter(lora, model_dir) if lora is not None else None
         else:
             model_cfg = native_config(model_dir, text)

@@ -90,6 +90,8 @@ class QuantScheme:
     int8_layers: tuple[tuple[str, int], ...] = ()  # (target, input width) kept at int8
     # MoE layers' MLPs (3-D experts and router), kept at the model dtype: "layers.0.mlp", ...
     unquantized: tuple[str, ...] = ()
+    # the quantized layers where they are not TARGETS (the transformers backend's own names)
+    modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept the plain strings the CLI and config files carry.
@@ -137,7 +139,7 @@ class QuantScheme:
             return {"method": "none"}
         int8 = dict(self.int8_layers)
         sizes = {f"layers.*.{t}": self.group_size_of(t) for t in TARGETS if t not in int8}
-        modules = [f"layers.*.{t}" for t in TARGETS]
+        modules = list(self.modules) or [f"layers.*.{t}" for t in TARGETS]
         if not self.group_size:
             granularity = "per channel"
         elif len(set(sizes.values())) == 1:

@@ -1,0 +1,42 @@
+"""--quantize on the transformers backend: quantize.py's pass over a transformers model. Every
+nn.Linear in its decoder layers (attention, dense MLP) is quantized by the scheme's backend,
+a layer at a time on the device, so the device never holds more than one layer in float; the
+embeddings, norms and LM head keep the model dtype, as natively. int8 and fp8 only (one scale
+per output channel): int4's group sizes are chosen per native layer kind. A model with 3-D
+expert weights is refused before loading (job/backend_options.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from batchgen.model.hf_backend import HFModel
+from batchgen.quant.quantize import _BACKENDS
+from batchgen.quant.scheme import QuantScheme
+
+
+def quantize_hf_model(
+    model: HFModel, scheme: QuantScheme, device: str | torch.device
+) -> QuantScheme:
+    """Quantize the decoder layers' linears of model in place and leave it all on device;
+    returns the scheme with weight_format filled in."""
+    device = torch.device(device)
+    if not scheme.enabled:
+        model.to(device)
+        return scheme
+    scheme.check_available(device.type, model.embed.weight.dtype)
+    backend = _BACKENDS[scheme.backend]
+    formats, modules = set(), set()
+    for layer in model.hf.get_decoder().layers:
+        layer.to(device)
+        names = tuple(n for n, m in layer.named_modules() if isinstance(m, nn.Linear))
+        backend.quantize_linears(layer, names, scheme, device)
+        formats |= {type(layer.get_submodule(n).weight).__name__ for n in names}
+        modules |= {f"layers.*.{n}" for n in names}
+    model.to(device)
+    model.requires_grad_(False)  # quanto's fresh Parameters require grad (quantize.py)
+    return dataclasses.replace(
+        scheme, weight_format="/".join(sorted(formats)), modules=tuple(sorted(modules))
+    )
