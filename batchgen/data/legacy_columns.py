@@ -30,7 +30,10 @@ def rename_legacy_parts(out: OutputDir, renames: dict[str, str]) -> int:
     rewritten = 0
     for name in out.part_files():
         path = os.path.join(out.path, name)
-        if not is_legacy(pq.read_schema(path).names):
+        try:
+            if not is_legacy(pq.read_schema(path).names):
+                continue
+        except (pa.ArrowException, OSError):  # unreadable: OutputDir.done_ids redoes its rows
             continue
         table = pq.read_table(path)
         table = table.rename_columns([renames.get(c, c) for c in table.column_names])
