@@ -5,6 +5,7 @@ the CLI's on a Parquet file, its tokens equal to transformers' own generation on
 checkpoint (sharpened tiny models: a wrong weight or a missing feature changes them)."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from helpers import (
     run_job,
     write_parquet,
 )
+from safetensors.torch import load_file, save_file
 from tiny_hf_models import quantize_experts_mxfp4, save_tiny_hf_model
 
 from batchgen.engine.sequence import SamplingParams
@@ -111,6 +113,32 @@ def test_mistral3_on_the_backend_equals_native(dirs):
     params = SamplingParams(max_new_tokens=MAX_NEW)
     got = [c.token_ids for c in backend.generate(prompts_, params)]
     assert got == [c.token_ids for c in native.generate(prompts_, params)]
+
+
+def _transformers5_name(name: str) -> str:
+    """A wrapper's tensor name as transformers 4 saved it -> as transformers 5 holds it."""
+    if name == "language_model.lm_head.weight":
+        return "lm_head.weight"
+    if name.startswith("language_model.model."):
+        return "model.language_model." + name.removeprefix("language_model.model.")
+    return "model." + name  # vision_tower.*, multi_modal_projector.*
+
+
+def test_the_transformers_5_layout_of_a_wrapper_loads_too(dirs, tmp_path):
+    """Either layout of a wrapper's names runs, natively and on the backend, to the same
+    tokens."""
+    d = tmp_path / "v5"
+    shutil.copytree(dirs("mistral3"), d)
+    tensors = load_file(d / "model.safetensors")
+    renamed = {_transformers5_name(k): t for k, t in tensors.items()}
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in renamed
+    save_file(renamed, d / "model.safetensors", metadata={"format": "pt"})
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    ids = _prompt_ids(d)
+    want = [c.token_ids for c in LLM(dirs("mistral3"), device="cpu").generate(ids, params)]
+    for impl in ("native", "transformers"):
+        llm = LLM(d, dtype="float32", device="cpu", model_impl=impl)
+        assert [c.token_ids for c in llm.generate(ids, params)] == want, impl
 
 
 def test_mxfp4_is_dequantized_at_load_equal_to_transformers(dirs, tmp_path):
