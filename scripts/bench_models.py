@@ -27,7 +27,7 @@ BOS, EOS = 0, 1  # special ids; benchmark prompts draw their tokens from [2, voc
 
 @dataclass(frozen=True)
 class Shape:
-    family: str  # transformers model_type: "gpt2" or "llama"
+    family: str  # transformers model_type: "gpt2", "llama" or "qwen3_moe"
     config: dict = field(default_factory=dict)  # transformers config kwargs
     note: str = ""
 
@@ -74,6 +74,25 @@ SHAPES: dict[str, Shape] = {
         ),
         "Llama-shaped, 57M parameters (33M of them embeddings and head), GQA 8/2: the "
         "engine issue's CPU benchmark shape",
+    ),
+    "qwen3-moe-60m": Shape(
+        "qwen3_moe",
+        dict(
+            hidden_size=384,
+            intermediate_size=1024,
+            moe_intermediate_size=256,
+            num_experts=16,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            num_hidden_layers=6,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=64,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+        ),
+        "Qwen3-MoE-shaped, 55M parameters (28M in 16 experts a layer, 4 of them a token; 25M "
+        "embeddings and head): the native MoE against the transformers backend",
     ),
     "gpt2-124m": Shape(
         "gpt2",
@@ -154,6 +173,8 @@ def hf_config(name: str):
             kw["rope_theta"] = rope["rope_theta"]
             if rope["rope_type"] != "default":
                 kw["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if shape.family != "llama":
+        return transformers.AutoConfig.for_model(shape.family, **kw)
     return transformers.LlamaConfig(**kw)
 
 
