@@ -27,14 +27,12 @@ from batchgen.engine.sequence import Completion, Request
 from batchgen.errors import RowError
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.sampling import RequestOutput, SamplingParams, is_candidate_list, is_token_ids
-from batchgen.model.hf_backend import load_hf_model
 from batchgen.model.host_malloc import release_freed_memory
 from batchgen.model.tensor_parallel import TPShard
 from batchgen.model.tp_layers import CollectiveClock
-from batchgen.parallel.rank_model import RankModel, RankSpec, load_rank_model
+from batchgen.parallel.rank_model import RankSpec, load_hf_rank_model, load_rank_model
 from batchgen.parallel.ranks import RankedRunner, Ranks
 from batchgen.quant import weight_bytes
-from batchgen.quant.hf_quantize import quantize_hf_model
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +80,7 @@ class LLM:
         try:
             tp = TPShard(0, n)
             if spec.model_cfg.impl is ModelImpl.TRANSFORMERS:  # one rank
-                # quantizing: loaded on the host, moved a layer at a time by the pass
-                at = torch.device("cpu") if spec.quant.enabled else spec.device
-                hf = load_hf_model(spec.model_dir, spec.model_cfg, spec.dtype, at, spec.lora)
-                part = RankModel(hf, quantize_hf_model(hf, spec.quant, spec.device), spec.lora)
+                part = load_hf_rank_model(rank_spec)
             else:
                 part = load_rank_model(rank_spec, tp, self.ranks and self.ranks.group.data, clock)
             self._holds_malloc_tuning = part.holds_malloc_tuning

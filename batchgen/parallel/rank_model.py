@@ -15,6 +15,7 @@ from torch.distributed import ProcessGroup
 
 from batchgen.job.model_spec import ModelSpec
 from batchgen.model.config import ModelConfig
+from batchgen.model.hf_backend import load_hf_model
 from batchgen.model.host_malloc import keep_freed_memory
 from batchgen.model.loader import load_model
 from batchgen.model.lora import LoraAdapter, merge_lora
@@ -23,6 +24,7 @@ from batchgen.model.tensor_parallel import SINGLE, TPShard
 from batchgen.model.tp_layers import CollectiveClock, apply_tensor_parallel
 from batchgen.model.transformer import Transformer
 from batchgen.quant import QuantScheme, quantize_model
+from batchgen.quant.hf_quantize import quantize_hf_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +61,7 @@ class RankSpec:
 
 @dataclass(slots=True)
 class RankModel:
-    model: Transformer
+    model: Transformer  # or the transformers backend's HFModel
     quant: QuantScheme  # as produced (group sizes, weight format filled in)
     lora: LoraAdapter | None
     holds_malloc_tuning: bool = False  # whoever ends the model calls release_freed_memory
@@ -93,3 +95,12 @@ def load_rank_model(
     if tp.size > 1:  # after quantizing: some backends replace the linear modules
         apply_tensor_parallel(model, tp, group, clock)
     return RankModel(model, quant, lora, tuned)
+
+
+def load_hf_rank_model(spec: RankSpec) -> RankModel:
+    """The transformers backend's model (one rank, model/hf_backend.py): loaded, its adapter
+    merged by peft, then quantized; when quantizing it loads on the host and the pass moves it
+    to the device a layer at a time, as load_rank_model does."""
+    at = torch.device("cpu") if spec.quant.enabled else spec.device
+    hf = load_hf_model(spec.model_dir, spec.model_cfg, spec.dtype, at, spec.lora)
+    return RankModel(hf, quantize_hf_model(hf, spec.quant, spec.device), spec.lora)
