@@ -19,6 +19,7 @@ from test_tensor_parallel_ranks import GREEDY, PROMPTS, _assert_tp_matches
 from tiny_hf_models import save_tiny_hf_model
 
 from batchgen.llm import LLM
+from batchgen.model.hf_config import config_from_hf
 from batchgen.model.loader import load_model
 from batchgen.model.moe import MoE, experts_grouped, experts_loop
 from batchgen.model.tensor_parallel import TPShard
@@ -93,6 +94,33 @@ def test_a_dense_layer_among_moe_layers(moe_dirs):
     model = load_model(moe_dirs("qwen3_moe-renorm-dense"))
     assert [isinstance(b.mlp, MoE) for b in model.layers] == [True, False]
     assert model.cfg.norm_topk_prob and model.cfg.dense_layers == (1,)
+
+
+def test_config_dense_layers_and_expert_counts():
+    """Qwen3-MoE: a dense MLP where (i + 1) % decoder_sparse_step or i in mlp_only_layers;
+    the hub's num_experts key or transformers 5's num_local_experts."""
+    hf = dict(
+        model_type="qwen3_moe",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+    )
+    cfg = config_from_hf(hf)
+    assert cfg.dense_layers == (0, 2, 3, 4) and cfg.n_moe_layers == 2
+    assert not cfg.norm_topk_prob and cfg.qk_norm
+    attn = 64 * cfg.qkv_dim + 64 * 64
+    moe = 8 * 64 + 8 * 3 * 64 * 32  # router, experts
+    assert cfg.layer_params() == 6 * attn + 4 * 3 * 64 * 128 + 2 * moe
+    assert cfg.active_layer_params == cfg.layer_params() - 2 * 6 * 3 * 64 * 32
+    hf = {**hf, "num_local_experts": hf.pop("num_experts")}
+    assert config_from_hf(hf).n_experts == 8
 
 
 @pytest.mark.parametrize("name", RENORMALISED)

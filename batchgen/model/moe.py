@@ -43,11 +43,8 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         e, i = cfg.n_experts, cfg.moe_intermediate_size
-        self.top_k, self.renorm, self.act = (
-            cfg.experts_per_token,
-            cfg.norm_topk_prob,
-            cfg.activation,
-        )
+        self.top_k, self.renorm = cfg.experts_per_token, cfg.norm_topk_prob
+        self.act = cfg.activation
         self.float_weights = cfg.family == Family.MIXTRAL  # see the module's docstring
         self.router = nn.Linear(cfg.dim, e, bias=False)
         self.w_in = nn.Parameter(torch.empty(e, 2 * i, cfg.dim))  # per expert [gate; up]
@@ -63,7 +60,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        return moe_experts(x, self.w_in, self.w_out, weights, experts, self.act)
+        # traced: the op; eager: the same function without the op's dispatch
+        run = moe_experts if torch.compiler.is_compiling() else run_experts
+        return run(x, self.w_in, self.w_out, weights, experts, self.act)
 
     def extra_repr(self) -> str:
         e, two_i, dim = self.w_in.shape
@@ -134,6 +133,20 @@ def grouped_runs(x: torch.Tensor, intermediate: int) -> bool:
     return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], intermediate))
 
 
+def run_experts(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    act: str,
+) -> torch.Tensor:
+    """x (T, dim); w_in (E, 2I, dim), w_out (E, dim, I); weights, experts (T, k) -> the
+    weighted sum of each token's experts' outputs (T, dim), by the kernel that runs here."""
+    kernel = experts_grouped if grouped_runs(x, w_out.shape[-1]) else experts_loop
+    return kernel(x, w_in, w_out, weights, experts, act)
+
+
 @torch.library.custom_op("batchgen::moe_experts", mutates_args=())
 def moe_experts(
     x: torch.Tensor,
@@ -143,10 +156,8 @@ def moe_experts(
     experts: torch.Tensor,
     act: str,
 ) -> torch.Tensor:
-    """x (T, dim); w_in (E, 2I, dim), w_out (E, dim, I); weights, experts (T, k) -> the
-    weighted sum of each token's experts' outputs (T, dim)."""
-    kernel = experts_grouped if grouped_runs(x, w_out.shape[-1]) else experts_loop
-    return kernel(x, w_in, w_out, weights, experts, act)
+    """run_experts as an op of its own, for a traced graph."""
+    return run_experts(x, w_in, w_out, weights, experts, act)
 
 
 @moe_experts.register_fake
