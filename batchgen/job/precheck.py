@@ -12,13 +12,13 @@ from pathlib import Path
 from batchgen.data import InputSource, open_input
 from batchgen.errors import InputError
 from batchgen.job.config import RunConfig
-from batchgen.model.hf_config import read_hf_config
+from batchgen.model.hf_config import require_model_dir
 
 
 def precheck(cfg: RunConfig) -> None:
     """InputError / ConfigError / ModelLoadError for what can be seen without torch."""
-    if cfg.model is not None:
-        read_hf_config(Path(cfg.model), native=False)  # a directory with a readable config.json
+    if cfg.model is not None:  # a directory with a config.json (read once, by ModelSpec)
+        require_model_dir(Path(cfg.model))
     check_input_outside_output(open_input(cfg.input), cfg.output)
 
 

@@ -18,15 +18,21 @@ class UnsupportedModelError(ModelLoadError):
     pass
 
 
-def read_hf_config(path: Path, native: bool = True) -> dict:
-    """config.json as a dict; native: checked to describe a model batchgen's own decoder
-    builds (config_from_hf; the transformers backend checks its own, hf_support.py)."""
+def require_model_dir(path: Path) -> Path:
+    """path's config.json; ModelLoadError naming the fix where there is none."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(
             f"{path} is not a model directory: no config.json. Pass --model a local directory "
             "saved with save_pretrained (config.json + *.safetensors); hub names are not fetched."
         )
+    return cfg_file
+
+
+def read_hf_config(path: Path, native: bool = True) -> dict:
+    """config.json as a dict; native: checked to describe a model batchgen's own decoder
+    builds (config_from_hf; the transformers backend checks its own, hf_support.py)."""
+    cfg_file = require_model_dir(path)
     try:
         hf = json.loads(cfg_file.read_text())
     except (ValueError, OSError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
