@@ -148,10 +148,10 @@ def test_nvml_sampler_with_a_fake_pynvml(monkeypatch, power):
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     props = types.SimpleNamespace(uuid="0000-1111")  # the GPU is found by torch's UUID
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-    sampler = NvmlSampler(device_index=0, interval=0.001).start()
-    assert sampler.samples is not None
+    sampler = NvmlSampler(0, interval=0.001).start()
+    assert len(sampler.samples) == 1
     deadline = time.monotonic() + 30
-    while len(sampler.samples.util_pct) < 4:  # the thread samples; wait for a few
+    while len(sampler.samples[0].util_pct) < 4:  # the thread samples; wait for a few
         assert time.monotonic() < deadline, "the sampler took no 4 samples in 30 s"
         threading.Event().wait(0.001)
     s = sampler.stop()
@@ -173,4 +173,4 @@ def test_nvml_sampler_with_a_fake_pynvml(monkeypatch, power):
 def test_nvml_sampler_without_pynvml_does_nothing(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     sampler = NvmlSampler().start()
-    assert sampler.samples is None and sampler.stop() is None
+    assert sampler.samples == [] and sampler.stop() is None

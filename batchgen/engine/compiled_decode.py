@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.compile_cache import CompileCache, inductor_scope, local_inductor_dir
 from batchgen.engine.compiled_step import CompiledStep
 from batchgen.engine.sampler import SamplingColumns, SamplingTensors
-from batchgen.engine.step_inputs import StepInputs, warmup_decode
+from batchgen.engine.step_inputs import StepInputs, WarmUp, warmup_decode
 from batchgen.engine.step_sampling import sample_step
 from batchgen.model.attention import DecodeBackend, DecodeGroup, StepAttention
 from batchgen.model.paged_flex import PagedMask
@@ -45,15 +44,6 @@ _FLEX_DIMS = ((0,), (0,), (0,), (0,), (0,))
 # Sampling's: logits (B, V), temperature, top_k, top_p, seed, min_p, steps (B,), ban (B, W),
 # bitmask (B, words), greedy_only (a guard).
 _SAMPLE_DIMS = ((0,),) * 9 + (None,)
-
-
-@dataclass(slots=True)
-class WarmUp:
-    """What the warm-up cost, and whether the compile cache had the graphs."""
-
-    compile_seconds: float = 0.0
-    capture_seconds: float = 0.0
-    cache: str | None = None  # "hit" or "miss"; None: no compile cache
 
 
 def _sync(device: torch.device) -> None:

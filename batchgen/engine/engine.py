@@ -117,14 +117,15 @@ class Engine:
             ahead = list(itertools.islice(stream, self.config.read_ahead))
             self.scheduler = self._start(ahead)
             stream = itertools.chain(ahead, stream)
-            warm = self.runner.warm_up(self.config.max_num_seqs)  # before any row is queued
-            if warm is not None:
-                yield StepReport(
-                    compile_seconds=warm.compile_seconds,
-                    capture_seconds=warm.capture_seconds,
-                    compile_cache=warm.cache,
-                    at=time.perf_counter(),
-                )
+            # before any row is queued: its costs are not a row's
+            warm = self.runner.warm_up(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+            yield StepReport(
+                compile_seconds=warm.compile_seconds,
+                capture_seconds=warm.capture_seconds,
+                warmup_seconds=warm.warmup_seconds,
+                compile_cache=warm.cache,
+                at=time.perf_counter(),
+            )
         sched = self.scheduler
         exhausted = False
         while True:

@@ -33,7 +33,14 @@ import torch
 from batchgen.engine.penalties import TokenCounts, apply_penalties
 from batchgen.engine.sampler import SamplingColumns
 from batchgen.engine.sequence import StepPlan
-from batchgen.engine.step_inputs import StepInputs, capture_sizes, pack_decode, pack_step
+from batchgen.engine.step_inputs import (
+    StepInputs,
+    WarmUp,
+    capture_sizes,
+    pack_decode,
+    pack_step,
+    warmup_eager,
+)
 from batchgen.engine.step_sampling import Sampled, sample_step, to_host, wants_top
 from batchgen.model.attention import (
     DecodeBackend,
@@ -47,7 +54,7 @@ from batchgen.model.transformer import Transformer
 
 if TYPE_CHECKING:
     from batchgen.engine.compile_cache import CompileCache
-    from batchgen.engine.compiled_decode import CompiledDecode, WarmUp
+    from batchgen.engine.compiled_decode import CompiledDecode
 
 
 @dataclass(slots=True)
@@ -136,12 +143,25 @@ class ModelRunner:
         cfg = self.model.cfg
         return cfg.kv_bytes_per_token(self.model.embed.weight.element_size()) * self.block_size
 
-    def warm_up(self, max_num_seqs: int) -> WarmUp | None:
-        """Compile (and on a GPU capture) the decode graphs for every batch of up to
-        max_num_seqs rows, after allocate() and before the first request. None: eager."""
+    def warm_up(self, max_num_seqs: int, max_tokens: int) -> WarmUp:
+        """After allocate() and before the first request: run a full-size prefill and (eager)
+        a decode of max_num_seqs rows once (step_inputs.warmup_eager), and compile (and on a
+        GPU capture) the decode graphs for every batch of up to max_num_seqs rows."""
+        t0 = time.perf_counter()
+        steps = warmup_eager(
+            max_tokens, max_num_seqs, self.block_size, self.model.cfg.max_position_embeddings
+        )
+        for x in steps if self.decode is None else steps[:1]:  # compiled: its own decode
+            if self.broadcast is not None:
+                self.broadcast(x)
+            self.forward(x)
+        _sync(self.device)
+        eager = time.perf_counter() - t0
         if self.decode is None:
-            return None
-        return self.decode.warm_up(capture_sizes(max_num_seqs), self.broadcast)
+            return WarmUp(warmup_seconds=eager)
+        warm = self.decode.warm_up(capture_sizes(max_num_seqs), self.broadcast)
+        warm.warmup_seconds = eager
+        return warm
 
     # ------------------------------------------------------------------ step
 

@@ -205,6 +205,7 @@ class StepReport:
     seconds: float = 0.0  # model time, compile excluded
     compile_seconds: float = 0.0  # the warm-up's compile (or a compile after it)
     capture_seconds: float = 0.0  # the warm-up's runs of every capture size (CUDA graphs)
+    warmup_seconds: float = 0.0  # the warm-up's full-size eager steps (step_inputs.warmup_eager)
     compile_cache: str | None = None  # the warm-up's: "hit" or "miss" (None: no cache)
     prefill: bool = False  # the step ran prompt tokens (else decode only)
     cache_lookups: int = 0  # full prompt blocks looked up in the prefix cache by admissions

@@ -171,6 +171,39 @@ def warmup_decode(rows: int, block_size: int) -> StepInputs:
     return _padded(StepInputs(compiled=True), [], [], rows, block_size, []).inputs
 
 
+@dataclass(slots=True)
+class WarmUp:
+    """What the warm-up cost, and whether the compile cache had the graphs."""
+
+    compile_seconds: float = 0.0
+    capture_seconds: float = 0.0
+    cache: str | None = None  # "hit" or "miss"; None: no compile cache
+    warmup_seconds: float = 0.0  # eager: the warm-up steps (step_inputs.warmup_eager)
+
+
+# The eager warm-up's prompt spans: long enough to run the step's matmuls at full size, short
+# enough that their attention (quadratic in a span) costs little next to them.
+WARMUP_SPAN = 128
+
+
+def warmup_eager(max_tokens: int, max_rows: int, block_size: int, positions: int) -> list:
+    """The eager warm-up's steps: a prefill of max_tokens tokens in spans of WARMUP_SPAN, then
+    a decode of max_rows rows, every key written to the scratch block. Their first run pays the
+    process's one-off costs (the allocator growing to a step's peak, the math libraries' first
+    calls), which would otherwise land in the first real steps and their rows' TTFT."""
+    spans = [(q, min(WARMUP_SPAN, max_tokens - q)) for q in range(0, max_tokens, WARMUP_SPAN)]
+    prefill = StepInputs(
+        tokens=[0] * max_tokens,
+        positions=[p % positions for _, n in spans for p in range(n)],
+        slots=[NULL_BLOCK * block_size] * max_tokens,
+        logits_index=[q + n - 1 for q, n in spans],
+        prefills=[(q, n, 0, None) for q, n in spans],
+    )
+    decode = warmup_decode(max_rows, block_size)
+    decode.compiled = False
+    return [prefill, decode]
+
+
 def _padded(
     inputs: StepInputs,
     tables: list[list[int]],

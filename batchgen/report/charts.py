@@ -25,6 +25,7 @@ PHASES = (
     ("load_s", "model load", "tab:brown"),
     ("compile_s", "compile", "tab:purple"),
     ("capture_s", "CUDA graph capture", "tab:pink"),
+    ("warmup_s", "warm-up steps", "tab:olive"),
     ("prefill_s", "prefill steps", "tab:orange"),
     ("decode_s", "decode steps", "tab:blue"),
 )

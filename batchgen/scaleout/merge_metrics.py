@@ -44,7 +44,15 @@ def merged_metrics(reports: list[ShardReport]) -> dict[str, Any]:
     out.update(_utilisation(stats))
     # Where the time went, in shard-seconds (the report's breakdown; shards side by side
     # add up to more than the job's wall time)
-    for key in ("startup_s", "load_s", "compile_s", "capture_s", "prefill_s", "decode_s"):
+    for key in (
+        "startup_s",
+        "load_s",
+        "compile_s",
+        "capture_s",
+        "warmup_s",
+        "prefill_s",
+        "decode_s",
+    ):
         out[key] = sum(s.get(key) or 0.0 for s in stats)
     out["total_wall_s"] = sum((s.get("startup_s") or 0.0) + (s.get("wall_s") or 0.0) for s in stats)
     return out

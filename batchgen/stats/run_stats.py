@@ -83,6 +83,7 @@ class RunStats:
     decode_s: float = 0.0
     compile_s: float = 0.0  # the warm-up's compile (and any compile after it)
     capture_s: float = 0.0  # the warm-up's runs of each capture size (CUDA graphs)
+    warmup_s: float = 0.0  # the warm-up's full-size eager steps, before any row
     compile_cache: str | None = None  # "hit" or "miss": the compile cache at warm-up
     collective_s: float = 0.0  # in tensor-parallel collectives, where timed (eager, CPU)
     kv_pool: KVPool | None = None
@@ -155,6 +156,7 @@ class RunStats:
             self.latencies.add(c)
         self.compile_s += r.compile_seconds
         self.capture_s += r.capture_seconds
+        self.warmup_s += r.warmup_seconds
         self.compile_cache = r.compile_cache or self.compile_cache
         if not (r.prompt_tokens or r.decode_rows):  # rows rejected before running, or warm-up
             return
@@ -254,10 +256,11 @@ class RunStats:
         return d
 
     def _compile_line(self) -> str:
+        warm = f", warm-up {self.warmup_s:.2f} s"
         if self.info is not None and not self.info.compiled:
-            return "eager (no compile)"
+            return f"eager (no compile){warm}"
         cache = f", compile cache {self.compile_cache}" if self.compile_cache else ""
-        return f"{self.compile_s:.2f} s / {self.capture_s:.2f} s{cache}"
+        return f"{self.compile_s:.2f} s / {self.capture_s:.2f} s{cache}{warm}"
 
     def table(self) -> str:
         d = self.to_dict()
