@@ -7,10 +7,12 @@ The models are tests/tiny_hf_models.py's (4 experts, 2 a token, sharpened attent
 Qwen3-MoE also renormalises its routing weights and has a dense layer (mlp_only_layers), and
 one is saved in transformers' own layout (3-D gate_up_proj / down_proj per layer)."""
 
+import json
+
 import pytest
 import torch
 import transformers
-from helpers import hf_greedy, make_adapter, prompts, read_stats, run_job, write_parquet
+from helpers import cpu_llm, hf_greedy, make_adapter, prompt_file, read_stats, run_job, run_plan
 from test_compile import ENGINE as COMPILE_ENGINE
 from test_compile import CompileEvents, _run, _same, _workload
 from test_hf_backend import MAX_NEW, PARAMS, TIGHT, _prompts
@@ -68,7 +70,7 @@ def references(moe_dirs):
 
 
 def _generate(model_dir, engine=None, **options):
-    llm = LLM(model_dir, dtype="float32", device="cpu", engine=engine, **options)
+    llm = cpu_llm(model_dir, engine=engine, **options)
     return llm, [c.token_ids for c in llm.generate(_prompts(), PARAMS)]
 
 
@@ -125,7 +127,7 @@ def test_config_dense_layers_and_expert_counts():
 
 @pytest.mark.parametrize("name", RENORMALISED)
 def test_without_the_top_k_renormalisation_the_tokens_change(name, moe_dirs, references):
-    llm = LLM(moe_dirs(name), dtype="float32", device="cpu")
+    llm = cpu_llm(moe_dirs(name))
     for block in llm.model.layers:
         if isinstance(block.mlp, MoE):
             block.mlp.renorm = False
@@ -195,16 +197,9 @@ def test_compiled_equals_eager_with_no_recompile(moe_dirs):
     """One graph over a symbolic batch with the experts as an opaque op; the same job again
     compiles nothing."""
     d = moe_dirs("qwen3_moe-renorm-dense")
-    eager = LLM(d, dtype="float32", device="cpu", compile=False, engine=COMPILE_ENGINE)
+    eager = cpu_llm(d, engine=COMPILE_ENGINE)
     _, want = _run(eager, _workload())
-    llm = LLM(
-        d,
-        dtype="float32",
-        device="cpu",
-        compile=True,
-        compile_cache="off",
-        engine=COMPILE_ENGINE,
-    )
+    llm = cpu_llm(d, compile=True, compile_cache="off", engine=COMPILE_ENGINE)
     _, got = _run(llm, _workload())
     _same(got, want)
     decode = llm.runner.decode
@@ -214,17 +209,20 @@ def test_compiled_equals_eager_with_no_recompile(moe_dirs):
     assert events.n == 0 and again == got and decode.graphs == 1
 
 
-def test_cli_run_native_and_backend(moe_dirs, tmp_path):
+def test_cli_run_plan_native_and_backend(moe_dirs, tmp_path):
     d = moe_dirs("qwen3_moe")
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
+    src = prompt_file(tmp_path, 4)
     run_job(src, tmp_path / "native", d, "--max-new-tokens", 4)
     stats = read_stats(tmp_path / "native")
     assert stats["model_impl"] == "native" and stats["family"] == "qwen3_moe"
-    # FLOPs count a token's 2 experts of 4 and the router; the weights every expert
-    cfg = LLM(d, device="cpu").spec.model_cfg
+    # FLOPs count a token's 2 experts of 4 and the router; memory every expert
+    cfg = cpu_llm(d).spec.model_cfg
     head = cfg.vocab_size * cfg.dim
     assert stats["model_flops_per_token"] == 2 * (cfg.active_layer_params + head)
     assert cfg.active_layer_params < cfg.layer_params()
+    plan = json.loads(run_plan(src, d, "--json", "--dtype", "float32").stdout)
+    assert plan["model_impl"] == "native"
+    assert plan["weights_bytes_per_rank"] == 4 * cfg.num_params
     run_job(src, tmp_path / "hf", d, "--max-new-tokens", 4, "--model-impl", "transformers")
     assert read_stats(tmp_path / "hf")["model_impl"] == "transformers"
 
@@ -247,7 +245,7 @@ def test_an_attention_lora_merges_and_an_expert_lora_is_refused(moe_dirs, tmp_pa
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])
     peft_model = make_adapter(d, tmp_path / "attn", config)
     peft_model.merge_and_unload().save_pretrained(tmp_path / "merged")
-    got = LLM(d, dtype="float32", device="cpu", lora=tmp_path / "attn").generate(_prompts(), PARAMS)
+    got = cpu_llm(d, lora=tmp_path / "attn").generate(_prompts(), PARAMS)
     assert [c.token_ids for c in got] == hf_greedy(tmp_path / "merged", _prompts(), MAX_NEW)
     # peft adapts transformers' 3-D experts as parameters, which no merge here takes
     make_adapter(d, tmp_path / "experts", LoraConfig(r=4, target_modules=["gate_proj", "up_proj"]))
@@ -260,4 +258,4 @@ def test_num_params_counts_every_expert(moe_dirs):
         d = moe_dirs(name)
         hf = transformers.AutoModelForCausalLM.from_pretrained(d)
         want = sum(p.numel() for n, p in hf.named_parameters() if "norm" not in n)
-        assert LLM(d, device="cpu").spec.model_cfg.num_params == want, name
+        assert cpu_llm(d).spec.model_cfg.num_params == want, name
