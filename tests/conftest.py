@@ -1,3 +1,4 @@
+import json
 import os
 from pathlib import Path
 
@@ -103,3 +104,21 @@ def long_context_model(tmp_path_factory) -> Path:
     a KV cache sized from the job beyond any memory."""
     root = tmp_path_factory.mktemp("long-context") / "llama"
     return save_tiny_model("llama", root, max_position_embeddings=2**24)
+
+
+@pytest.fixture(scope="session")
+def hf_model_dirs(tmp_path_factory):
+    """(model_type, **config overrides) -> a tiny sharpened checkpoint of tiny_hf_models.py (a
+    family or a multimodal wrapper), written at first use."""
+    from tiny_hf_models import save_tiny_hf_model
+
+    made: dict[str, Path] = {}
+
+    def get(model_type: str, **overrides) -> Path:
+        key = json.dumps([model_type, overrides], sort_keys=True)
+        if key not in made:
+            path = tmp_path_factory.mktemp(model_type)
+            made[key] = save_tiny_hf_model(model_type, path, **overrides)
+        return made[key]
+
+    return get

@@ -180,7 +180,7 @@ def test_native_is_refused_for_a_family_it_lacks(hf_dirs):
         LLM(hf_dirs("phi3"), device="cpu", model_impl="native")
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "deepseek_v3", "phi3", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["gemma4_text", "deepseek_v3", "phi3", "gpt_oss"])
 def test_cli_run_and_plan(model_type, hf_dirs, tmp_path):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
     out = tmp_path / "out"

@@ -69,7 +69,7 @@ def _assert_live(want: list[list[int]]) -> None:
     assert sum(len(set(row)) > 2 for row in want) > len(want) // 2, want
 
 
-@pytest.mark.parametrize("model_type, impl", [("gemma3", "transformers"), ("mistral3", "native")])
+@pytest.mark.parametrize("model_type, impl", [("gemma3", "native"), ("mistral3", "native")])
 def test_multimodal_text_job_equals_transformers(model_type, impl, dirs, tmp_path, monkeypatch):
     d = dirs(model_type)
     got, stats = _cli_tokens(d, tmp_path)

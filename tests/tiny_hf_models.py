@@ -38,8 +38,8 @@ FAMILIES = {
     "gemma2": dict(
         head_dim=16,
         sliding_window=8,
-        attn_logit_softcapping=5.0,
-        final_logit_softcapping=3.0,
+        attn_logit_softcapping=1.0,  # scores reach ~2.3 (5.0 changed them little)
+        final_logit_softcapping=0.5,  # logits reach ~0.75
         query_pre_attn_scalar=64,
     ),
     "gemma3_text": dict(
@@ -126,6 +126,7 @@ def save_tiny_hf_model(model_type: str, path: str | Path, seed: int = 0, **overr
         cfg = transformers.AutoConfig.for_model(model_type, **WRAPPERS[model_type])
         model = transformers.AutoModelForImageTextToText.from_config(cfg)
         sharpen_attention(model, SHARPEN)
+        _gemma_norms(model, model_type)
         model.save_pretrained(path)
         tiny_tokenizer().save_pretrained(path)
         return path
@@ -142,9 +143,27 @@ def save_tiny_hf_model(model_type: str, path: str | Path, seed: int = 0, **overr
             if ".q_b_proj." in name or ".kv_b_proj." in name:  # MLA's queries and keys
                 p *= SHARPEN
     sharpen_attention(model, SHARPEN)
+    _gemma_norms(model, model_type)
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+# Gemma's RMSNorms scale by (1 + w), w initialised at 0: sharpening w leaves it 0, and a norm
+# taken as w, 1 or (1 + w) could not be told apart. Random w, and q/k norms of SHARPEN * (1 + w).
+GEMMA_NORMS = ("gemma2", "gemma3_text", "gemma3")
+
+
+@torch.no_grad()
+def _gemma_norms(model: torch.nn.Module, model_type: str) -> None:
+    if model_type not in GEMMA_NORMS:
+        return
+    for name, p in model.named_parameters():
+        if "vision" in name or not name.endswith("norm.weight"):
+            continue
+        p.normal_(0.0, 0.3)
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            p.copy_(SHARPEN * (1 + p) - 1)
 
 
 def quantize_experts_mxfp4(path: Path, seed: int = 0) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from batchgen.model.config import Family, ModelConfig
+from batchgen.model.config import GEMMA_FAMILIES, Family, ModelConfig
 from batchgen.model.moe_checkpoint import moe_weight
 from batchgen.model.multimodal import text_name
 from batchgen.model.tensor_parallel import (
@@ -31,6 +31,14 @@ _LLAMA_NAMES = {
     "mlp.down_proj": "mlp.w_out",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "mlp_norm",
+}
+# Gemma's four norms a layer: its post_attention_layernorm follows the attention (Llama's
+# precedes the MLP), pre_feedforward_layernorm precedes the MLP.
+_GEMMA_NAMES = {
+    **_LLAMA_NAMES,
+    "post_attention_layernorm": "post_attn_norm",
+    "pre_feedforward_layernorm": "mlp_norm",
+    "post_feedforward_layernorm": "post_mlp_norm",
 }
 # Pieces concatenated (dim 0) into one of our fused matrices, in this order.
 _LLAMA_FUSED = {
@@ -72,7 +80,9 @@ def _map_gpt2(name: str) -> tuple[str | None, bool]:
     return f"layers.{i}.{_GPT2_NAMES[mod]}.{kind}", conv
 
 
-def _map_llama(name: str) -> tuple[str | None, tuple[str, int, int] | None]:
+def _map_llama(
+    name: str, names: dict[str, str] = _LLAMA_NAMES
+) -> tuple[str | None, tuple[str, int, int] | None]:
     """Our name for a Llama-style tensor, or (fused name, piece index, number of pieces)."""
     if name in _LLAMA_TOP:
         return _LLAMA_TOP[name], None
@@ -80,8 +90,8 @@ def _map_llama(name: str) -> tuple[str | None, tuple[str, int, int] | None]:
     if not m:
         return None, None
     i, mod, kind = m.groups()
-    if mod in _LLAMA_NAMES:
-        return f"layers.{i}.{_LLAMA_NAMES[mod]}.{kind}", None
+    if mod in names:
+        return f"layers.{i}.{names[mod]}.{kind}", None
     for fused, parts in _LLAMA_FUSED.items():
         if mod in parts:
             return None, (f"layers.{i}.{fused}.{kind}", parts.index(mod), len(parts))
@@ -115,7 +125,7 @@ def weight_slot(cfg: ModelConfig, name: str, tp: TPShard = SINGLE) -> WeightSlot
         return WeightSlot(ours, _copies(cfg, tp, ours, "qkv" if ".wqkv." in ours else "in"), conv)
     if cfg.n_experts and (moe := moe_weight(cfg, name, tp)) is not None:
         return WeightSlot(*moe)
-    ours, piece = _map_llama(name)
+    ours, piece = _map_llama(name, _GEMMA_NAMES if cfg.family in GEMMA_FAMILIES else _LLAMA_NAMES)
     if ours is not None:
         return WeightSlot(ours, _copies(cfg, tp, ours, ""))
     if piece is None:

@@ -20,6 +20,12 @@ class Family(str, enum.Enum):
     QWEN3 = "qwen3"
     QWEN3_MOE = "qwen3_moe"
     MIXTRAL = "mixtral"
+    GEMMA2 = "gemma2"
+    GEMMA3_TEXT = "gemma3_text"
+
+
+# Gemma's decoder (model/gemma.py): (1 + w) norms, four a layer, a scaled embedding
+GEMMA_FAMILIES = frozenset({Family.GEMMA2, Family.GEMMA3_TEXT})
 
 
 class NormKind(str, enum.Enum):
@@ -94,6 +100,15 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    # Gemma 2/3 (model/gemma.py): the softmax scale (None: 1/sqrt(head_dim)), the soft-caps of
+    # the attention logits and of the final logits (None: none), each layer's window where
+    # layers differ (() : sliding_window for every layer), and the sliding layers' own RoPE
+    # base (Gemma 3's local layers; no scaling), None: every layer's is rope_theta.
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         sizes = (
@@ -166,7 +181,8 @@ class ModelConfig:
         frequencies, the (P, D) angles, and the cos and sin tables, P positions long."""
         if self.position != PositionKind.ROPE:
             return 0
-        return int(self.max_position_embeddings * self.head_dim * 4 * 3.5)
+        tables = 2 if self.local_rope_theta is not None else 1  # Gemma 3's local and global
+        return int(self.max_position_embeddings * self.head_dim * 4 * 3.5) * tables
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV cache bytes one token of one row occupies, across all layers."""

@@ -9,7 +9,15 @@ import json
 from pathlib import Path
 
 from batchgen.errors import ModelLoadError
-from batchgen.model.config import Family, ModelConfig, NormKind, PositionKind, RopeScaling
+from batchgen.model.config import (
+    GEMMA_FAMILIES,
+    Family,
+    ModelConfig,
+    NormKind,
+    PositionKind,
+    RopeScaling,
+)
+from batchgen.model.gemma_config import gemma_config
 
 SUPPORTED_FAMILIES = tuple(f.value for f in Family)
 
@@ -143,6 +151,8 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         )
     if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
         raise UnsupportedModelError("GPT-2 attention variants are not supported")
+    if family in GEMMA_FAMILIES:
+        return gemma_config(hf, family)
     n_heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
     theta, scaling = _rope(hf)

@@ -22,6 +22,7 @@ import torch
 from batchgen.errors import ModelLoadError
 from batchgen.model.checkpoint_names import weight_slot
 from batchgen.model.config import ModelConfig
+from batchgen.model.gemma import decoder_class
 from batchgen.model.hf_config import config_from_hf, read_hf_config
 from batchgen.model.memory import check_allocation
 from batchgen.model.tensor_parallel import SINGLE, Copy, TPShard, local_config
@@ -165,7 +166,7 @@ def load_model(
         device,
     )
     with torch.device("meta"):
-        model = Transformer(local_config(cfg, tp))
+        model = decoder_class(cfg)(local_config(cfg, tp))
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     nbytes = (
         sum(

@@ -19,6 +19,7 @@ from batchgen.model.config import ModelConfig, NormKind, PositionKind
 from batchgen.model.kv_cache import PagedKVCache
 from batchgen.model.moe import MoE
 from batchgen.model.rope import apply_rope, rope_tables
+from batchgen.model.sdpa import DEFAULT
 
 
 class RMSNorm(nn.Module):
@@ -49,6 +50,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.kv_cache: PagedKVCache | None = None
+        self.params = DEFAULT  # softmax scale and soft-cap: torch's defaults (Gemma's: gemma.py)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, step: StepAttention
@@ -63,7 +65,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = step_attention(q, k, v, self.kv_cache, step)  # (T, H, D)
+        y = step_attention(q, k, v, self.kv_cache, step, self.params)  # (T, H, D)
         return self.wo(y.reshape(t, q_size))
 
 
