@@ -23,7 +23,7 @@ from tiny_hf_models import save_tiny_hf_model
 from batchgen.llm import LLM
 from batchgen.model.hf_config import config_from_hf
 from batchgen.model.loader import load_model
-from batchgen.model.moe import MoE, experts_grouped, experts_loop
+from batchgen.model.moe import MoE, experts_dense, experts_grouped, experts_loop
 from batchgen.model.tensor_parallel import TPShard
 
 # name -> (model_type, config overrides)
@@ -181,15 +181,17 @@ def test_two_ranks_give_one_rank_tokens(name, moe_dirs):
 
 
 def test_grouped_and_loop_kernels_agree():
-    """The two expert kernels (the op picks grouped on the CPU): the same values, empty
-    experts included."""
+    """The expert kernels (the op picks grouped on the CPU, the loop or dense elsewhere): the
+    same values, empty experts included."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(9, 64, generator=g)
     w_in, w_out = torch.randn(4, 64, 64, generator=g), torch.randn(4, 64, 32, generator=g)
     experts = torch.tensor([[0, 2]] * 5 + [[2, 3]] * 4)  # expert 1 gets no token
     weights = torch.rand(9, 2, generator=g)
     args = (x, w_in, w_out, weights, experts, "silu")
-    torch.testing.assert_close(experts_grouped(*args), experts_loop(*args), rtol=1e-5, atol=1e-5)
+    want = experts_loop(*args)
+    torch.testing.assert_close(experts_grouped(*args), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(experts_dense(*args), want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.slow

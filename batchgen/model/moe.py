@@ -23,7 +23,8 @@ kernel refuses float32). Inside the op each device takes its best kernel:
   - grouped: the (token, expert) pairs sorted by expert, one `torch._grouped_mm` for every
     expert's [gate; up] and one for down (CPU, any float dtype; CUDA bfloat16 on sm80+);
   - loop: per expert, its rows gathered, two matmuls, added back (the rest, and sizes whose
-    rows are not 16-byte multiples, which grouped_mm refuses).
+    rows are not 16-byte multiples, which grouped_mm refuses); while a CUDA graph is being
+    captured, where the loop's host sync cannot be, every expert on every token (dense).
 
 Measured on this 2-core CPU in float32 (scripts/bench_moe.py, docs/benchmarks.md; a busy
 machine, medians of alternating calls): grouped was 1.0-2.4x the loop's speed in 11 of 12
@@ -73,9 +74,11 @@ class MoE(nn.Module):
 
 def _sorted_by_expert(experts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """experts (T, k) -> the (token, slot) pairs' flat indices sorted by expert (stable: by
-    token within an expert), and each expert's count (n,)."""
+    token within an expert), and each expert's count (n,). No host sync (bincount's output
+    size would need one), so a CUDA graph can capture it."""
     flat = experts.reshape(-1)
-    return flat.argsort(stable=True), torch.bincount(flat, minlength=n)
+    counts = torch.zeros(n, dtype=torch.int64, device=flat.device)
+    return flat.argsort(stable=True), counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def experts_grouped(
@@ -124,6 +127,25 @@ def experts_loop(
     return out
 
 
+def experts_dense(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    act: str,
+) -> torch.Tensor:
+    """Every expert on every token, those not picked weighted 0: E/k times the FLOPs, and
+    (T, E, 2I) in memory, but no shape depends on the routing. Only where a CUDA graph is
+    being captured and grouped_mm cannot run (float16/float32, GPUs before sm80): the
+    loop's host sync cannot be captured."""
+    gates = torch.zeros(x.shape[0], w_in.shape[0], dtype=weights.dtype, device=x.device)
+    gates.scatter_(1, experts, weights)  # (T, E)
+    gate, up = torch.einsum("td,eod->teo", x, w_in).chunk(2, dim=-1)  # (T, E, I) each
+    y = torch.einsum("tei,edi->ted", activation(act, gate) * up, w_out)  # (T, E, dim)
+    return (y * gates[..., None]).sum(dim=1).to(x.dtype)
+
+
 def grouped_runs(x: torch.Tensor, intermediate: int) -> bool:
     """Whether experts_grouped runs here: grouped_mm's kernels take any float dtype on the
     CPU, bfloat16 on CUDA from sm80, and rows that are multiples of 16 bytes."""
@@ -145,7 +167,12 @@ def run_experts(
 ) -> torch.Tensor:
     """x (T, dim); w_in (E, 2I, dim), w_out (E, dim, I); weights, experts (T, k) -> the
     weighted sum of each token's experts' outputs (T, dim), by the kernel that runs here."""
-    kernel = experts_grouped if grouped_runs(x, w_out.shape[-1]) else experts_loop
+    if grouped_runs(x, w_out.shape[-1]):
+        kernel = experts_grouped
+    elif x.is_cuda and torch.cuda.is_current_stream_capturing():
+        kernel = experts_dense
+    else:
+        kernel = experts_loop
     return kernel(x, w_in, w_out, weights, experts, act)
 
 
