@@ -18,6 +18,7 @@ from helpers import (
     rows_by_id,
     run_cli,
     run_job,
+    run_plan,
     success,
     write_jsonl,
     write_parquet,
@@ -308,7 +309,7 @@ def test_limit(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(N)})
     run_job(src, tmp_path / "out", model, "--limit", 5, "--max-new-tokens", 2)
     assert sorted(rows_by_id(tmp_path / "out")) == [0, 1, 2, 3, 4]
-    plan = json.loads(run_cli("plan", src, "--model", model, "--limit", 5, "--json").stdout)
+    plan = json.loads(run_plan(src, model, "--limit", 5, "--json").stdout)
     assert plan["rows"] == 5
 
 
@@ -406,17 +407,8 @@ def test_device_without_a_gpu_is_a_clear_error(tmp_path, model):
 
 def test_plan_text(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(40)})
-    text = run_cli(
-        "plan",
-        src,
-        "--model",
-        model,
-        "--max-num-seqs",
-        8,
-        "--max-num-batched-tokens",
-        512,
-        "--kv-cache-tokens",
-        4096,
+    text = run_plan(
+        src, model, "--max-num-seqs", 8, "--max-num-batched-tokens", 512, "--kv-cache-tokens", 4096
     ).stdout
     for part in (
         "prompt length histogram",
@@ -427,7 +419,7 @@ def test_plan_text(tmp_path, model):
         "KV cache 256 blocks of 16 tokens",
     ):
         assert part in text, part
-    off = run_cli("plan", src, "--model", model, "--no-prefix-caching").stdout
+    off = run_plan(src, model, "--no-prefix-caching").stdout
     assert "prefix caching off" in off
 
 
@@ -435,10 +427,8 @@ def test_plan_json(tmp_path, model, tok):
     texts = prompts(40) + ["the quick brown fox " * 30, None]
     src = write_parquet(tmp_path / "in.parquet", {"prompt": texts})
     report = json.loads(
-        run_cli(
-            "plan",
+        run_plan(
             src,
-            "--model",
             model,
             "--max-num-seqs",
             8,
@@ -473,9 +463,7 @@ def test_plan_json(tmp_path, model, tok):
         assert report["kv_cache_blocks"] == 1 + 8 * -(-report["longest_row_tokens"] // 8)
         assert report["kv_cache_bytes"] > 0
     flagged = json.loads(
-        run_cli(
-            "plan", src, "--model", model, "--kv-cache-tokens", 1000, "--block-size", 8, "--json"
-        ).stdout
+        run_plan(src, model, "--kv-cache-tokens", 1000, "--block-size", 8, "--json").stdout
     )
     assert flagged["kv_cache_blocks"] == 125  # the flag wins, on any device
     # the tiny llama: 2 layers x (k, v) x 2 kv heads x 8 dims per token, bf16 on a GPU
@@ -486,24 +474,9 @@ def test_plan_json(tmp_path, model, tok):
     held = LLM(model, device="cpu").weights_bytes_per_rank * itemsize // 4
     assert 0.95 * held <= flagged["weights_bytes_per_rank"] <= held
     # Two ranks: each holds one of the 2 KV heads and about half the weights.
-    split = run_cli(
-        "plan", src, "--model", model, "--kv-cache-tokens", 1000, "--block-size", 8, "-tp", 2
-    )
-    two = json.loads(
-        run_cli(
-            "plan",
-            src,
-            "--model",
-            model,
-            "--kv-cache-tokens",
-            1000,
-            "--block-size",
-            8,
-            "-tp",
-            2,
-            "--json",
-        ).stdout
-    )
+    two_ranks = ("--kv-cache-tokens", 1000, "--block-size", 8, "-tp", 2)
+    split = run_plan(src, model, *two_ranks)
+    two = json.loads(run_plan(src, model, *two_ranks, "--json").stdout)
     assert two["tensor_parallel_size"] == 2
     assert two["kv_cache_bytes_per_rank"] * 2 == two["kv_cache_bytes"] == flagged["kv_cache_bytes"]
     assert two["weights_bytes_per_rank"] < 0.6 * flagged["weights_bytes_per_rank"]
@@ -517,7 +490,7 @@ def test_plan_loads_no_weights(tmp_path, model, monkeypatch):
     monkeypatch.setattr("batchgen.parallel.rank_model.load_model", boom)
     monkeypatch.setattr("batchgen.runner.run.LLM", boom)
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(5)})
-    assert json.loads(run_cli("plan", src, "--model", model, "--json").stdout)["rows"] == 5
+    assert json.loads(run_plan(src, model, "--json").stdout)["rows"] == 5
 
 
 @pytest.mark.slow

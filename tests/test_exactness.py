@@ -7,13 +7,12 @@ hf_greedy, _prompts and MAX_NEW are imported from here by other tests.
 """
 
 import pytest
-from helpers import hf_greedy, random_prompts
+from helpers import cpu_llm, hf_greedy, random_prompts
 from tiny_models import FAMILIES
 from torch._dynamo.utils import counters
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
-from batchgen.llm import LLM
 
 PROMPT_LENS = [3, 11, 6, 17, 1]
 MAX_NEW = 12
@@ -26,7 +25,7 @@ def _prompts(seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_greedy_matches_transformers_eager(model, sharp_dirs):
-    llm = LLM(sharp_dirs[model], dtype="float32", device="cpu", compile=False)
+    llm = cpu_llm(sharp_dirs[model])
     got = llm.generate(_prompts(), SamplingParams(max_new_tokens=MAX_NEW))
     want = hf_greedy(sharp_dirs[model], _prompts(), MAX_NEW)
     assert [c.token_ids for c in got] == want
@@ -39,13 +38,7 @@ def test_greedy_matches_transformers_eager(model, sharp_dirs):
 def test_greedy_matches_transformers_compiled(family, sharp_dirs):
     graphs_before = counters["stats"]["unique_graphs"]
     # rows of up to 29 tokens: decode batches of 1-8 rows over tables of 1-2 blocks
-    llm = LLM(
-        sharp_dirs[family],
-        dtype="float32",
-        device="cpu",
-        compile=True,
-        engine=EngineConfig(block_size=16),
-    )
+    llm = cpu_llm(sharp_dirs[family], compile=True, engine=EngineConfig(block_size=16))
     got = llm.generate(_prompts(), SamplingParams(max_new_tokens=MAX_NEW))
     assert [c.token_ids for c in got] == hf_greedy(sharp_dirs[family], _prompts(), MAX_NEW)
     shapes = llm.runner.shapes

@@ -19,6 +19,7 @@ import json
 import pytest
 import torch
 import transformers
+from helpers import hf_generate
 from tiny_models import save_tiny_model
 
 from batchgen.engine.config import EngineConfig
@@ -62,24 +63,6 @@ def llm(model_dir):
 # --------------------------------------------------------------------------- helpers
 
 
-def hf_generate(hf, rows: list[list[int]], n: int, device) -> list[list[int]]:
-    """transformers' batched greedy generate, left-padded, exactly n tokens per row."""
-    pad = 1
-    width = max(map(len, rows))
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-    with torch.inference_mode():
-        out = hf.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=pad,
-        )
-    return out[:, width:].tolist()
-
-
 def teacher_forced_logprobs(hf, prompt: list[int], gen: list[int], device) -> torch.Tensor:
     """(len(gen), vocab) float32 log-probs transformers gives at each generated position,
     fed the prompt and batchgen's own tokens (one row, no padding)."""
@@ -99,7 +82,7 @@ def agreement_report(model_dir, device: str, dtype: torch.dtype, got: list[Compl
     logprob_err, batchgen's reported logprob against transformers'."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     ps = prompts()
-    ref = hf_generate(hf, ps, NEW_TOKENS, device)
+    ref = hf_generate(hf, ps, NEW_TOKENS, pad=1, min_new_tokens=NEW_TOKENS)  # all NEW_TOKENS
     same = sum(
         a == b for c, r in zip(got, ref, strict=True) for a, b in zip(c.token_ids, r, strict=True)
     )

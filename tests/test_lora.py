@@ -9,16 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
-from helpers import (
-    FAST,
-    make_adapter,
-    prompts,
-    read_stats,
-    rows_by_id,
-    run_cli,
-    run_job,
-    write_parquet,
-)
+from helpers import cpu_llm, make_adapter, prompt_file, prompts, read_stats, rows_by_id, run_job
 from peft import IA3Config, LoraConfig
 from test_exactness import MAX_NEW, _prompts, hf_greedy
 from tiny_models import save_tiny_model
@@ -36,14 +27,7 @@ GPT2_ALL = ["c_attn", "c_proj", "c_fc"]
 
 
 def _llm(model_dir, **kw) -> LLM:
-    return LLM(
-        model_dir,
-        dtype="float32",
-        device="cpu",
-        compile=False,
-        engine=EngineConfig(max_num_seqs=4),
-        **kw,
-    )
+    return cpu_llm(model_dir, engine=EngineConfig(max_num_seqs=4), **kw)
 
 
 CASES = {
@@ -115,9 +99,8 @@ def test_cli_records_the_adapter_and_refuses_one_changed_in_place(
     mine.mkdir()
     for f in llama_adapter.iterdir():
         (mine / f.name).write_bytes(f.read_bytes())
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(6)})
-    args = ("run", src, "-o", tmp_path / "out", "--model", model, *FAST, "--max-new-tokens", 6)
-    run_cli(*args, "--lora", mine)
+    args = (prompt_file(tmp_path, 6), tmp_path / "out", model, "--max-new-tokens", 6)
+    run_job(*args, "--lora", mine)
 
     sha = hashlib.sha256((mine / "adapter_model.safetensors").read_bytes()).hexdigest()
     lora = read_stats(tmp_path / "out")["lora"]
@@ -129,24 +112,24 @@ def test_cli_records_the_adapter_and_refuses_one_changed_in_place(
     assert json.loads(pq.read_schema(part).metadata[b"batchgen"])["lora"]["sha256"] == sha
     rows = rows_by_id(tmp_path / "out")
     texts = [rows[i]["generated_text"] for i in range(6)]
-    llm = LLM(model, dtype="float32", device="cpu", compile=False, lora=mine)
+    llm = cpu_llm(model, lora=mine)
     assert texts == [c.text for c in llm.generate(prompts(6), SamplingParams(max_new_tokens=6))]
 
-    run_cli(*args, "--lora", mine)  # the same job again: complete, nothing to do
-    assert "another job" in run_cli(*args, exit_code=2).stderr  # without the adapter
+    run_job(*args, "--lora", mine)  # the same job again: complete, nothing to do
+    assert "another job" in run_job(*args, exit_code=2).stderr  # without the adapter
     # retrained in place: the same path, another hash, so another job
     config = LoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_ALL)
     make_adapter(model, tmp_path / "retrained", config, seed=1)
     (mine / "adapter_model.safetensors").write_bytes(
         (tmp_path / "retrained" / "adapter_model.safetensors").read_bytes()
     )
-    assert "another job" in run_cli(*args, "--lora", mine, exit_code=2).stderr
+    assert "another job" in run_job(*args, "--lora", mine, exit_code=2).stderr
 
 
 def test_adapter_for_another_hidden_size_is_a_usage_error(tmp_path, tiny_dirs):
     wide = save_tiny_model("llama", tmp_path / "wide", hidden_size=64, intermediate_size=128)
     make_adapter(wide, tmp_path / "adapter", LoraConfig(r=4, target_modules=["q_proj"]))
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
+    src = prompt_file(tmp_path, 2)
     result = run_job(
         src, tmp_path / "out", tiny_dirs["llama"], "--lora", tmp_path / "adapter", exit_code=2
     )

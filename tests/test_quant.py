@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import cpu_llm
 from paged import last_logits
 from tiny_models import FAMILIES, save_tiny_model
 from torch._dynamo.utils import counters
@@ -63,6 +64,12 @@ def wide_dir(tmp_path_factory):
         tmp_path_factory.mktemp("quant") / "llama128",
         hidden_size=128,
         intermediate_size=256,
+    )
+
+
+def _quantized(model_dir, backend: str, method: str, compile: bool = False) -> LLM:
+    return cpu_llm(
+        model_dir, compile=compile, engine=ENGINE, quantize=method, quant_backend=backend
     )
 
 
@@ -169,15 +176,7 @@ def test_quantized_weights_are_smaller_and_tie_kept(tiny_dirs, backend, method):
 
 @pytest.mark.parametrize(("backend", "method"), LLM_PATHS)
 def test_llm_records_the_scheme(wide_dir, backend, method):
-    llm = LLM(
-        wide_dir,
-        dtype="float32",
-        device="cpu",
-        compile=False,
-        engine=ENGINE,
-        quantize=method,
-        quant_backend=backend,
-    )
+    llm = _quantized(wide_dir, backend, method)
     d = llm.quant.to_dict()
     assert (d["method"], d["backend"]) == (method, backend)
     assert d["group_size"] == (128 if method == "int4" else None)
@@ -187,7 +186,7 @@ def test_llm_records_the_scheme(wide_dir, backend, method):
 
 
 def test_llm_unquantized_records_none(wide_dir):
-    llm = LLM(wide_dir, dtype="float32", device="cpu", compile=False, engine=ENGINE)
+    llm = cpu_llm(wide_dir, engine=ENGINE)
     assert llm.quant.to_dict() == {"method": "none"}
 
 
@@ -200,24 +199,8 @@ def test_compiled_generation_has_no_recompiles(wide_dir, backend, method):
     """fullgraph=True compile (the runner's setting) of the quantized model: warm-up makes
     one graph per decode shape (prefill steps run eagerly), and later same-shape batches
     compile nothing."""
-    llm = LLM(
-        wide_dir,
-        dtype="float32",
-        device="cpu",
-        compile=True,
-        engine=ENGINE,
-        quantize=method,
-        quant_backend=backend,
-    )
-    eager = LLM(
-        wide_dir,
-        dtype="float32",
-        device="cpu",
-        compile=False,
-        engine=ENGINE,
-        quantize=method,
-        quant_backend=backend,
-    )
+    llm = _quantized(wide_dir, backend, method, compile=True)
+    eager = _quantized(wide_dir, backend, method)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     first = llm.generate(prompts(0), params)
     shapes = set(llm.runner.shapes)

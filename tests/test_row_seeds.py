@@ -2,14 +2,14 @@
 the real CLI on a tiny random model, sampling at temperature 1."""
 
 import pytest
-from helpers import FAST, prompts, rows_by_id, run_cli, write_parquet
+from helpers import prompts, rows_by_id, run_job, write_parquet
 
 from batchgen.errors import ConfigError
 from batchgen.job.config import RunConfig
 from batchgen.job.seeds import SEED_RANGE, row_seed
 
 N = 8
-SAMPLED = (*FAST, "--temperature", 1.0, "--max-new-tokens", 8, "--ignore-eos", "--with-token-ids")
+SAMPLED = ("--temperature", 1.0, "--max-new-tokens", 8, "--ignore-eos", "--with-token-ids")
 
 
 def _tokens(out, id_column: str = "id") -> dict:
@@ -33,17 +33,17 @@ def test_job_seed_out_of_range_is_a_config_error(seed):
 @pytest.mark.parametrize("seed_flags", [(), ("--seed", 3)], ids=["no-seed", "seed-3"])
 def test_identical_prompts_sample_independently_and_rerun_the_same(tmp_path, model, seed_flags):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": ["the quick brown fox"] * N})
-    run_cli("run", src, "-o", tmp_path / "a", "--model", model, *SAMPLED, *seed_flags)
+    run_job(src, tmp_path / "a", model, *SAMPLED, *seed_flags)
     first = _tokens(tmp_path / "a")
     assert len({tuple(t) for t in first.values()}) == N
-    run_cli("run", src, "-o", tmp_path / "b", "--model", model, *SAMPLED, *seed_flags)
+    run_job(src, tmp_path / "b", model, *SAMPLED, *seed_flags)
     assert _tokens(tmp_path / "b") == first
 
 
 def test_job_seed_changes_the_rows(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(N)})
-    run_cli("run", src, "-o", tmp_path / "s0", "--model", model, *SAMPLED)
-    run_cli("run", src, "-o", tmp_path / "s1", "--model", model, *SAMPLED, "--seed", 1)
+    run_job(src, tmp_path / "s0", model, *SAMPLED)
+    run_job(src, tmp_path / "s1", model, *SAMPLED, "--seed", 1)
     s0, s1 = _tokens(tmp_path / "s0"), _tokens(tmp_path / "s1")
     assert all(s0[i] != s1[i] for i in range(N))
 
@@ -58,19 +58,7 @@ def test_seed_column_pins_a_row_whatever_its_id(tmp_path, model):
         tmp_path / "other.parquet", {"key": ["zz"], "prompt": [prompt], "seed": [5]}
     )
     for name, path in (("out", src), ("other", other)):
-        run_cli(
-            "run",
-            path,
-            "-o",
-            tmp_path / name,
-            "--model",
-            model,
-            *SAMPLED,
-            "--id-column",
-            "key",
-            "--seed",
-            9,
-        )
+        run_job(path, tmp_path / name, model, *SAMPLED, "--id-column", "key", "--seed", 9)
     rows = _tokens(tmp_path / "out", "key")
     assert rows["a"] == rows["b"] == _tokens(tmp_path / "other", "key")["zz"]
     # without a seed value, rows fall back to their own derived seeds
@@ -84,12 +72,9 @@ def test_a_row_is_the_same_under_limit_and_in_another_order(tmp_path, model):
     flipped = write_parquet(tmp_path / "flip.parquet", {k: v[::-1] for k, v in cols.items()})
     runs = {"all": (src,), "flipped": (flipped,), "limit": (src, "--limit", 3)}
     for name, (path, *extra) in runs.items():
-        run_cli(
-            "run",
+        run_job(
             path,
-            "-o",
             tmp_path / name,
-            "--model",
             model,
             *SAMPLED,
             "--id-column",

@@ -5,11 +5,11 @@ import shutil
 
 import pytest
 import torch
+from helpers import cpu_llm
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import FinishReason, SamplingParams
 from batchgen.engine.stopping import first_stop, tokens_to_keep, trim_at_stop
-from batchgen.llm import LLM
 
 ENGINE = EngineConfig(max_num_seqs=8, block_size=4)
 MAX_NEW = 24
@@ -91,7 +91,7 @@ def llama_dir(tiny_dirs):
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    return LLM(llama_dir, dtype="float32", device="cpu", compile=False, engine=ENGINE)
+    return cpu_llm(llama_dir, engine=ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_eos_from_generation_config_stops_a_row(llama_dir, free_runs, tmp_path):
     )
     eos = full[0][k]
     model_dir = _with_eos(llama_dir, tmp_path / "m", [3, eos])  # a list, as Llama 3 has
-    llm = LLM(model_dir, dtype="float32", device="cpu", compile=False, engine=ENGINE)
+    llm = cpu_llm(model_dir, engine=ENGINE)
 
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
     assert outs[0].token_ids == full[0][: k + 1]  # EOS included
@@ -202,13 +202,7 @@ def test_stop_string_that_never_matches_runs_to_length(llm, free_runs):
 def test_rows_that_each_fit_the_context_run_together(family, tiny_dirs):
     """Regression: a long prompt with few new tokens next to a short prompt with many, each
     within the 256 positions; the finished row kept stepping past position 255 (IndexError)."""
-    llm = LLM(
-        tiny_dirs[family],
-        dtype="float32",
-        device="cpu",
-        compile=False,
-        engine=EngineConfig(max_num_seqs=2),
-    )
+    llm = cpu_llm(tiny_dirs[family], engine=EngineConfig(max_num_seqs=2))
     long_prompt, short_prompt = list(range(2, 122)), [5, 6, 7]
     params = [
         SamplingParams(max_new_tokens=10, ignore_eos=True),

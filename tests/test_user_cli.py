@@ -12,19 +12,8 @@ from helpers import EAGER, cli_command, read_job, run_job, write_parquet
 def test_backslash_escapes_on_the_command_line(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"text": ["great product"]})
     out = tmp_path / "out"
-    run_job(
-        src,
-        out,
-        model,
-        "--template",
-        r"Review: {{ text }}\nSentiment:",
-        "--stop",
-        r"\n",
-        "--stop",
-        r"a\\b",
-        "--max-new-tokens",
-        2,
-    )
+    escaped = ("--template", r"Review: {{ text }}\nSentiment:", "--stop", r"\n", "--stop", r"a\\b")
+    run_job(src, out, model, *escaped, "--max-new-tokens", 2)
     job = read_job(out)
     text = json.dumps(job)
     assert "Review: {{ text }}\\nSentiment:" in text  # a real newline, JSON-escaped
