@@ -154,6 +154,13 @@ def test_fused_and_per_expert_checkpoints_load_the_same(moe_dirs):
     experts = hf.model.layers[1].mlp.experts
     assert torch.equal(want["layers.1.mlp.w_in"], experts.gate_up_proj)
     assert torch.equal(want["layers.1.mlp.w_out"], experts.down_proj)
+    for r in range(2):  # and a rank's slices of each
+        tp = TPShard(r, 2)
+        per_expert, fused = (
+            load_model(moe_dirs(n), tp=tp) for n in ("qwen3_moe", "qwen3_moe-fused")
+        )
+        for name, w in fused.state_dict().items():
+            assert torch.equal(w, per_expert.state_dict()[name]), (r, name)
 
 
 def test_ranks_hold_their_half_of_every_expert(moe_dirs):
