@@ -109,7 +109,7 @@ HELP: dict[str, str] = {
     ),
     "model_impl": (
         "Which code runs the model: native (batchgen's decoder: gpt2, llama, mistral, qwen2, "
-        "qwen3), transformers (transformers' modeling code with batchgen's paged attention: "
+        "qwen3, qwen3_moe, mixtral), transformers (transformers' modeling code with batchgen's paged attention: "
         "other causal LMs), or auto (native where it has the family)."
     ),
     "compile": (
