@@ -94,3 +94,21 @@ def test_compiled_flex_decode_is_one_cuda_graph_with_no_recompiles(dirs, monkeyp
         again = [c.token_ids for c in llm.generate(rows, params)]
     assert again == want
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma2"])
+def test_the_backends_compiled_flex_decode_equals_its_gather(model_type, tmp_path, monkeypatch):
+    """The transformers backend on CUDA's path, compiled: sinks from the kernel's log-sum-exp
+    (inductor's CPU template has none, so this runs only here), a soft-cap as a score_mod."""
+    from tiny_hf_models import save_tiny_hf_model
+
+    path = save_tiny_hf_model(model_type, tmp_path / model_type)
+    engine = EngineConfig(max_num_seqs=4, block_size=16)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    monkeypatch.setenv(DECODE_ATTENTION_ENV, "gather")
+    eager = LLM(path, dtype="float32", device="cuda", compile=False, engine=engine)
+    want = [c.token_ids for c in eager.generate(_rows(), params)]
+    monkeypatch.delenv(DECODE_ATTENTION_ENV)
+    llm = LLM(path, dtype="float32", device="cuda", compile=True, engine=engine)
+    assert llm.runner.attention is DecodeBackend.FLEX
+    assert [c.token_ids for c in llm.generate(_rows(), params)] == want

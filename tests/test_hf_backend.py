@@ -25,7 +25,7 @@ from batchgen.errors import UsageError
 from batchgen.job.config import RunConfig
 from batchgen.job.fingerprint import options_fingerprint
 from batchgen.llm import LLM
-from batchgen.model import hf_backend
+from batchgen.model import attention, hf_backend
 from batchgen.model.attention import DECODE_ATTENTION_ENV
 
 MAX_NEW = 12
@@ -150,11 +150,43 @@ def test_backend_refuses_what_it_does_not_do(options, words, hf_dirs):
         LLM(hf_dirs("phi3"), device="cpu", **options)
 
 
-def test_compile_needs_the_gather_path(hf_dirs, monkeypatch):
-    monkeypatch.setenv(DECODE_ATTENTION_ENV, "flex")  # CUDA's default path, forced here
-    with pytest.raises(UsageError, match=f"{DECODE_ATTENTION_ENV}=gather"):
-        LLM(hf_dirs("phi3"), device="cpu", compile=True)
-    assert not LLM(hf_dirs("phi3"), device="cpu").compile  # the default: eager
+# soft-cap; sinks; a scale not 1/sqrt(head_dim); MLA's keys and values of two sizes
+FLEX_CASES = ["gemma2", "gpt_oss", "granite", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("model_type", FLEX_CASES)
+def test_the_flex_path_carries_each_layers_attention(model_type, hf_dirs, references, monkeypatch):
+    """CUDA's decode path (FlexAttention over the pool in place), forced on the CPU, eager
+    flex: the layer's scale, soft-cap and sinks go into the kernel, and the tokens equal
+    transformers'."""
+    monkeypatch.setenv(DECODE_ATTENTION_ENV, "flex")
+    calls = []
+    flex = attention.flex_decode_attention
+    monkeypatch.setattr(attention, "flex_decode_attention", lambda *a: calls.append(1) or flex(*a))
+    llm = LLM(
+        hf_dirs(model_type), dtype="float32", device="cpu", engine=EngineConfig(block_size=16)
+    )
+    assert [c.token_ids for c in llm.generate(_prompts(), PARAMS)] == references(model_type)
+    assert calls  # the decodes went through flex, not the gather
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gemma2", "granite"])
+def test_compiled_flex_decode_equals_transformers(model_type, hf_dirs, references, monkeypatch):
+    """The backend compiles on CUDA's path too (it was refused): flex's compiled kernel with
+    the layer's scale and its soft-cap as a score_mod (sinks need the kernel's log-sum-exp,
+    which inductor's CPU template lacks: tests/test_gpu_flex.py)."""
+    monkeypatch.setenv(DECODE_ATTENTION_ENV, "flex")
+    llm = LLM(
+        hf_dirs(model_type),
+        dtype="float32",
+        device="cpu",
+        compile=True,
+        compile_cache="off",
+        engine=EngineConfig(block_size=16),
+    )
+    assert [c.token_ids for c in llm.generate(_prompts(), PARAMS)] == references(model_type)
+    assert llm.runner.decode.graphs == 1
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from batchgen.engine.constraints import Grammars
 from batchgen.errors import ConfigError, ModelLoadError
 from batchgen.job.backend_options import check_backend_options
 from batchgen.job.generation import read_generation_config
-from batchgen.model.attention import DECODE_ATTENTION_ENV, DecodeBackend, decode_backend
+from batchgen.model.attention import DECODE_ATTENTION_ENV
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import native_config, read_hf_config
 from batchgen.model.hf_lora import check_hf_adapter
@@ -100,29 +100,6 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, device: torch.device) -> Non
                 f"tensor_parallel_size {n} needs {n} GPUs and {visible} are visible; lower it "
                 "or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
             )
-
-
-def backend_compile(
-    compile: bool | None, device: torch.device, block_size: int, cfg: ModelConfig
-) -> bool:
-    """The transformers backend's compile flag. Its compiled decode takes the gather op,
-    which carries each layer's scale, soft-cap and sinks; the flex op (CUDA's default) has no
-    sinks, so there the backend runs eager unless the gather path is forced."""
-    if decode_backend(device, block_size, cfg.head_dim) is DecodeBackend.GATHER:
-        return resolve_compile(compile, device)
-    if compile:
-        raise ValueError(
-            "--compile on the transformers backend needs the gather decode path (the flex op "
-            f"has no attention sinks or soft-cap): set {DECODE_ATTENTION_ENV}=gather, or pass "
-            "--no-compile"
-        )
-    return False
-
-
-def _block_size(engine: EngineConfig | Mapping[str, Any] | None) -> int:
-    if isinstance(engine, EngineConfig):
-        return engine.block_size
-    return (engine or {}).get("block_size") or EngineConfig().block_size
 
 
 def eos_token_ids(gen: Mapping[str, Any], hf: dict, tokenizer) -> list[int]:
@@ -255,9 +232,8 @@ class ModelSpec:
         try:
             dev = resolve_device(device)
             dt = resolve_dtype(dtype, dev)
-            compiled = resolve_compile(compile, dev)
-            if impl is ModelImpl.TRANSFORMERS:
-                compiled = backend_compile(compile, dev, _block_size(engine), model_cfg)
+            compiled = resolve_compile(compile, dev)  # the backend's too: both decode ops
+            # carry its layers' scale, soft-cap and sinks (model/decode_ops.py)
             if not isinstance(engine, EngineConfig):
                 engine = EngineConfig.for_device(dev.type, compiled, **(engine or {}))
             check_tensor_parallel(model_cfg, tensor_parallel_size, dev)

@@ -186,7 +186,7 @@ def step_attention(
     params: AttnParams = DEFAULT,
 ) -> torch.Tensor:
     """q (T, H, D), k, v (T, Hkv, D) of a whole step (masks built) -> (T, H, D). params: a
-    scale, soft-cap or sinks (the transformers backend's; gather decodes only)."""
+    scale, soft-cap or sinks (the transformers backend's)."""
     if torch.compiler.is_compiling():  # a compiled decode step: one group, B rows
         return _decode_op(q, k, v, cache, step, params)
     cache.write(step.slots, k, v)
@@ -199,7 +199,9 @@ def step_attention(
         if step.backend is DecodeBackend.FLEX:
             qg = torch.cat([qg, qg.new_zeros(rows - n, *qg.shape[1:])]) if rows > n else qg
             compiled = qg.device.type == "cuda"  # eager flex would score the whole pool
-            out = flex_decode_attention(qg, cache.k, cache.v, g.mask, step.window, bs, compiled)
+            out = flex_decode_attention(
+                qg, cache.k, cache.v, g.mask, step.window, bs, compiled, params
+            )
             parts.append(out[:n])
         else:
             parts.append(decode_attention(qg, cache.k, cache.v, bs, g.blocks, g.mask, params))
@@ -217,16 +219,15 @@ def _decode_op(
     step: StepAttention,
     params: AttnParams,
 ) -> torch.Tensor:
-    """A compiled decode step's attention for one layer, as one opaque op (decode_ops.py).
-    params (the transformers backend's) on the gather op only: the backend never runs flex."""
+    """A compiled decode step's attention for one layer, as one opaque op (decode_ops.py),
+    with the layer's params (the transformers backend's scale, soft-cap, sinks)."""
     (g,) = step.decodes
-    bs, window = cache.block_size, step.window
+    bs, window, p = cache.block_size, step.window, params
     if step.backend is DecodeBackend.FLEX:
         m = g.mask
         return torch.ops.batchgen.decode_flex(
-            q, k, v, cache.k, cache.v, step.slots, *m.tensors(), bs, window
+            q, k, v, cache.k, cache.v, step.slots, *m.tensors(), bs, window, *p.values()
         )
-    p = params
     return torch.ops.batchgen.decode_gather(
         q, k, v, cache.k, cache.v, step.slots, g.blocks, g.lens, bs, window, *p.values()
     )

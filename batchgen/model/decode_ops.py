@@ -105,6 +105,9 @@ def decode_flex(
     lens: torch.Tensor,
     block_size: int,
     window: int | None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As decode_gather, the rows read in place through a PagedMask's tensors (R >= B rows,
     a power of two: q is padded to R here and cut back)."""
@@ -112,7 +115,9 @@ def decode_flex(
     b, r = q.shape[0], lens.shape[0]
     qr = torch.cat([q, q.new_zeros(r - b, *q.shape[1:])]) if r > b else q
     m = PagedMask(num, indices, logical, tables, lens)
-    return flex_decode_attention(qr, k_pool, v_pool, m, window, block_size, compiled=True)[:b]
+    params = AttnParams(scale, softcap, sinks)
+    out = flex_decode_attention(qr, k_pool, v_pool, m, window, block_size, True, params)
+    return out[:b].contiguous()
 
 
 @decode_gather.register_fake
@@ -121,5 +126,5 @@ def _(q, k, v, k_pool, v_pool, slots, tables, lens, block_size, window, *params)
 
 
 @decode_flex.register_fake
-def _(q, k, v, k_pool, v_pool, slots, num, indices, logical, tables, lens, block_size, window):
-    return torch.empty_like(q)
+def _(q, k, v, k_pool, v_pool, slots, num, indices, logical, tables, lens, block_size, window, *p):
+    return q.new_empty(q.shape)  # contiguous, as the op's result

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.errors import ModelLoadError
-from batchgen.model.attention import DecodeBackend, StepAttention, step_attention
+from batchgen.model.attention import StepAttention, step_attention
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_lora import merge_hf_lora
 from batchgen.model.hf_support import load_plan
@@ -144,6 +144,14 @@ class HFModel(nn.Module):
     def kv_caches(self) -> list[PagedKVCache]:
         return self.caches
 
+    def step_masks(self, step: StepAttention) -> StepAttention:
+        """A compiled flex step's masks, built outside its graph and shared by every layer:
+        each row's block lists from its first block (no window), so every layer's own window,
+        applied in flex's mask_mod, is exact; a sliding layer only visits blocks it masks."""
+        cfg = self.cfg
+        queries = cfg.n_heads // cfg.n_kv_heads
+        return step.with_masks(None, self.caches[0], queries, cfg.max_position_embeddings)
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -153,8 +161,6 @@ class HFModel(nn.Module):
     ) -> torch.Tensor:
         """As Transformer.forward: (T,) packed tokens and positions -> float32 logits (S,
         vocab) of the rows at logits_index."""
-        if step.backend is not DecodeBackend.GATHER:  # soft-caps and sinks: the gather's math
-            step = StepAttention(step.slots, step.num_decodes, step.decodes, step.prefills)
         cfg = self.cfg
         ctx = BackendStep(
             step, self.caches, cfg.max_position_embeddings, cfg.n_heads // cfg.n_kv_heads

@@ -31,6 +31,13 @@ enable_gqa path refuses. Shapes are bounded: a group's rows are padded to a powe
 (padding rows read one key of the scratch block) and its lists and tables are widened, on the
 device, to one width for the model (`list_width`), so the compiled kernel sees one shape per row
 count, whatever the contexts.
+
+A layer's own attention (sdpa.AttnParams, the transformers backend's) goes into the same
+kernel: its scale into q (the compiled call) or flex's `scale` (eager); a soft-cap as a
+`score_mod`, cap * tanh(score / cap), one function object per cap value so the compiled kernel
+is reused across layers and steps; sinks from the log-sum-exp flex returns, since a sink adds
+exp(sink) to the softmax's denominator and nothing to its numerator: out * Z / (Z + e^sink) =
+out * sigmoid(lse - sink), per query head, exact.
 """
 
 from __future__ import annotations
@@ -39,9 +46,10 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from batchgen.model.kv_cache import PagedKVCache
+from batchgen.model.sdpa import DEFAULT, AttnParams
 
 # The CUDA decoding kernel needs the mask's query block size to be a multiple of its query
 # tile (>= 16 and >= the queries, next power of two): 128, flex's default, covers g <= 128.
@@ -183,6 +191,16 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+@functools.cache
+def _softcap(cap: float):
+    """The score_mod of a soft-cap: one object per value, so compiled kernels are reused."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return score_mod
+
+
 def flex_decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -191,28 +209,49 @@ def flex_decode_attention(
     window: int | None,
     bs: int,
     compiled: bool,
+    params: AttnParams = DEFAULT,
 ) -> torch.Tensor:
     """q (R, H, D), one query per row (R: the mask's rows), over the pools (slots, Hkv, D)
     in place -> (R, H, D). compiled: flex's own compiled kernel (at the static row count; on
     CUDA always, since eager flex materialises (R, H, pool) scores), else eager flex (exact
-    for every key: the CPU tests')."""
+    for every key: the CPU tests'). params: the layer's scale, soft-cap and sinks."""
     r, h, d = q.shape
     hkv = k_pool.shape[1]
     # The pool as one (1, Hkv, num_blocks * block_size, D) sequence: a view, no copy. Its
     # batch of 1 broadcasts over the rows (the kernels index K/V by batch % 1).
     k, v = (x.permute(1, 0, 2)[None] for x in (k_pool, v_pool))
     mask = block_mask(m, window, bs, h // hkv)
+    scale = params.scale if params.scale is not None else d**-0.5
+    kw = {"block_mask": mask}
+    if params.softcap is not None:
+        kw["score_mod"] = _softcap(float(params.softcap))
+    if params.sinks is not None:
+        # (inductor's CPU flex template returns no log-sum-exp in torch 2.13, so a compiled
+        # flex with sinks runs on CUDA only; the CPU's decode path is the gather)
+        kw["return_aux"] = AuxRequest(lse=True)
     if not compiled:
         qf = q.reshape(r, hkv, h // hkv, d)  # (R, Hkv, g, D): GQA folded into the query axis
-        return flex_attention(qf, k, v, block_mask=mask).reshape(r, h, d)
+        out = flex_attention(qf, k, v, scale=scale, **kw)
+        return _sunk(out, params.sinks).reshape(r, h, d)
     # Inductor's CPU template reads q's storage as 4-d: a view of the (R, H, D) q fails to
     # lower (torch 2.13). The softmax scale applied to the folded view makes q a tensor of its
     # own (on CUDA too: one rule). BLOCK_N: the key tile, at most a cache block, so the block
     # mask's KV block (one cache block) is a multiple of it whichever template inductor picks.
-    qf = q.reshape(r, hkv, h // hkv, d) * d**-0.5
+    qf = q.reshape(r, hkv, h // hkv, d) * scale
     for t in m.tensors():  # the compiled decode step's inputs, marked dynamic there
         unmark(t)
     opts = {"BLOCK_N": min(bs, 64)} if q.device.type == "cuda" else None
     with _flex_sizes():
-        out = _compiled_flex()(qf, k, v, block_mask=mask, scale=1.0, kernel_options=opts)
-    return out.reshape(r, h, d)
+        out = _compiled_flex()(qf, k, v, scale=1.0, kernel_options=opts, **kw)
+    return _sunk(out, params.sinks).reshape(r, h, d)
+
+
+def _sunk(out, sinks: torch.Tensor | None) -> torch.Tensor:
+    """flex's output, (R, Hkv, g, D), with each query head's sink in its softmax: out *
+    sigmoid(lse - sink); as it is without sinks (out is then the tensor alone)."""
+    if sinks is None:
+        return out
+    out, aux = out
+    hkv, g = out.shape[1], out.shape[2]
+    keep = torch.sigmoid(aux.lse.float() - sinks.float().view(hkv, g))  # (R, Hkv, g)
+    return (out.float() * keep[..., None]).to(out.dtype)
