@@ -88,8 +88,8 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
 
     \b
     Examples:
-      batchgen run prompts.parquet -o out/
-      batchgen run reviews.parquet -o out/ -t "Review: {{ text }}\\nSentiment:" --max-new-tokens 2
+      batchgen run prompts.parquet -o out/prompts
+      batchgen run reviews.parquet -o out/reviews -t "Review: {{ text }}\\nSentiment:" --max-new-tokens 2
       batchgen run jobs/label_sentiment.yaml --limit 100
     A killed or preempted job resumes when the same command runs again.
     """
@@ -117,6 +117,9 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
         _fail(str(e), 128 + e.signum)
     except KeyboardInterrupt:  # a second SIGINT during the job's loop
         _fail(str(JobInterrupted(signal.SIGINT)), 128 + signal.SIGINT)
+    if stats.rows == 0 and stats.rows_skipped_done:  # a rerun of a finished job: no table of 0s
+        click.echo(f"{cfg.output_dir}: all {stats.rows_skipped_done} rows were done before")
+        return
     if not cfg.quiet:
         click.echo(f"\nwrote {cfg.output_dir}\n{stats.table()}")
         click.echo(f"plots and metrics: batchgen report {cfg.output_dir}")

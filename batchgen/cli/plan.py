@@ -31,7 +31,8 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
         prompts += len({row.id for row in window.rows})
         errors += len(window.errors)
         for r in window.requests:
-            hist[_edge(r.prompt_len)] += 1
+            if not window.rows[r.index].sample_index:  # a prompt once, not once a sample
+                hist[_edge(r.prompt_len)] += 1
             prompt_tokens += r.prompt_len
             if r.candidates:  # a score row: its labels are scored, nothing generated
                 longest = max(longest, r.prompt_len + max(map(len, r.candidates)))
@@ -130,7 +131,7 @@ def format_plan(p: dict[str, Any]) -> str:
             f"{k} {v['value']:g} ({v['from']})" for k, v in p["generation_defaults"].items()
         ),
         "",
-        "prompt length histogram (tokens, up to: rows)",
+        "prompt length histogram (tokens, up to: prompts)",
     ]
     peak = max(p["length_histogram"].values(), default=1)
     for edge, n in p["length_histogram"].items():

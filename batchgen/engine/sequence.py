@@ -24,6 +24,9 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_new_tokens reached
     ERROR = "error"  # the row could not be run (see Completion.error)
 
+    def __str__(self) -> str:  # "stop", as vLLM's finish_reason prints (a str there)
+        return self.value
+
 
 @dataclass(slots=True)
 class Request:
@@ -39,6 +42,9 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     candidates: tuple[tuple[int, ...], ...] = ()  # continuations to score instead of generating
     score_from: int | None = None  # a candidate's sequence: tokens from here are scored
+    # the parent of its first prefix-cache key: requests whose equal tokens hold other keys
+    # and values (a longrope model's long prompts: engine.py) share no cached blocks
+    cache_salt: int | None = None
 
     @property
     def prompt_len(self) -> int:
