@@ -99,13 +99,13 @@ def plans(monkeypatch) -> list[dict]:
 def preempted(monkeypatch) -> list:
     """Every sequence the scheduler preempts, in order."""
     seen = []
-    preempt = Scheduler._preempt
+    preempt = Scheduler.preempt
 
     def spy(self, seq):
         seen.append(seq)
         preempt(self, seq)
 
-    monkeypatch.setattr(Scheduler, "_preempt", spy)
+    monkeypatch.setattr(Scheduler, "preempt", spy)
     return seen
 
 

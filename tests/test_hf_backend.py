@@ -147,7 +147,7 @@ def test_hybrids_are_refused_before_loading(model_type, hf_dirs):
 )
 def test_backend_refuses_what_it_does_not_do(options, words, hf_dirs):
     with pytest.raises(UsageError, match=words):
-        LLM(hf_dirs("phi3"), device="cpu", **options)
+        LLM(hf_dirs("olmo2"), device="cpu", **options)
 
 
 # soft-cap; sinks; a scale not 1/sqrt(head_dim); MLA's keys and values of two sizes
@@ -209,10 +209,10 @@ def test_compiled_decode_equals_transformers(model_type, hf_dirs, references):
 
 def test_native_is_refused_for_a_family_it_lacks(hf_dirs):
     with pytest.raises(UsageError, match="no native implementation"):
-        LLM(hf_dirs("phi3"), device="cpu", model_impl="native")
+        LLM(hf_dirs("olmo2"), device="cpu", model_impl="native")
 
 
-@pytest.mark.parametrize("model_type", ["gemma4_text", "deepseek_v3", "phi3", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["gemma4_text", "deepseek_v3", "olmo2", "gpt_oss"])
 def test_cli_run_and_plan(model_type, hf_dirs, tmp_path):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(4)})
     out = tmp_path / "out"
@@ -227,7 +227,8 @@ def test_cli_refusals_exit_2(hf_dirs, tmp_path):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
     r = run_cli("run", src, "-o", tmp_path / "a", "--model", hf_dirs("qwen3_next"), exit_code=2)
     assert_one_line_error(r, "qwen3_next", "transformers backend")
-    r = run_cli("run", src, "-o", tmp_path / "b", "--model", hf_dirs("phi3"), "-tp", 2, exit_code=2)
+    olmo2 = hf_dirs("olmo2")
+    r = run_cli("run", src, "-o", tmp_path / "b", "--model", olmo2, "-tp", 2, exit_code=2)
     assert_one_line_error(r, "tensor parallelism")
 
 

@@ -80,7 +80,7 @@ def test_cli_records_the_adapter_hash(base, tmp_path):
     d = base("phi3")
     make_adapter(d, tmp_path / "adapter", LoraConfig(r=4, target_modules=["qkv_proj"]))
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
-    args = ("--model", d, *FAST, "--lora", tmp_path / "adapter")
+    args = ("--model", d, *FAST, "--lora", tmp_path / "adapter", *BACKEND)  # phi3: native too
     run_cli("run", src, "-o", tmp_path / "out", *args)
     sha = hashlib.sha256((tmp_path / "adapter" / "adapter_model.safetensors").read_bytes())
     stats = read_stats(tmp_path / "out")

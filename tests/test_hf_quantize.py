@@ -63,7 +63,8 @@ def test_int8_equals_native_int8(backend, base):
 def test_cli_records_the_backend_scheme(base, tmp_path):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
     out = tmp_path / "out"
-    run_cli("run", src, "-o", out, "--model", base("phi3"), *FAST, "--quantize", "int8")
+    args = ("--model", base("phi3"), *FAST, "--model-impl", "transformers")  # phi3: native too
+    run_cli("run", src, "-o", out, *args, "--quantize", "int8")
     stats = read_stats(out)
     assert stats["model_impl"] == "transformers"
     assert "layers.*.self_attn.qkv_proj" in stats["quantization"]["modules"]

@@ -114,7 +114,7 @@ def test_unsupported_model_type_names_the_supported_families(tiny_dirs, tmp_path
     msg = str(err.value)
     assert "falcon" in msg
     native = {"gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"}
-    native |= {"gemma2", "gemma3_text"}
+    native |= {"gemma2", "gemma3_text", "phi3"}
     for family in native:
         assert family in msg
     assert set(SUPPORTED_FAMILIES) == native

@@ -38,12 +38,14 @@ from batchgen.engine.sequence import (
     FinishReason,
     KVPool,
     Request,
+    SeqStatus,
     Sequence,
     StepPlan,
     StepReport,
 )
 from batchgen.engine.step_cost import context_tokens
 from batchgen.engine.stopping import Detokenize, matched_stop, skipped, tokens_to_keep
+from batchgen.model.config import LongRopeRows
 from batchgen.model.memory import check_allocation
 
 
@@ -148,6 +150,9 @@ class Engine:
     def _add(self, r: Request) -> Completion | None:
         """Queue r, or return its error completion if it cannot run."""
         parts = expand(r)
+        rope = self.runner.rope_rows
+        for part in parts:  # a longrope model's long prompts cache other keys (longrope.py)
+            part.cache_salt = 1 if rope is not None and rope.is_long(part.prompt_len) else None
         longest = max(parts, key=lambda c: c.max_tokens)
         error = self._size_error(r, longest) or self._check_constraint(r) or self._check_bias(r)
         if error is not None:
@@ -161,6 +166,17 @@ class Engine:
             seq.queued_at = now
         self.completions.scoring(r, seqs)
         return None
+
+    def _recompute_grown_rows(self, plan: StepPlan, rope: LongRopeRows) -> None:
+        """A longrope row that has just grown past the original context runs its every token
+        again, on the long factors, as transformers' Phi-3 drops its cache there
+        (model/longrope.py); from then on its blocks are keyed apart."""
+        for s in plan.scheduled:
+            seq = s.seq
+            if seq.status is SeqStatus.RUNNING and seq.num_tokens == rope.original + 1:
+                seq.request.cache_salt = 1
+                self.scheduler.preempt(seq)
+                seq.block_keys.clear()
 
     def _size_error(self, r: Request, longest: Request) -> str | None:
         """Why r cannot run (longest: its longest sequence), or None."""
@@ -225,6 +241,8 @@ class Engine:
         if constrainer is not None:
             for seq in finished:
                 constrainer.release(seq)
+        if self.runner.rope_rows is not None:
+            self._recompute_grown_rows(plan, self.runner.rope_rows)
         return StepReport(
             finished=self.completions.of(finished, now),
             prompt_tokens=sum(s.num_tokens for s in plan.prefills),

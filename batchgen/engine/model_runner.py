@@ -90,6 +90,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = 0  # no cache until allocate()
         self.max_positions = model.cfg.max_position_embeddings
+        self.rope_rows = model.cfg.long_rope  # a longrope model's: positions -> table rows
         self.compiled = compile
         self.attention = decode_backend(self.device, block_size, model.cfg.head_dim)
         self.broadcast, self.clock = broadcast, clock
@@ -211,7 +212,7 @@ class ModelRunner:
         # Flex reads every row's blocks in place: one group; the gather pads each group's
         # copy to its longest table, so it groups rows by width.
         groups = 1 if self.attention is DecodeBackend.FLEX else 4
-        packed = pack_step(plan, self.block_size, max_groups=groups)
+        packed = pack_step(plan, self.block_size, max_groups=groups, rope=self.rope_rows)
         dev, n = self.device, len(packed.sampled)
         t0 = time.perf_counter()
         if self.broadcast is not None:
@@ -252,7 +253,7 @@ class ModelRunner:
     def _execute_compiled_decode(
         self, plan: StepPlan, bitmask: torch.Tensor | None
     ) -> tuple[Sampled, list[list[float]], StepTiming]:
-        packed = pack_decode(plan, self.block_size)
+        packed = pack_decode(plan, self.block_size, rope=self.rope_rows)
         x, n, pad = packed.inputs, len(plan.decodes), packed.padded_rows
         sampling = SamplingColumns()
         for s in packed.sampled:

@@ -112,8 +112,8 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
             while not self._grow(seq, n):
-                victim = self.running.pop()
-                self._preempt(victim)
+                victim = self.running[-1]
+                self.preempt(victim)
                 plan.preempted.append(victim)
                 if victim is seq:
                     break
@@ -225,13 +225,13 @@ class Scheduler:
         """Prefix-cache keys of seq's first n_blocks full blocks (computed once, kept)."""
         keys, bs = seq.block_keys, self.block_size
         while len(keys) < n_blocks:
-            j = len(keys)
-            keys.append(
-                block_hash(keys[-1] if keys else None, seq.token_ids[j * bs : (j + 1) * bs])
-            )
+            j, parent = len(keys), keys[-1] if keys else seq.request.cache_salt
+            keys.append(block_hash(parent, seq.token_ids[j * bs : (j + 1) * bs]))
         return keys[:n_blocks]
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Stop a running sequence and queue it to recompute (engine.py: a longrope row too)."""
+        self.running.remove(seq)
         self._forget_pending(seq)
         self.pool.release(seq.block_table)
         if seq.request.scoring:  # its scored tokens run again

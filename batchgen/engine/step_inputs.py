@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from batchgen.engine.block_pool import NULL_BLOCK
 from batchgen.engine.sequence import Scheduled, StepPlan
+from batchgen.model.config import LongRopeRows
 
 
 def next_pow2(n: int) -> int:
@@ -49,7 +50,7 @@ class StepInputs:
     per group; prefills: (first token, length, tokens already cached, blocks or None)."""
 
     tokens: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # a longrope model's: RoPE table rows
     slots: list[int] = field(default_factory=list)
     logits_index: list[int] = field(default_factory=list)
     decodes: list[tuple[int, list[list[int]], list[int]]] = field(default_factory=list)
@@ -90,12 +91,16 @@ def width_groups(
     return [*groups, (lo, len(widths))] if widths else []
 
 
-def _add_tokens(s: Scheduled, inputs: StepInputs, block_size: int) -> None:
-    table = s.seq.block_table
-    for p in range(s.start, s.start + s.num_tokens):
+def _add_tokens(
+    s: Scheduled, inputs: StepInputs, block_size: int, rope: LongRopeRows | None
+) -> None:
+    table, stop = s.seq.block_table, s.start + s.num_tokens
+    for p in range(s.start, stop):
         inputs.tokens.append(s.seq.token_ids[p])
-        inputs.positions.append(p)
         inputs.slots.append(table[p // block_size] * block_size + p % block_size)
+    # a longrope model's tokens carry their RoPE table row (config.LongRopeRows)
+    rows = range(s.start, stop) if rope is None else rope.rows(s.seq.num_tokens, s.start, stop)
+    inputs.positions += rows
 
 
 def _scored_positions(s: Scheduled) -> range:
@@ -106,9 +111,11 @@ def _scored_positions(s: Scheduled) -> range:
     return range(lo, min(s.start + s.num_tokens, seq.num_tokens - 1))
 
 
-def pack_step(plan: StepPlan, block_size: int, max_groups: int = 4) -> PackedStep:
+def pack_step(
+    plan: StepPlan, block_size: int, max_groups: int = 4, rope: LongRopeRows | None = None
+) -> PackedStep:
     """The plan at its exact size (eager): decodes in at most max_groups width groups, then
-    prefill spans."""
+    prefill spans. rope: a longrope model's table rows, which its positions become."""
     inputs = StepInputs()
     sampled: list[Scheduled] = []
     decodes = plan.decodes
@@ -118,7 +125,7 @@ def pack_step(plan: StepPlan, block_size: int, max_groups: int = 4) -> PackedSte
         tables, lens = [], []
         for i in order[lo:hi]:
             s = decodes[i]
-            _add_tokens(s, inputs, block_size)
+            _add_tokens(s, inputs, block_size, rope)
             sampled.append(s)
             inputs.logits_index.append(len(inputs.tokens) - 1)
             tables.append(s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)))
@@ -132,7 +139,7 @@ def pack_step(plan: StepPlan, block_size: int, max_groups: int = 4) -> PackedSte
             rows = _scored_positions(s)
             packed.scored.append([q_start + p - s.start for p in rows])
             packed.targets += [s.seq.token_ids[p + 1] for p in rows]
-        _add_tokens(s, inputs, block_size)
+        _add_tokens(s, inputs, block_size, rope)
         blocks = None
         if s.start:
             n_blocks = -(-(s.start + s.num_tokens) // block_size)
@@ -149,7 +156,7 @@ def pack_step(plan: StepPlan, block_size: int, max_groups: int = 4) -> PackedSte
     return packed
 
 
-def pack_decode(plan: StepPlan, block_size: int) -> PackedStep:
+def pack_decode(plan: StepPlan, block_size: int, rope: LongRopeRows | None = None) -> PackedStep:
     """A decode-only plan padded to a compiled shape: the batch to its capture size, the
     table width to a power of 2 (of 2 or more: dynamo would specialise a width of 1)."""
     n = len(plan.decodes)
@@ -157,7 +164,7 @@ def pack_decode(plan: StepPlan, block_size: int) -> PackedStep:
     width = max(2, next_pow2(max(len(s.seq.block_table) for s in plan.decodes)))
     inputs = StepInputs(compiled=True)
     for s in plan.decodes:
-        _add_tokens(s, inputs, block_size)
+        _add_tokens(s, inputs, block_size, rope)
     tables = [
         s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)) for s in plan.decodes
     ]

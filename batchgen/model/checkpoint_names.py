@@ -45,6 +45,11 @@ _LLAMA_FUSED = {
     "attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.w_in": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# Fused matrices a checkpoint stores whole (Phi-3), and which of ours each fills.
+_WHOLE_FUSED = {
+    "self_attn.qkv_proj": ("attn.wqkv", "qkv"),
+    "mlp.gate_up_proj": ("mlp.w_in", "gate_up"),
+}
 _GPT2_NAMES = {
     "ln_1": "attn_norm",
     "attn.c_attn": "attn.wqkv",
@@ -125,6 +130,11 @@ def weight_slot(cfg: ModelConfig, name: str, tp: TPShard = SINGLE) -> WeightSlot
         return WeightSlot(ours, _copies(cfg, tp, ours, "qkv" if ".wqkv." in ours else "in"), conv)
     if cfg.n_experts and (moe := moe_weight(cfg, name, tp)) is not None:
         return WeightSlot(*moe)
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight", name)
+    if m and cfg.family == Family.PHI3:  # its fused matrices, as ours: q|k|v, [gate; up] rows
+        ours, which = _WHOLE_FUSED[m.group(2)]
+        ours = f"layers.{m.group(1)}.{ours}.weight"
+        return WeightSlot(ours, _copies(cfg, tp, ours, which))
     ours, piece = _map_llama(name, _GEMMA_NAMES if cfg.family in GEMMA_FAMILIES else _LLAMA_NAMES)
     if ours is not None:
         return WeightSlot(ours, _copies(cfg, tp, ours, ""))

@@ -20,6 +20,7 @@ class Family(str, enum.Enum):
     QWEN3 = "qwen3"
     QWEN3_MOE = "qwen3_moe"
     MIXTRAL = "mixtral"
+    PHI3 = "phi3"
     GEMMA2 = "gemma2"
     GEMMA3_TEXT = "gemma3_text"
 
@@ -40,15 +41,20 @@ class PositionKind(str, enum.Enum):
 
 @dataclass(slots=True, frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. kind is "default", "linear" or "llama3"."""
+    """RoPE frequency scaling. kind is "default", "linear", "llama3" or "longrope"."""
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3, model/longrope.py): each frequency's divisor for rows within the original
+    # context and for rows beyond it (rotary_dim / 2 each), and the scale of cos and sin
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
-    SUPPORTED = ("default", "linear", "llama3")
+    SUPPORTED = ("default", "linear", "llama3", "longrope")
 
     def __post_init__(self) -> None:
         if self.kind not in self.SUPPORTED:
@@ -77,6 +83,7 @@ class ModelConfig:
     position: PositionKind = PositionKind.ROPE
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first 0.75 of head_dim
     activation: str = "silu"  # "silu" | "gelu_tanh" | "gelu"
     gated_mlp: bool = True  # SwiGLU-style gate * up (Llama) vs a plain 2-layer MLP (GPT-2)
     qkv_bias: bool = False
@@ -136,6 +143,33 @@ class ModelConfig:
             )
         if self.n_experts and self.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size must be positive ({self.n_experts} experts)")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} leaves {self.rotary_dim} of "
+                f"head_dim {self.head_dim} rotated (must be a positive even number)"
+            )
+        scaling = self.rope_scaling
+        if scaling.kind == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(scaling, name)) != self.rotary_dim // 2:
+                    raise ValueError(
+                        f"longrope's {name} must have {self.rotary_dim // 2} values (half the "
+                        f"rotary dimensions), not {len(getattr(scaling, name))}"
+                    )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading features of each head that RoPE rotates (transformers' rounding)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def long_rope(self) -> LongRopeRows | None:
+        """A native longrope model's RoPE table rows (LongRopeRows); None for any other model,
+        and for the transformers backend, which picks its factors itself."""
+        scaling = self.rope_scaling
+        if scaling.kind != "longrope" or self.impl != ModelImpl.NATIVE:
+            return None
+        return LongRopeRows(scaling.original_max_position_embeddings, self.max_position_embeddings)
 
     def moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts."""
@@ -189,3 +223,24 @@ class ModelConfig:
         if self.layer_kv:
             return 2 * sum(h * d for h, d in self.layer_kv) * dtype_bytes
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(slots=True, frozen=True)
+class LongRopeRows:
+    """Which rows of a longrope model's RoPE tables its tokens read (model/longrope.py): rows
+    0..offset - 1 hold the short factors' cos and sin, rows offset.. the long factors'. A row
+    of more than `original` tokens (prompt and generated so far) runs on the long factors,
+    every token of it: what transformers' generate does for that row alone. Plain data: the
+    step packer and the engine use it."""
+
+    original: int  # original_max_position_embeddings
+    offset: int  # max_position_embeddings: the first row of the long factors' table
+
+    def is_long(self, tokens: int) -> bool:
+        """Whether a row of `tokens` tokens runs on the long factors."""
+        return tokens > self.original
+
+    def rows(self, tokens: int, start: int, stop: int) -> range:
+        """The table rows of positions start..stop - 1 of a row of `tokens` tokens."""
+        shift = self.offset if self.is_long(tokens) else 0
+        return range(start + shift, stop + shift)

@@ -18,6 +18,7 @@ from batchgen.model.config import (
     RopeScaling,
 )
 from batchgen.model.gemma_config import gemma_config
+from batchgen.model.phi3_config import longrope_scaling, partial_rotary_factor
 
 SUPPORTED_FAMILIES = tuple(f.value for f in Family)
 
@@ -71,6 +72,10 @@ def _rope(hf: dict) -> tuple[float, RopeScaling]:
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("su", "yarn") and hf.get("model_type") == "phi3":
+        kind = "longrope"  # Phi-3's earlier names for it, as Phi3Config reads them
+    if kind == "longrope":
+        return theta, longrope_scaling(hf)
     if kind == "default":
         return theta, RopeScaling()
     if kind not in RopeScaling.SUPPORTED:
@@ -182,6 +187,7 @@ def _config_from_hf(hf: dict) -> ModelConfig:
         qk_norm=family in (Family.QWEN3, Family.QWEN3_MOE),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=sliding,
+        partial_rotary_factor=partial_rotary_factor(hf) if family == Family.PHI3 else 1.0,
         **_experts(hf, family),
     )
 

@@ -7,6 +7,7 @@ import math
 import torch
 
 from batchgen.model.config import RopeScaling
+from batchgen.model.longrope import longrope_tables
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -34,7 +35,10 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.
 def rope_tables(
     max_positions: int, head_dim: int, theta: float, scaling: RopeScaling, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each (max_positions, head_dim), float32."""
+    """cos and sin tables, each (max_positions, head_dim), float32; head_dim: the rotated
+    features (ModelConfig.rotary_dim). longrope: (2 * max_positions, head_dim), longrope.py."""
+    if scaling.kind == "longrope":
+        return longrope_tables(max_positions, head_dim, theta, scaling, device)
     inv_freq = inv_frequencies(head_dim, theta, scaling).to(device)
     t = torch.arange(max_positions, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # (P, D/2)
@@ -48,7 +52,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (..., H, D); cos, sin: (..., D) already gathered at each token's position."""
+    """x: (..., H, D); cos, sin: (..., R) already gathered at each token's position. R < D
+    (a partial rotary factor, Phi-4-mini's): the first R features rotate, the rest pass."""
     cos = cos.unsqueeze(-2).to(x.dtype)
     sin = sin.unsqueeze(-2).to(x.dtype)
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        rot, rest = x[..., :r], x[..., r:]
+        return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
     return x * cos + _rotate_half(x) * sin

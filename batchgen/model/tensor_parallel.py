@@ -138,12 +138,17 @@ def qkv_copies(cfg: ModelConfig, tp: TPShard, pieces: str) -> tuple[Copy, ...]:
 
 
 def gate_up_copies(cfg: ModelConfig, tp: TPShard, pieces: str) -> tuple[Copy, ...]:
-    """Copies into the local w_in: "gate", "up" (Llama, fused [gate; up] locally) or "in"
-    (GPT-2's c_fc, not gated)."""
+    """Copies into the local w_in: "gate", "up" (Llama, fused [gate; up] locally), "gate_up"
+    (Phi-3's gate_up_proj, [gate; up] already) or "in" (GPT-2's c_fc, not gated)."""
     local = tp.split(cfg.intermediate_size)
     k = local.stop - local.start
     if pieces == "in":
         return (Copy(0, local, None),)
+    if pieces == "gate_up":  # this rank's gate rows, then its up rows
+        if tp.size == 1:
+            return WHOLE
+        up = slice(cfg.intermediate_size + local.start, cfg.intermediate_size + local.stop)
+        return (Copy(0, local, slice(0, k)), Copy(0, up, slice(k, 2 * k)))
     dst = slice(0, k) if pieces == "gate" else slice(k, 2 * k)
     return (Copy(0, local if tp.size > 1 else None, dst),)
 

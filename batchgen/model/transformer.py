@@ -149,7 +149,7 @@ class Transformer(nn.Module):
         if self.cfg.position == PositionKind.ROPE:
             cos, sin = rope_tables(
                 self.cfg.max_position_embeddings,
-                self.cfg.head_dim,
+                self.cfg.rotary_dim,
                 self.cfg.rope_theta,
                 self.cfg.rope_scaling,
                 w.device,
