@@ -45,9 +45,6 @@ class Request:
     # the parent of its first prefix-cache key: requests whose equal tokens hold other keys
     # and values (a longrope model's long prompts: engine.py) share no cached blocks
     cache_salt: int | None = None
-    # the parent of its first prefix-cache key: requests whose equal tokens hold other keys
-    # and values (a longrope model's long prompts: engine.py) share no cached blocks
-    cache_salt: int | None = None
 
     @property
     def prompt_len(self) -> int:
