@@ -24,6 +24,11 @@ from batchgen.cli import main
 from batchgen.data.layout import MERGED_FILE
 
 BATCHGEN = [sys.executable, "-m", "batchgen.cli"]
+# Long enough (200 rows, 2 sequences at a time, a part per 2 rows) that a time-limit signal
+# lands mid-job.
+LONG_JOB = dict(
+    n_rows=200, max_new_tokens=32, ignore_eos=True, max_num_seqs=2, rows_per_part=2, flush_seconds=0
+)
 
 
 def make_job(tmp_path: Path, model: Path, n_rows: int = 30, **extra) -> Path:
@@ -134,17 +139,7 @@ def test_slurm_refuses_unknown_spec_keys(tmp_path):
 def test_script_saves_requeues_and_resumes_on_usr1(tmp_path, gpt2):
     """The time-limit path, without Slurm: USR1 to the batch shell stops batchgen (which saves
     its rows) and requeues the task; the rerun resumes and completes."""
-    # Long enough (100 rows of a shard, 2 sequences at a time) that USR1 lands mid-job.
-    spec = make_job(
-        tmp_path,
-        gpt2,
-        n_rows=200,
-        max_new_tokens=32,
-        ignore_eos=True,
-        max_num_seqs=2,
-        rows_per_part=2,
-        flush_seconds=0,
-    )
+    spec = make_job(tmp_path, gpt2, **LONG_JOB)  # 100 rows a shard
     script = tmp_path / "job.sbatch"
     script.write_text(dry_run(str(spec), "--shards", "2"))
     bin_dir = tmp_path / "bin"  # a fake scontrol that records how it was called
@@ -270,17 +265,7 @@ def test_spaces_in_the_output_path_and_job_name_on_slurm(slurm, tmp_path, gpt2):
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_time_limit_signal_requeues_and_resumes_on_slurm(slurm, tmp_path, gpt2):
-    # Long enough (200 rows, 2 sequences at a time) that the signal lands mid-job.
-    spec = make_job(
-        tmp_path,
-        gpt2,
-        n_rows=200,
-        max_new_tokens=32,
-        ignore_eos=True,
-        max_num_seqs=2,
-        rows_per_part=2,
-        flush_seconds=0,
-    )
+    spec = make_job(tmp_path, gpt2, **LONG_JOB)
     job = submit(spec, "--shards", "1")
     shard_dir = tmp_path / "out" / "shard-00000-of-00001"
     wait_for(job, 120, until=lambda: list(shard_dir.glob("part-*.parquet")))
