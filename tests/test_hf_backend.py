@@ -132,6 +132,16 @@ def test_removing_a_feature_changes_the_tokens(
     assert got != references(model_type)
 
 
+def test_llama4s_chunks_matter(hf_dirs, references, monkeypatch):
+    """Chunks of 8 positions, prompts longer: attending across chunks changes the tokens, and
+    the NoPE layer's temperature is 1 below floor_scale, which bounds the model's positions."""
+    llm = LLM(hf_dirs("llama4_text"), dtype="float32", device="cpu")
+    assert llm.spec.model_cfg.max_position_embeddings == 256  # under floor_scale (8192)
+    monkeypatch.setattr(hf_backend, "_layer_type", lambda config, i: None)
+    got = [c.token_ids for c in llm.generate(_prompts(), PARAMS)]
+    assert got != references("llama4_text")
+
+
 @pytest.mark.parametrize("model_type", sorted(HYBRIDS))
 def test_hybrids_are_refused_before_loading(model_type, hf_dirs):
     with pytest.raises(UsageError, match="cannot run on the transformers backend"):

@@ -67,6 +67,17 @@ FAMILIES = {
         max_position_embeddings=131072,
         **MOE,
     ),
+    # Llama 4 text: a chunked-attention layer (chunks of 8, shorter than the prompts) with RoPE,
+    # a NoPE full-attention layer with its temperature tuning, MoE with a shared expert
+    "llama4_text": dict(
+        head_dim=16,
+        attention_chunk_size=8,
+        no_rope_layers=[1, 0],
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        intermediate_size=64,
+        intermediate_size_mlp=128,
+    ),
     # MLA: keys of 16 + 8, values of 16 (one pool of 24); as many KV heads as heads
     "deepseek_v3": dict(
         num_key_value_heads=4,

@@ -89,7 +89,7 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
     \b
     Examples:
       batchgen run prompts.parquet -o out/prompts
-      batchgen run reviews.parquet -o out/reviews -t "Review: {{ text }}\\nSentiment:" --max-new-tokens 2
+      batchgen run reviews.parquet -o out/r -t "Review: {{ text }}\\nSentiment:" --max-new-tokens 2
       batchgen run jobs/label_sentiment.yaml --limit 100
     A killed or preempted job resumes when the same command runs again.
     """

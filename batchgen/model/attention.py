@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.model.decode_ops import decode_attention, decode_mask, window_ok
+from batchgen.model.decode_ops import decode_attention, decode_mask
 from batchgen.model.kv_cache import PagedKVCache
 from batchgen.model.paged_flex import (
     PagedMask,
@@ -44,6 +44,7 @@ from batchgen.model.paged_flex import (
     paged_mask,
 )
 from batchgen.model.sdpa import DEFAULT, AttnParams, sdpa
+from batchgen.model.windows import window_ok
 
 
 class DecodeBackend(enum.Enum):

@@ -23,12 +23,7 @@ import torch
 from batchgen.model.kv_cache import gather_blocks, write_slots
 from batchgen.model.paged_flex import PagedMask, flex_decode_attention
 from batchgen.model.sdpa import DEFAULT, AttnParams, sdpa
-
-
-def window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    return (
-        (q_pos - k_pos) < window if window is not None else torch.ones_like(k_pos, dtype=torch.bool)
-    )
+from batchgen.model.windows import window_ok
 
 
 def decode_mask(lens: torch.Tensor, s: int, window: int | None) -> torch.Tensor:

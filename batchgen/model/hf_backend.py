@@ -86,6 +86,9 @@ def _attention(
         if "sliding_window" in kwargs
         else getattr(module, "sliding_window", None)
     )
+    config = getattr(module, "config", None)
+    if window is None and _layer_type(config, module.layer_idx) == "chunked_attention":
+        window = -config.attention_chunk_size  # Llama 4's local layers (model/windows.py)
     params = AttnParams(scaling, kwargs.get("softcap"), kwargs.get("s_aux"))
     cache = ctx.caches[module.layer_idx]
     dv = value.shape[-1]
@@ -93,6 +96,11 @@ def _attention(
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, D)
     y = step_attention(q, k, v, cache, ctx.masked(window), params)
     return y[None, ..., :dv], None
+
+
+def _layer_type(config, layer_idx: int) -> str | None:
+    types = getattr(config, "layer_types", None)
+    return types[layer_idx] if types else None
 
 
 def _pad_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int):

@@ -4,10 +4,17 @@ before any weight loads.
 
 The backend replaces one thing in a transformers model, its attention function, so it serves
 exactly the models whose every layer is softmax attention called through transformers'
-`AttentionInterface` (the class says so with `_supports_attention_backend`), full or with a
-sliding window. Refused, naming why: recurrent or linear-attention layers (Mamba state,
-Gated DeltaNet: Qwen3-Next, Granite 4 hybrids, Jamba), chunked attention (Llama 4),
-encoder-decoders and pre-quantized checkpoints other than MXFP4.
+`AttentionInterface` (the class says so with `_supports_attention_backend`), full, with a
+sliding window, or chunked (Llama 4's local layers: model/windows.py). Refused, naming why:
+recurrent or linear-attention layers (Mamba state, Gated DeltaNet: Qwen3-Next, Granite 4
+hybrids, Jamba), encoder-decoders and pre-quantized checkpoints other than MXFP4.
+
+Llama 4's NoPE layers scale their queries by a "temperature" of the position, which
+transformers computes from the cache length plus an arange over the forward's tokens, not from
+position_ids; in a packed step that is the step's token index. It is 1 (no scaling) below
+`floor_scale` (8192) positions, so the backend serves such a model up to floor_scale - 1
+positions (its max_position_embeddings as batchgen sees it), where every row's and every
+packed step's (max_num_batched_tokens is far below it) is exact.
 
 Two kinds of checkpoint load as something other than their config.json's class:
 - a multimodal wrapper of model/multimodal.py's table (Gemma 3) loads its text model alone,
@@ -32,7 +39,7 @@ from batchgen.model.hf_config import SUPPORTED_FAMILIES, UnsupportedModelError
 from batchgen.model.multimodal import KEY_MAPPING, TEXT_MODEL_WRAPPERS
 from batchgen.model.quiet_import import quiet_torchao
 
-ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # The attention-interface kwargs and mask hooks the backend uses are transformers 5's.
 TESTED_MAJOR, TESTED_ON = 5, "5.25"
 DEQUANTIZED = frozenset({"mxfp4"})  # pre-quantized formats transformers dequantizes at load
@@ -188,7 +195,7 @@ def _backend_config(path: Path) -> ModelConfig:
         n_kv_heads=n_kv,
         head_dim=max(d for _, d in layer_kv),
         intermediate_size=getattr(text, "intermediate_size", None) or 4 * dim,
-        max_position_embeddings=getattr(text, "max_position_embeddings", None) or 4096,
+        max_position_embeddings=_max_positions(text),
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_window=window,
         impl=ModelImpl.TRANSFORMERS,
@@ -205,6 +212,14 @@ def meta_model(plan: LoadPlan) -> nn.Module:
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(plan.config)
+
+
+def _max_positions(text) -> int:
+    """The positions the backend serves exactly (Llama 4's temperature tuning: module doc)."""
+    positions = getattr(text, "max_position_embeddings", None) or 4096
+    if getattr(text, "attn_temperature_tuning", False) and 0 in (text.no_rope_layers or ()):
+        return min(positions, int(text.floor_scale) - 1)
+    return positions
 
 
 def _layer_kv(model: nn.Module, n_layers: int, default: tuple[int, int]):

@@ -50,6 +50,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from batchgen.model.kv_cache import PagedKVCache
 from batchgen.model.sdpa import DEFAULT, AttnParams
+from batchgen.model.windows import first_key
 
 # The CUDA decoding kernel needs the mask's query block size to be a multiple of its query
 # tile (>= 16 and >= the queries, next power of two): 128, flex's default, covers g <= 128.
@@ -115,7 +116,7 @@ def paged_mask(
     tables, lens = tables[:, :width].to(torch.int32), lens.to(torch.int32)
     rows, n = tables.shape  # columns past width: padding (no sequence holds more blocks)
     cols = torch.arange(n, dtype=torch.int32, device=tables.device)
-    lo = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
+    lo = (torch.zeros_like(lens) + first_key(lens - 1, window)).clamp(min=0)  # (R,)
     first, last = lo // bs, (lens - 1) // bs  # (R,) the first and last block read
     num = last - first + 1
     # The listed blocks, shifted to start at `first`: a buffer of its own, apart from `tables`
@@ -144,7 +145,7 @@ def block_mask(m: PagedMask, window: int | None, bs: int, queries: int) -> Block
         j = logical[blk]
         pos = j * bs + kv_idx % bs  # the key's position in row b's sequence, if b holds blk
         ok = (tables[b, j] == blk) & (pos < lens[b])
-        return ok & (pos >= lens[b] - window) if window is not None else ok
+        return ok & (pos >= first_key(lens[b] - 1, window)) if window is not None else ok
 
     return BlockMask.from_kv_blocks(
         m.num[:, None, None],  # (R, 1, 1): one head group, one query block
