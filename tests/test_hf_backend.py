@@ -142,6 +142,21 @@ def test_llama4s_chunks_matter(hf_dirs, references, monkeypatch):
     assert got != references("llama4_text")
 
 
+def test_a_rope_that_switches_with_the_longest_row_is_served_below_its_switch(tmp_path):
+    """longrope picks short or long factors from the largest position in a forward: packed,
+    one long row would switch every row's. The backend serves such a model up to its original
+    context (64 here), where the choice never switches, so every row equals transformers'."""
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}
+    path = save_tiny_hf_model(
+        "phi3", tmp_path / "phi3", rope_scaling=rope, original_max_position_embeddings=64
+    )
+    llm = LLM(path, dtype="float32", device="cpu", model_impl="transformers")
+    assert llm.spec.model_cfg.max_position_embeddings == 64
+    rows = [r[:40] for r in _prompts()]
+    got = [c.token_ids for c in llm.generate(rows, PARAMS)]
+    assert got == hf_greedy(path, rows, MAX_NEW)
+
+
 @pytest.mark.parametrize("model_type", sorted(HYBRIDS))
 def test_hybrids_are_refused_before_loading(model_type, hf_dirs):
     with pytest.raises(UsageError, match="cannot run on the transformers backend"):

@@ -214,12 +214,35 @@ def meta_model(plan: LoadPlan) -> nn.Module:
         return AutoModelForCausalLM.from_config(plan.config)
 
 
+# RoPE types whose frequencies transformers picks per forward from the largest position in it:
+# in a packed step one long row would switch every row's. Below the original context they
+# do not switch.
+SWITCHING_ROPE = ("longrope", "dynamic")
+
+
 def _max_positions(text) -> int:
-    """The positions the backend serves exactly (Llama 4's temperature tuning: module doc)."""
+    """The positions the backend serves exactly: below Llama 4's temperature floor (module
+    doc), and below the original context of a RoPE whose factors switch (SWITCHING_ROPE)."""
     positions = getattr(text, "max_position_embeddings", None) or 4096
     if getattr(text, "attn_temperature_tuning", False) and 0 in (text.no_rope_layers or ()):
-        return min(positions, int(text.floor_scale) - 1)
+        positions = min(positions, int(text.floor_scale) - 1)
+    for rope in _rope_parameters(text):
+        original = rope.get("original_max_position_embeddings") or getattr(
+            text, "original_max_position_embeddings", None
+        )
+        if rope.get("rope_type") in SWITCHING_ROPE and original:
+            positions = min(positions, int(original))
     return positions
+
+
+def _rope_parameters(text) -> list[dict]:
+    """Each RoPE's parameters of a config (one, or one per layer type: Gemma 3's)."""
+    rope = _get(text, "rope_parameters") or _get(text, "rope_scaling") or {}
+    if not isinstance(rope, dict):
+        return []
+    if "rope_type" in rope or "type" in rope:
+        return [{**rope, "rope_type": rope.get("rope_type", rope.get("type"))}]
+    return [r for r in rope.values() if isinstance(r, dict)]
 
 
 def _layer_kv(model: nn.Module, n_layers: int, default: tuple[int, int]):
