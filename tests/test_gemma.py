@@ -23,6 +23,7 @@ from helpers import (
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
+from batchgen.model.attention import DECODE_ATTENTION_ENV, DecodeBackend
 from batchgen.model.config import Family, RopeScaling
 from batchgen.model.gemma import GemmaRMSNorm, GemmaTransformer
 from batchgen.model.hf_config import config_from_hf
@@ -169,18 +170,28 @@ def test_logprobs_follow_the_final_soft_cap(gemma, monkeypatch):
     assert max((a - b).abs().max() for a, b in zip(got, uncapped, strict=True)) > 0.1
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_compiled_decode_equals_transformers(name, gemma, reference):
-    """One graph over a symbolic batch; the gather op takes each layer's scale and soft-cap,
-    the two windows' steps and the two RoPE tables."""
+def test_flex_decode_equals_transformers(name, gemma, reference, monkeypatch):
+    """CUDA's decode path, FlexAttention over the pool in place (eager here: exact for every
+    key), takes the layers' scale and soft-cap, and each layer's window in its mask."""
+    monkeypatch.setenv(DECODE_ATTENTION_ENV, "flex")
+    llm, got = _generate(gemma(name), EngineConfig(block_size=16))
+    assert llm.runner.attention is DecodeBackend.FLEX and got == reference(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["gather", "flex"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_compiled_decode_equals_transformers(name, attention, gemma, reference, monkeypatch):
+    """One graph over a symbolic batch; the decode op takes each layer's scale, soft-cap and
+    window, and the sliding layers their own RoPE table."""
+    monkeypatch.setenv(DECODE_ATTENTION_ENV, attention)
     opts = dict(compile=True, compile_cache="off")
     llm, got = _generate(gemma(name), EngineConfig(block_size=16), **opts)
     assert got == reference(name)
     assert llm.runner.shapes and llm.runner.decode.graphs == 1
 
 
-@pytest.mark.slow
 def test_two_tensor_parallel_ranks_equal_transformers(gemma, reference):
     """Heads and the MLP split as Llama's (gloo on the CPU), the norms replicated."""
     with LLM(gemma("gemma3"), dtype="float32", device="cpu", tensor_parallel_size=2) as llm:
