@@ -12,8 +12,12 @@ What differs from Llama (transformers' modeling_gemma2.py / modeling_gemma3.py, 
 
 The scale and soft-cap reach batchgen's step attention as `AttnParams` (the transformers
 backend passes the same, model/hf_backend.py), so prefill and decode, eager and compiled, run
-the same attention code as every family. The step's masks are built once per window value (two
-at most) and shared by the layers of that window.
+the same attention code as every family; CUDA's flex decode op takes them too (paged_flex.py:
+the scale into q, the soft-cap as a score_mod), so no path is refused or rebuilt as gather. The
+step's masks are built once per window value (two at most) and shared by the layers of that
+window. A compiled flex step's mask is built outside the graph by Transformer.step_masks with
+the model's sliding_window, None where the layers differ: each row's block list then starts at
+its first block, and each layer's own window, applied in flex's mask_mod, stays exact.
 """
 
 from __future__ import annotations
