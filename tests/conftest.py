@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_adapter
+from helpers import cached, make_adapter
+from tiny_hf_models import save_tiny_hf_model
 from tiny_models import FAMILIES, SHARPEN, save_tiny_model
 
 # Tiny test models gain nothing from a second thread, and a busy machine stalls it.
@@ -20,6 +21,14 @@ def _no_peak_probe(tmp_path_factory):
     mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
     yield
     mp.undo()
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory):
+    """model_type -> a tiny checkpoint of tests/tiny_hf_models.py, written at first use."""
+    return cached(
+        lambda model_type: save_tiny_hf_model(model_type, tmp_path_factory.mktemp(model_type))
+    )
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,18 @@ def prompt_file(tmp_path: Path, n: int, **columns: list) -> Path:
     """tmp_path/in.parquet, the input most tests run: a `prompt` column of prompts(n), then
     any more columns (regex=[...])."""
     return write_parquet(tmp_path / "in.parquet", {"prompt": prompts(n), **columns})
+
+
+def cached(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """key -> make(key), made at the first ask and kept (fixtures of models made on demand)."""
+    made: dict[Any, Any] = {}
+
+    def get(key: Any) -> Any:
+        if key not in made:
+            made[key] = make(key)
+        return made[key]
+
+    return get
 
 
 def cpu_llm(model_dir: Any, compile: bool = False, **kw: Any) -> LLM:

@@ -9,6 +9,7 @@ import json
 import pytest
 from helpers import (
     assert_one_line_error,
+    cached,
     hf_greedy,
     prompts,
     random_prompts,
@@ -41,28 +42,9 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory):
-    """model_type -> a tiny checkpoint directory, written at first use."""
-    made = {}
-
-    def get(model_type):
-        if model_type not in made:
-            made[model_type] = save_tiny_hf_model(model_type, tmp_path_factory.mktemp(model_type))
-        return made[model_type]
-
-    return get
-
-
-@pytest.fixture(scope="module")
 def references(hf_dirs):
-    cache = {}
-
-    def get(model_type):
-        if model_type not in cache:
-            cache[model_type] = hf_greedy(hf_dirs(model_type), _prompts(), MAX_NEW)
-        return cache[model_type]
-
-    return get
+    """model_type -> transformers' greedy tokens for _prompts()."""
+    return cached(lambda model_type: hf_greedy(hf_dirs(model_type), _prompts(), MAX_NEW))
 
 
 def _generate(model_dir, engine=None, model_impl="transformers"):

@@ -20,7 +20,6 @@ from helpers import (
     write_parquet,
 )
 from peft import LoraConfig
-from tiny_hf_models import save_tiny_hf_model
 
 from batchgen.engine.sequence import SamplingParams
 from batchgen.job.model_spec import ModelSpec
@@ -41,43 +40,31 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    made = {}
-
-    def get(model_type):
-        if model_type not in made:
-            made[model_type] = save_tiny_hf_model(model_type, tmp_path_factory.mktemp(model_type))
-        return made[model_type]
-
-    return get
-
-
 def _generate(model_dir, **kw) -> list[list[int]]:
     llm = LLM(model_dir, dtype="float32", device="cpu", model_impl="transformers", **kw)
     return [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))]
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_merged_adapter_equals_peft_merge_and_unload(case, base, tmp_path):
+def test_merged_adapter_equals_peft_merge_and_unload(case, hf_dirs, tmp_path):
     model_type, kw = CASES[case]
-    peft_model = make_adapter(base(model_type), tmp_path / "adapter", LoraConfig(r=4, **kw))
+    peft_model = make_adapter(hf_dirs(model_type), tmp_path / "adapter", LoraConfig(r=4, **kw))
     peft_model.merge_and_unload().save_pretrained(tmp_path / "merged")
     want = hf_greedy(tmp_path / "merged", PROMPTS, MAX_NEW)
 
-    got = _generate(base(model_type), lora=tmp_path / "adapter")
+    got = _generate(hf_dirs(model_type), lora=tmp_path / "adapter")
     assert got == want
-    assert got != _generate(base(model_type))  # the adapter changed the tokens
+    assert got != _generate(hf_dirs(model_type))  # the adapter changed the tokens
     adapter = tmp_path / "adapter"
     spec = ModelSpec.resolve(
-        base(model_type), device="cpu", lora=adapter, model_impl="transformers"
+        hf_dirs(model_type), device="cpu", lora=adapter, model_impl="transformers"
     )
     text_layers = [m for m in spec.lora.merges if "vision" not in m.module]
     assert len(spec.lora.merges) == len(text_layers) == 2 * len(kw["target_modules"])
 
 
-def test_cli_records_the_adapter_hash(base, tmp_path):
-    d = base("phi3")
+def test_cli_records_the_adapter_hash(hf_dirs, tmp_path):
+    d = hf_dirs("phi3")
     make_adapter(d, tmp_path / "adapter", LoraConfig(r=4, target_modules=["qkv_proj"]))
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
     args = ("--model", d, *FAST, "--lora", tmp_path / "adapter", *BACKEND)  # phi3: native too
@@ -104,18 +91,20 @@ def test_cli_records_the_adapter_hash(base, tmp_path):
         ("phi3", dict(target_modules=["embed_tokens"]), ("embed_tokens", "LoRA linear layer")),
     ],
 )
-def test_adapters_it_cannot_merge_exit_2(model_type, config, words, base, tmp_path):
-    make_adapter(base(model_type), tmp_path / "adapter", LoraConfig(r=4, **config))
+def test_adapters_it_cannot_merge_exit_2(model_type, config, words, hf_dirs, tmp_path):
+    make_adapter(hf_dirs(model_type), tmp_path / "adapter", LoraConfig(r=4, **config))
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    args = ("--model", base(model_type), *FAST, "--lora", tmp_path / "adapter", *BACKEND)
+    args = ("--model", hf_dirs(model_type), *FAST, "--lora", tmp_path / "adapter", *BACKEND)
     r = run_cli("run", src, "-o", tmp_path / "out", *args, exit_code=2)
     assert_one_line_error(r, "LoRA adapter", *words)
 
 
-def test_adapter_of_another_base_model_is_refused(base, tmp_path):
+def test_adapter_of_another_base_model_is_refused(hf_dirs, tmp_path):
     """Phi-3's fused qkv_proj: Gemma 3 has none."""
-    make_adapter(base("phi3"), tmp_path / "adapter", LoraConfig(r=4, target_modules=["qkv_proj"]))
+    make_adapter(
+        hf_dirs("phi3"), tmp_path / "adapter", LoraConfig(r=4, target_modules=["qkv_proj"])
+    )
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    args = ("--model", base("gemma3"), *FAST, "--lora", tmp_path / "adapter")
+    args = ("--model", hf_dirs("gemma3"), *FAST, "--lora", tmp_path / "adapter", *BACKEND)
     r = run_cli("run", src, "-o", tmp_path / "out", *args, exit_code=2)
     assert_one_line_error(r, "LoRA adapter", "qkv_proj", "no such module", "another base model")

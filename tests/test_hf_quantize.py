@@ -13,7 +13,6 @@ from helpers import (
     run_cli,
     write_parquet,
 )
-from tiny_hf_models import save_tiny_hf_model
 
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
@@ -21,24 +20,12 @@ from batchgen.llm import LLM
 PROMPTS = random_prompts([3, 9, 5, 14, 1, 7])
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    made = {}
-
-    def get(model_type):
-        if model_type not in made:
-            made[model_type] = save_tiny_hf_model(model_type, tmp_path_factory.mktemp(model_type))
-        return made[model_type]
-
-    return get
-
-
 @pytest.mark.parametrize("backend", ["torchao", "quanto"])
-def test_int8_equals_native_int8(backend, base):
+def test_int8_equals_native_int8(backend, hf_dirs):
     runs = {}
     for impl in ("native", "transformers"):
         llm = LLM(
-            base("llama"),
+            hf_dirs("llama"),
             dtype="float32",
             device="cpu",
             model_impl=impl,
@@ -53,17 +40,19 @@ def test_int8_equals_native_int8(backend, base):
     assert tokens["transformers"] == tokens["native"]
     hf = runs["transformers"]
     assert hf.weights_bytes_per_rank == runs["native"].weights_bytes_per_rank
-    float_bytes = LLM(base("llama"), device="cpu", model_impl="transformers").weights_bytes_per_rank
+    float_bytes = LLM(
+        hf_dirs("llama"), device="cpu", model_impl="transformers"
+    ).weights_bytes_per_rank
     assert hf.weights_bytes_per_rank < 0.7 * float_bytes
     q = hf.quant.to_dict()
     assert q["method"] == "int8" and "layers.*.self_attn.q_proj" in q["modules"]
     assert "layers.*.attn.wqkv" not in q["modules"]
 
 
-def test_cli_records_the_backend_scheme(base, tmp_path):
+def test_cli_records_the_backend_scheme(hf_dirs, tmp_path):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
     out = tmp_path / "out"
-    args = ("--model", base("phi3"), *FAST, "--model-impl", "transformers")  # phi3: native too
+    args = ("--model", hf_dirs("phi3"), *FAST, "--model-impl", "transformers")  # phi3: native too
     run_cli("run", src, "-o", out, *args, "--quantize", "int8")
     stats = read_stats(out)
     assert stats["model_impl"] == "transformers"
@@ -77,8 +66,8 @@ def test_cli_records_the_backend_scheme(base, tmp_path):
         ("phi3", "int4", ("--quantize int4", "int8 or fp8")),
     ],
 )
-def test_refused_before_loading(model_type, quantize, words, base, tmp_path):
+def test_refused_before_loading(model_type, quantize, words, hf_dirs, tmp_path):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(2)})
-    args = ("--model", base(model_type), *FAST, "--model-impl", "transformers")
+    args = ("--model", hf_dirs(model_type), *FAST, "--model-impl", "transformers")
     r = run_cli("run", src, "-o", tmp_path / "o", *args, "--quantize", quantize, exit_code=2)
     assert_one_line_error(r, *words)
