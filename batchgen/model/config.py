@@ -216,6 +216,7 @@ class ModelConfig:
         if self.position != PositionKind.ROPE:
             return 0
         tables = 2 if self.local_rope_theta is not None else 1  # Gemma 3's local and global
+        tables *= 2 if self.rope_scaling.kind == "longrope" else 1  # short and long factors'
         return int(self.max_position_embeddings * self.head_dim * 4 * 3.5) * tables
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
