@@ -109,8 +109,9 @@ HELP: dict[str, str] = {
     ),
     "model_impl": (
         "Which code runs the model: native (batchgen's decoder: gpt2, llama, mistral, qwen2, "
-        "qwen3, qwen3_moe, mixtral), transformers (transformers' modeling code with batchgen's paged attention: "
-        "other causal LMs), or auto (native where it has the family)."
+        "qwen3, qwen3_moe, mixtral, gemma2, gemma3_text, phi3), transformers (transformers' "
+        "modeling code with batchgen's paged attention: other causal LMs), or auto (native "
+        "where it has the family)."
     ),
     "compile": (
         "torch.compile the decode steps (as CUDA graphs on a GPU; prefill runs eagerly): one "
