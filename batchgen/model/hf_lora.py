@@ -31,7 +31,6 @@ from batchgen.model.lora import (
     _read_config,
     _tensor_shapes,
     _weights_file,
-    adapter_sha256,
 )
 from batchgen.model.multimodal import is_language_model, text_name
 from batchgen.model.quiet_import import quiet_torchao
@@ -81,17 +80,7 @@ def check_hf_adapter(path: str | Path, model_dir: Path) -> LoraAdapter:
         kinds.add(module.rsplit(".", 1)[-1])
     if not merges:
         raise LoraError(f"LoRA adapter {path} holds no LoRA weights of the language model")
-    return LoraAdapter(
-        path=path,
-        r=config.r,
-        alpha=config.lora_alpha,
-        use_rslora=bool(config.use_rslora),
-        rank_pattern=dict(config.rank_pattern or {}),
-        alpha_pattern=dict(config.alpha_pattern or {}),
-        targets=tuple(sorted(kinds)),
-        sha256=adapter_sha256(path),
-        merges=tuple(merges),
-    )
+    return LoraAdapter.of(path, config, merges, kinds)
 
 
 def _merge(path: Path, config, module: str, name: str, layer, ab: dict) -> LoraMerge:

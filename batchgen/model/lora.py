@@ -72,6 +72,13 @@ class LoraAdapter:
     sha256: str  # of adapter_model.safetensors
     merges: tuple[LoraMerge, ...]
 
+    @classmethod
+    def of(cls, path: Path, config, merges: list[LoraMerge], kinds: set[str]) -> LoraAdapter:
+        """The adapter at path: its config's settings, and the merges checked against a model."""
+        patterns = dict(config.rank_pattern or {}), dict(config.alpha_pattern or {})
+        settings = (config.r, config.lora_alpha, bool(config.use_rslora), *patterns)
+        return cls(path, *settings, tuple(sorted(kinds)), adapter_sha256(path), tuple(merges))
+
     def to_dict(self) -> dict[str, Any]:
         out = {
             "path": str(self.path.resolve()),
@@ -251,17 +258,7 @@ def check_adapter(path: str | Path, cfg: ModelConfig) -> LoraAdapter:
         )
     if not merges:
         raise LoraError(f"LoRA adapter {path} holds no LoRA weights")
-    return LoraAdapter(
-        path=path,
-        r=config.r,
-        alpha=config.lora_alpha,
-        use_rslora=bool(config.use_rslora),
-        rank_pattern=dict(config.rank_pattern or {}),
-        alpha_pattern=dict(config.alpha_pattern or {}),
-        targets=tuple(sorted(kinds)),
-        sha256=adapter_sha256(path),
-        merges=tuple(merges),
-    )
+    return LoraAdapter.of(path, config, merges, kinds)
 
 
 @torch.no_grad()
