@@ -94,6 +94,28 @@ SHAPES: dict[str, Shape] = {
         "Qwen3-MoE-shaped, 55M parameters (28M in 16 experts a layer, 4 of them a token; 25M "
         "embeddings and head): the native MoE against the transformers backend",
     ),
+    "phi4-mini-40m": Shape(
+        "phi3",
+        dict(
+            hidden_size=384,
+            intermediate_size=1024,
+            num_hidden_layers=6,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            partial_rotary_factor=0.75,  # 48 of 64 features rotate
+            original_max_position_embeddings=1024,
+            rope_scaling=dict(
+                rope_type="longrope",
+                short_factor=[1.0 + 0.05 * i for i in range(24)],
+                long_factor=[1.0 + 0.5 * i for i in range(24)],
+            ),
+            vocab_size=32000,
+            max_position_embeddings=4096,
+        ),
+        "Phi-4-mini-shaped, 34M parameters (25M embeddings and head): fused qkv_proj and "
+        "gate_up_proj, partial rotary 0.75, longrope (rows under 1024 tokens: the short "
+        "factors): native Phi-3 against the transformers backend",
+    ),
     "gpt2-124m": Shape(
         "gpt2",
         dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=2048),
