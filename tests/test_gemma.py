@@ -269,3 +269,17 @@ def test_int8_and_lora_load_natively(gemma, reference, tmp_path):
     want = [r[: r.index(1) + 1] if 1 in r else r for r in rows]  # EOS 1
     _, got = _generate(d, lora=tmp_path / "adapter")
     assert got == want and want != reference("gemma2")
+
+
+def test_the_mlp_activation_is_torchs_tanh_gelu_bit_for_bit(gemma):
+    """gelu_pytorch_tanh is torch's fused kernel, not GPT-2's written-out gelu_new (which
+    differs in the last bits and ran the MLP slower)."""
+    from transformers.activations import ACT2FN
+
+    from batchgen.model.activations import activation
+
+    llm = LLM(gemma("gemma2"), dtype="float32", device="cpu")
+    name = llm.spec.model_cfg.activation
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 4
+    assert torch.equal(activation(name, x), ACT2FN["gelu_pytorch_tanh"](x))
+    assert not torch.equal(activation("gelu_tanh", x), ACT2FN["gelu_pytorch_tanh"](x))

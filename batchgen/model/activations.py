@@ -18,6 +18,8 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
             * x
             * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
         )
+    if name == "gelu_pytorch_tanh":  # Gemma's: torch's tanh approximation, one fused kernel
+        return F.gelu(x, approximate="tanh")
     if name == "gelu":
         return F.gelu(x)
     raise ValueError(f"unknown activation {name!r}")

@@ -84,7 +84,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
     partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first 0.75 of head_dim
-    activation: str = "silu"  # "silu" | "gelu_tanh" | "gelu"
+    activation: str = "silu"  # "silu" | "gelu_tanh" | "gelu_pytorch_tanh" | "gelu"
     gated_mlp: bool = True  # SwiGLU-style gate * up (Llama) vs a plain 2-layer MLP (GPT-2)
     qkv_bias: bool = False
     o_bias: bool = False

@@ -101,7 +101,7 @@ def gemma_config(hf: dict, family: Family) -> ModelConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        activation="gelu_tanh",
+        activation="gelu_tanh" if act == "gelu_new" else "gelu_pytorch_tanh",
         qkv_bias=bias,
         o_bias=bias,
         qk_norm=family == Family.GEMMA3_TEXT,
