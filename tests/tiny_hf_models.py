@@ -15,20 +15,9 @@ from pathlib import Path
 
 import torch
 import transformers
-from tiny_models import SHARPEN, sharpen_attention, tiny_tokenizer
+from tiny_models import SHARPEN, llama_sizes, sharpen_attention, tiny_tokenizer
 
-COMMON = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=0,
-    eos_token_id=1,
-    pad_token_id=1,
-)
+COMMON = llama_sizes(64)
 SLIDING_FULL = ["sliding_attention", "full_attention"]
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 FAMILIES = {

@@ -33,20 +33,27 @@ _CORPUS = (
 )
 
 
-def _config(family: str, **overrides) -> transformers.PretrainedConfig:
-    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    if family == "gpt2":
-        kw = dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, **common)
-        return transformers.GPT2Config(**{**kw, **overrides})
-    kw = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+TOKENS = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+
+
+def llama_sizes(hidden: int, layers: int = 2) -> dict:
+    """A tiny Llama-shaped config's sizes (4 heads, 2 KV heads, 256 positions) and tokens."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        **common,
+        **TOKENS,
     )
+
+
+def _config(family: str, **overrides) -> transformers.PretrainedConfig:
+    if family == "gpt2":
+        kw = dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, **TOKENS)
+        return transformers.GPT2Config(**{**kw, **overrides})
+    kw = llama_sizes(32)
     cls = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
