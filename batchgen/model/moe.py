@@ -27,9 +27,10 @@ kernel refuses float32). Inside the op each device takes its best kernel:
     captured, where the loop's host sync cannot be, every expert on every token (dense).
 
 Measured on this 2-core CPU in float32 (scripts/bench_moe.py, docs/benchmarks.md; a busy
-machine, medians of alternating calls): grouped was 1.0-2.4x the loop's speed in 11 of 12
-cells from 1 to 1024 tokens, at 16 experts (4 a token) and 64 (8 a token), with the same
-values bit for bit, so the CPU takes grouped at every token count.
+machine, medians of alternating calls, 16 experts 4 a token and 64 experts 8 a token): on one
+thread grouped was 1.04-1.57x the loop's speed from 1 to 256 tokens and the loop 1.02-1.18x
+faster at 1024 (on two, grouped led there too), with the same values bit for bit; decode
+batches are at most 256 rows, so the CPU takes grouped at every token count.
 """
 
 from __future__ import annotations
