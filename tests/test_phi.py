@@ -4,9 +4,11 @@ transformers' generate on tiny sharpened models under packed and chunked prefill
 and prefix hits; longrope rows each equal to transformers running that row alone: short rows,
 long rows (prompts over original_max_position_embeddings, 64 here, of 256) and a row that grows
 past it and is recomputed. Equal to the transformers backend, two tensor-parallel ranks equal
-to one, LoRA on the fused matrices equal to peft's merge, the CLI. Controls: long factors for
-short rows, short factors for long rows, no recompute where a row grows past the original
-context, and long and short rows sharing cached blocks each change the tokens."""
+to one, LoRA on the fused matrices equal to peft's merge, the CLI. Controls: no window, full
+rotary, long factors for short rows, short factors for long rows, no recompute where a row grows
+past the original context, and no prefix-cache salt for long rows each change the tokens."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -125,6 +127,15 @@ def test_longrope_rows_each_equal_transformers_alone(name, phi, references):
     sched = llm.engine.scheduler
     assert sched.num_preemptions > 0 and sched.pool.hits > 0
     assert all(len(row) == LONG_NEW for row in want)  # the growing row did pass 64
+
+
+@pytest.mark.parametrize("change", [dict(sliding_window=None), dict(partial_rotary_factor=1.0)])
+def test_without_the_window_or_the_partial_rotary_the_tokens_change(change, phi, references):
+    """The model's config changed before its caches and RoPE tables are built."""
+    llm = LLM(phi("partial-window"), dtype="float32", device="cpu")
+    llm.model.cfg = dataclasses.replace(llm.model.cfg, **change)
+    got = [c.token_ids for c in llm.generate(_prompts(), PARAMS)]
+    assert got != references("partial-window")
 
 
 def test_longrope_controls_change_the_tokens(phi, references, monkeypatch):
