@@ -12,7 +12,16 @@ import json
 import pytest
 import torch
 import transformers
-from helpers import cpu_llm, hf_greedy, make_adapter, prompt_file, read_stats, run_job, run_plan
+from helpers import (
+    cached,
+    cpu_llm,
+    hf_greedy,
+    make_adapter,
+    prompt_file,
+    read_stats,
+    run_job,
+    run_plan,
+)
 from test_compile import ENGINE as COMPILE_ENGINE
 from test_compile import CompileEvents, _run, _same, _workload
 from test_hf_backend import MAX_NEW, PARAMS, TIGHT, _prompts
@@ -39,34 +48,25 @@ RENORMALISED = ("qwen3_moe-renorm-dense", "mixtral")
 def moe_dirs(tmp_path_factory):
     """name -> a tiny checkpoint directory, written at first use; "qwen3_moe-fused": the
     qwen3_moe one saved with its experts as 3-D tensors (save_original_format=False)."""
-    made = {}
 
-    def get(name):
-        if name not in made:
-            path = tmp_path_factory.mktemp(name)
-            if name == "qwen3_moe-fused":
-                hf = transformers.AutoModelForCausalLM.from_pretrained(get("qwen3_moe"))
-                hf.save_pretrained(path, save_original_format=False)
-                transformers.AutoTokenizer.from_pretrained(get("qwen3_moe")).save_pretrained(path)
-            else:
-                model_type, overrides = MODELS[name]
-                save_tiny_hf_model(model_type, path, **overrides)
-            made[name] = path
-        return made[name]
+    def make(name):
+        path = tmp_path_factory.mktemp(name)
+        if name == "qwen3_moe-fused":
+            hf = transformers.AutoModelForCausalLM.from_pretrained(get("qwen3_moe"))
+            hf.save_pretrained(path, save_original_format=False)
+            transformers.AutoTokenizer.from_pretrained(get("qwen3_moe")).save_pretrained(path)
+        else:
+            model_type, overrides = MODELS[name]
+            save_tiny_hf_model(model_type, path, **overrides)
+        return path
 
+    get = cached(make)
     return get
 
 
 @pytest.fixture(scope="module")
 def references(moe_dirs):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = hf_greedy(moe_dirs(name), _prompts(), MAX_NEW)
-        return cache[name]
-
-    return get
+    return cached(lambda name: hf_greedy(moe_dirs(name), _prompts(), MAX_NEW))
 
 
 def _generate(model_dir, engine=None, **options):

@@ -13,7 +13,15 @@ import dataclasses
 import pytest
 import torch
 import transformers
-from helpers import hf_greedy, make_adapter, prompt_file, random_prompts, read_stats, run_job
+from helpers import (
+    cached,
+    hf_greedy,
+    make_adapter,
+    prompt_file,
+    random_prompts,
+    read_stats,
+    run_job,
+)
 from test_hf_backend import MAX_NEW, PARAMS, TIGHT, _prompts
 from test_tensor_parallel_ranks import ENGINE as TP_ENGINE
 from test_tensor_parallel_ranks import GREEDY, PROMPTS, _assert_tp_matches
@@ -84,17 +92,13 @@ def phi(hf_model_dirs):
 @pytest.fixture(scope="module")
 def references(phi):
     """Dense models: transformers' batched generate; longrope: each row run alone."""
-    cache = {}
 
-    def get(name):
-        if name not in cache:
-            if name in DENSE:
-                cache[name] = hf_greedy(phi(name), _prompts(), MAX_NEW)
-            else:
-                cache[name] = [hf_greedy(phi(name), [p], LONG_NEW)[0] for p in _long_prompts()]
-        return cache[name]
+    def make(name):
+        if name in DENSE:
+            return hf_greedy(phi(name), _prompts(), MAX_NEW)
+        return [hf_greedy(phi(name), [p], LONG_NEW)[0] for p in _long_prompts()]
 
-    return get
+    return cached(make)
 
 
 def _generate(model_dir, engine=None, prompts=None, params=PARAMS, **options):
