@@ -87,6 +87,20 @@ def prompt_file(tmp_path: Path, n: int, **columns: list) -> Path:
     return write_parquet(tmp_path / "in.parquet", {"prompt": prompts(n), **columns})
 
 
+def assert_live_equal(got: list[list[int]], want: list[list[int]]) -> None:
+    """got equals want, a live reference: more than half its rows vary (not one token over)."""
+    assert got == want
+    assert sum(len(set(row)) > 2 for row in want) > len(want) // 2, want
+
+
+def assert_pressed(llm: LLM) -> None:
+    """The run preempted rows and hit the prefix cache (a tight engine's), and gave every
+    block back."""
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0 and sched.pool.hits > 0
+    assert sched.pool.num_free == sched.pool.num_usable
+
+
 def cached(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """key -> make(key), made at the first ask and kept (fixtures of models made on demand)."""
     made: dict[Any, Any] = {}

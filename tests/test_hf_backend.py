@@ -8,7 +8,9 @@ import json
 
 import pytest
 from helpers import (
+    assert_live_equal,
     assert_one_line_error,
+    assert_pressed,
     cached,
     hf_greedy,
     prompts,
@@ -57,18 +59,14 @@ def _generate(model_dir, engine=None, model_impl="transformers"):
 def test_greedy_equals_transformers_packed(model_type, hf_dirs, references):
     llm, got = _generate(hf_dirs(model_type))
     assert llm.spec.model_cfg.impl == "transformers"
-    assert got == references(model_type)
-    want = references(model_type)
-    assert sum(len(set(row)) > 2 for row in want) > len(want) // 2, want  # a live reference
+    assert_live_equal(got, references(model_type))
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_greedy_equals_transformers_chunked_preempted_prefix_hit(model_type, hf_dirs, references):
     llm, got = _generate(hf_dirs(model_type), TIGHT)
     assert got == references(model_type)
-    sched = llm.engine.scheduler
-    assert sched.num_preemptions > 0 and sched.pool.hits > 0
-    assert sched.pool.num_free == sched.pool.num_usable
+    assert_pressed(llm)
 
 
 def test_layers_of_different_shapes_get_their_own_pools(hf_dirs):
