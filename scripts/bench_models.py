@@ -116,6 +116,23 @@ SHAPES: dict[str, Shape] = {
         "gate_up_proj, partial rotary 0.75, longrope (rows under 1024 tokens: the short "
         "factors): native Phi-3 against the transformers backend",
     ),
+    "gemma3-30m": Shape(
+        "gemma3_text",
+        dict(
+            hidden_size=384,
+            intermediate_size=1024,
+            num_hidden_layers=6,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=64,
+            query_pre_attn_scalar=64,
+            sliding_window=64,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+        ),
+        "Gemma-3-shaped, 22M parameters (12M of them the tied embedding), 5 sliding layers "
+        "(64-token window, local RoPE) to 1 global: native Gemma against the backend",
+    ),
     "gpt2-124m": Shape(
         "gpt2",
         dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=2048),
@@ -236,6 +253,9 @@ def build(
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
     model.to_empty(device=device)
+    # to_empty gives a tied head its own tensor: tied again, or it is saved apart (random) and
+    # transformers 5 then runs the checkpoint untied where batchgen's loader ties it
+    model.tie_weights()
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():  # tied weights appear once

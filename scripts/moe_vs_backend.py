@@ -1,14 +1,15 @@
-"""The native MoE decoder (model/moe.py) against the transformers backend on the same MoE
-checkpoint, whole `batchgen run` processes as a user runs them.
+"""A native decoder (the MoE of model/moe.py, Gemma's of model/gemma.py) against the
+transformers backend on the same checkpoint, whole `batchgen run` processes as a user runs them.
 
     python scripts/moe_vs_backend.py                 # CPU float32, qwen3-moe-60m, 2 pairs
+    python scripts/moe_vs_backend.py --model gemma3-30m
     python scripts/moe_vs_backend.py --device cuda --dtype bfloat16 --rows 512
 
 `--model-impl native` and `--model-impl transformers` alternate, A B A B, --pairs times (the
 machine is shared: medians, each pair's ratio beside them). Per run: wall seconds, the
 engine's seconds (prefill_s + decode_s from `.batchgen/stats.json`), its steps and the mean
 step time; token ids are compared with the first native run's (greedy float32: they must be
-equal, as tests/test_moe.py checks on the tiny models).
+equal, as tests/test_moe.py and tests/test_gemma.py check on the tiny models).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def markdown(r: dict) -> str:
     lines = [
-        f"## MoE native vs backend {r['date']} · {r['machine']}",
+        f"## {r['model']} native vs backend {r['date']} · {r['machine']}",
         "",
         f"`{r['command']}` ({r['model']}, {r['workload']}, {r['rows']} rows)",
         "",
