@@ -10,6 +10,9 @@ import pytest
 import torch
 import transformers
 from helpers import (
+    assert_live_equal,
+    assert_pressed,
+    cached,
     hf_generate,
     hf_greedy,
     make_adapter,
@@ -19,9 +22,9 @@ from helpers import (
     rows_by_id,
     run_job,
 )
+from test_hf_backend import MAX_NEW, PARAMS, TIGHT
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
 from batchgen.model.attention import DECODE_ATTENTION_ENV, DecodeBackend
 from batchgen.model.config import Family, RopeScaling
@@ -31,11 +34,6 @@ from batchgen.model.rope import rope_tables
 from batchgen.model.sdpa import AttnParams
 from batchgen.model.transformer import RMSNorm
 
-MAX_NEW = 12
-PARAMS = SamplingParams(max_new_tokens=MAX_NEW)
-# chunks of <= 5 tokens, 3 rows at a time, 10 usable blocks of 4: chunked prefill, decodes beside
-# chunks, preemption; the prefixed rows hit the cached prefix.
-TIGHT = EngineConfig(max_num_seqs=3, max_num_batched_tokens=5, block_size=4, kv_cache_tokens=44)
 # Gemma 3's sliding layers rotate with a base of 10 (the default 10000 and the global 1e6 turn
 # alike over an 8-token window: the base would not show); "-linear": its global layers' RoPE
 # (base 100) linearly scaled by 8.
@@ -55,6 +53,7 @@ MODELS = {
 
 
 def _prompts() -> list[list[int]]:
+    """test_hf_backend's, a prefixed row longer (25): three windows of 8."""
     (prefix,) = random_prompts([13], seed=7)
     return random_prompts([3, 11, 6, 17, 1]) + [prefix + p for p in random_prompts([2, 5, 12], 1)]
 
@@ -67,16 +66,7 @@ def gemma(hf_model_dirs):
 
 @pytest.fixture(scope="module")
 def reference(gemma):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = hf_greedy(gemma(name), _prompts(), MAX_NEW)
-            live = sum(len(set(row)) > 2 for row in cache[name])
-            assert live > len(cache[name]) // 2, cache[name]  # not one repeated token
-        return cache[name]
-
-    return get
+    return cached(lambda name: hf_greedy(gemma(name), _prompts(), MAX_NEW))
 
 
 def _generate(model_dir, engine=None, **options) -> tuple[LLM, list[list[int]]]:
@@ -89,10 +79,9 @@ def _generate(model_dir, engine=None, **options) -> tuple[LLM, list[list[int]]]:
 def test_native_greedy_equals_transformers(name, engine, gemma, reference):
     llm, got = _generate(gemma(name), engine)
     assert llm.spec.model_cfg.impl == "native" and isinstance(llm.model, GemmaTransformer)
-    assert got == reference(name)
+    assert_live_equal(got, reference(name))
     if engine is TIGHT:
-        sched = llm.engine.scheduler
-        assert sched.num_preemptions > 0 and sched.pool.hits > 0
+        assert_pressed(llm)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
