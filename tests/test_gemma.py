@@ -181,11 +181,13 @@ def test_compiled_decode_equals_transformers(name, attention, gemma, reference, 
     assert llm.runner.shapes and llm.runner.decode.graphs == 1
 
 
-def test_two_tensor_parallel_ranks_equal_transformers(gemma, reference):
-    """Heads and the MLP split as Llama's (gloo on the CPU), the norms replicated."""
-    with LLM(gemma("gemma3"), dtype="float32", device="cpu", tensor_parallel_size=2) as llm:
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_two_tensor_parallel_ranks_equal_transformers(name, gemma, reference):
+    """Heads and the MLP split as Llama's (gloo on the CPU), the norms replicated, the final
+    soft-cap on the gathered logits."""
+    with LLM(gemma(name), dtype="float32", device="cpu", tensor_parallel_size=2) as llm:
         got = [c.token_ids for c in llm.generate(_prompts(), PARAMS)]
-    assert got == reference("gemma3")
+    assert got == reference(name)
 
 
 def test_cli_runs_a_gemma3_wrapper_natively_as_the_backend_does(hf_model_dirs, tmp_path):
