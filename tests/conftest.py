@@ -25,10 +25,15 @@ def _no_peak_probe(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
-    """model_type -> a tiny checkpoint of tests/tiny_hf_models.py, written at first use."""
-    return cached(
-        lambda model_type: save_tiny_hf_model(model_type, tmp_path_factory.mktemp(model_type))
-    )
+    """(model_type, **config overrides) -> a tiny sharpened checkpoint of tiny_hf_models.py
+    (a family or a multimodal wrapper), written at first use."""
+
+    def make(key: str) -> Path:
+        model_type, overrides = json.loads(key)
+        return save_tiny_hf_model(model_type, tmp_path_factory.mktemp(model_type), **overrides)
+
+    made = cached(make)
+    return lambda model_type, **overrides: made(json.dumps([model_type, overrides], sort_keys=True))
 
 
 @pytest.fixture(scope="session")
@@ -113,21 +118,3 @@ def long_context_model(tmp_path_factory) -> Path:
     a KV cache sized from the job beyond any memory."""
     root = tmp_path_factory.mktemp("long-context") / "llama"
     return save_tiny_model("llama", root, max_position_embeddings=2**24)
-
-
-@pytest.fixture(scope="session")
-def hf_model_dirs(tmp_path_factory):
-    """(model_type, **config overrides) -> a tiny sharpened checkpoint of tiny_hf_models.py (a
-    family or a multimodal wrapper), written at first use."""
-    from tiny_hf_models import save_tiny_hf_model
-
-    made: dict[str, Path] = {}
-
-    def get(model_type: str, **overrides) -> Path:
-        key = json.dumps([model_type, overrides], sort_keys=True)
-        if key not in made:
-            path = tmp_path_factory.mktemp(model_type)
-            made[key] = save_tiny_hf_model(model_type, path, **overrides)
-        return made[key]
-
-    return get

@@ -59,9 +59,9 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def gemma(hf_model_dirs):
+def gemma(hf_dirs):
     """name of MODELS -> its checkpoint directory."""
-    return lambda name: hf_model_dirs(MODELS[name][0], **MODELS[name][1])
+    return lambda name: hf_dirs(MODELS[name][0], **MODELS[name][1])
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +190,8 @@ def test_two_tensor_parallel_ranks_equal_transformers(name, gemma, reference):
     assert got == reference(name)
 
 
-def test_cli_runs_a_gemma3_wrapper_natively_as_the_backend_does(hf_model_dirs, tmp_path):
-    d = hf_model_dirs("gemma3")
+def test_cli_runs_a_gemma3_wrapper_natively_as_the_backend_does(hf_dirs, tmp_path):
+    d = hf_dirs("gemma3")
     src = prompt_file(tmp_path, 4)
     tokens = {}
     for impl in ("auto", "transformers"):

@@ -82,9 +82,9 @@ SHORT_ROWS, GROWING_ROW, LONG_ROWS, SHARED_SHORT_ROW = [0, 1, 2], 3, [4, 5, 6, 7
 
 
 @pytest.fixture(scope="module")
-def phi(hf_model_dirs):
+def phi(hf_dirs):
     def get(name):
-        return hf_model_dirs("phi3", **MODELS[name])
+        return hf_dirs("phi3", **MODELS[name])
 
     return get
 
