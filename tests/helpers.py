@@ -101,6 +101,15 @@ def assert_pressed(llm: LLM) -> None:
     assert sched.pool.num_free == sched.pool.num_usable
 
 
+def decoder_config(
+    model_type: str, vocab: int, hidden: int, intermediate: int, layers: int, heads: int, **rest
+) -> dict[str, Any]:
+    """A decoder's config.json as a dict: its usual sizes under their keys, and rest."""
+    sizes = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate)
+    sizes.update(num_hidden_layers=layers, num_attention_heads=heads)
+    return dict(model_type=model_type, **sizes, **rest)
+
+
 def cached(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """key -> make(key), made at the first ask and kept (fixtures of models made on demand)."""
     made: dict[Any, Any] = {}

@@ -13,6 +13,7 @@ from helpers import (
     assert_live_equal,
     assert_pressed,
     cached,
+    decoder_config,
     hf_generate,
     hf_greedy,
     make_adapter,
@@ -207,13 +208,13 @@ def test_cli_runs_a_gemma3_wrapper_natively_as_the_backend_does(hf_dirs, tmp_pat
 def test_config_json_of_transformers_4_reads_as_transformers_5_does():
     """rope_theta, rope_local_base_freq, the global layers' rope_scaling and
     sliding_window_pattern (Gemma 3 as saved by transformers 4), Gemma 2 without layer_types."""
-    old = dict(
-        model_type="gemma3_text",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
+    old = decoder_config(
+        "gemma3_text",
+        vocab=512,
+        hidden=64,
+        intermediate=128,
+        layers=8,
+        heads=4,
         num_key_value_heads=2,
         head_dim=16,
         rope_theta=500000.0,

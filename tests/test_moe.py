@@ -17,6 +17,7 @@ from helpers import (
     assert_pressed,
     cached,
     cpu_llm,
+    decoder_config,
     hf_greedy,
     make_adapter,
     prompt_file,
@@ -96,13 +97,13 @@ def test_a_dense_layer_among_moe_layers(moe_dirs):
 def test_config_dense_layers_and_expert_counts():
     """Qwen3-MoE: a dense MLP where (i + 1) % decoder_sparse_step or i in mlp_only_layers;
     the hub's num_experts key or transformers 5's num_local_experts."""
-    hf = dict(
-        model_type="qwen3_moe",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
+    hf = decoder_config(
+        "qwen3_moe",
+        vocab=512,
+        hidden=64,
+        intermediate=128,
+        layers=6,
+        heads=4,
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=32,

@@ -15,6 +15,7 @@ import torch
 import transformers
 from helpers import (
     cached,
+    decoder_config,
     hf_greedy,
     make_adapter,
     prompt_file,
@@ -205,13 +206,13 @@ def test_config_of_hub_phi3_configs():
     """Phi-3-mini-128k's layout (transformers 4: rope_scaling "longrope" with top-level
     original_max_position_embeddings) and Phi-4-mini's partial_rotary_factor; "su" is
     longrope's earlier name."""
-    hf = dict(
-        model_type="phi3",
-        vocab_size=32064,
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_hidden_layers=32,
-        num_attention_heads=32,
+    hf = decoder_config(
+        "phi3",
+        vocab=32064,
+        hidden=3072,
+        intermediate=8192,
+        layers=32,
+        heads=32,
         num_key_value_heads=32,
         max_position_embeddings=131072,
         original_max_position_embeddings=4096,
