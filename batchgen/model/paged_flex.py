@@ -56,8 +56,11 @@ from batchgen.model.windows import first_key
 # tile (>= 16 and >= the queries, next power of two): 128, flex's default, covers g <= 128.
 Q_BLOCK = 128
 # Row counts the kernel is compiled for: the powers of two up to 2**12 (a static batch each,
-# which the decoding kernel needs), so at most 13 kernels whatever the job.
-_MAX_FLEX_SIZES = 16
+# which the decoding kernel needs), so at most 13 a variant, whatever the job. A variant: each
+# window value (its mask_mod), soft-cap value (score_mod) and sinks (the log-sum-exp asked),
+# which a model's layers may mix (Gemma 2: a window and full layers, a soft-cap). Past this
+# limit dynamo would run flex eagerly: scores over the whole pool on CUDA.
+_MAX_FLEX_SIZES = 64
 
 
 def pad_rows(tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
