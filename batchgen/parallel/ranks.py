@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import StepPlan
-from batchgen.engine.step_inputs import StepInputs
+from batchgen.engine.step_inputs import StepInputs, WarmUp
 from batchgen.errors import RankFailed
 from batchgen.model.tp_layers import CollectiveClock
 from batchgen.model.transformer import Transformer
@@ -288,3 +288,7 @@ class RankedRunner(ModelRunner):
     def execute(self, plan: StepPlan, bitmask: torch.Tensor | None = None):
         with self.ranks.failures():
             return super().execute(plan, bitmask)
+
+    def warm_up(self, max_num_seqs: int, max_tokens: int) -> WarmUp:
+        with self.ranks.failures():  # its steps go to every rank, as execute's
+            return super().warm_up(max_num_seqs, max_tokens)
