@@ -11,6 +11,8 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?=
 PIP_TORCH_FLAGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 PYTEST_FLAGS ?=
+# Test processes at once (pytest-xdist): CI's 2 cores; each test runs torch on one thread
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-quick lint format bench gpu-check clean
 
@@ -29,7 +31,7 @@ demo: install
 		"$(BIN)/batchgen report out/demo), or 'source $(BIN)/activate' first"
 
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_FLAGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_FLAGS)
 
 test-quick: install
 	$(BIN)/python -m pytest -q -m "not slow and not slurm" $(PYTEST_FLAGS)

@@ -97,6 +97,11 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist (make test: -n 2 --dist loadgroup) the Slurm tests share one worker:
+    # they start and use the machine's one Slurm cluster.
+    for item in items:
+        if "slurm" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run scripts/gpu_check.sh on one)")
