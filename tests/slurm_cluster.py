@@ -1,18 +1,20 @@
 """A real one-node Slurm cluster on localhost, for the tests of `batchgen slurm`.
 
     python tests/slurm_cluster.py start    # install if missing, start munge + slurmctld + slurmd
-    python tests/slurm_cluster.py stop     # stop the daemons that `start` started
+    python tests/slurm_cluster.py stop     # stop the daemons started here, unless a test run uses them
     python tests/slurm_cluster.py status
 
 Needs root and, when Slurm is not installed yet, apt-get (Debian packages slurm-wlm and munge).
 `start` is idempotent: a cluster that already answers is used as it is, and only the daemons
-started here are stopped (by their process ids, from their pid files). What worked, and why each
+started here are stopped (by their process ids), by the last test run using them: two runs may
+share this machine, and one that ends must not take the node from under the other. What worked, and why each
 setting is there, is in shared/notes/slurm-on-one-machine.md: no systemd and no cgroups, so
 processes are tracked by /proc (proctrack/linuxproc, task/none) and everything runs as root.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -22,12 +24,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 CONF = Path("/etc/slurm/slurm.conf")
 MARK = "# written by batchgen tests/slurm_cluster.py"
-STATE = Path("/run/batchgen-slurm-cluster.json")  # pids of the daemons started here
+STATE = Path("/run/batchgen-slurm-cluster.json")  # pids of the daemons LocalSlurm started
+LOCK = Path("/run/batchgen-slurm-cluster.lock")  # shared by each test run using the cluster
+MUTEX = Path("/run/batchgen-slurm-cluster.mutex")  # held while starting or stopping
 MUNGE_KEY = Path("/etc/munge/munge.key")
 MUNGE_PID = Path("/run/munge/munged.pid")
 CTLD_PID = Path("/run/slurmctld.pid")
@@ -169,69 +175,111 @@ def cluster_up() -> bool:
 
 @dataclass
 class LocalSlurm:
-    """Start with start(), stop with stop(); stop() only ends daemons that start() began."""
+    """start() to use the cluster (starting what is missing), stop() when done with it.
 
-    started: dict[str, int] = field(default_factory=dict)  # daemon -> pid
+    Two test runs may share this machine (a developer's `make test` and CI's): each user holds
+    a shared lock on LOCK while it uses the cluster, and stop() ends the daemons that any
+    LocalSlurm started (STATE) only when it can take that lock exclusively, i.e. when it is the
+    last user. Starts and stops take turns on MUTEX. A cluster found running that no LocalSlurm started is never stopped.
+    """
+
+    started: dict[str, int] = field(default_factory=dict)  # daemon -> pid, started by start()
+    _lock: int | None = field(default=None, repr=False)
 
     def start(self, timeout: float = 60) -> LocalSlurm:
-        if cluster_up():
-            return self
+        with _locked(MUTEX):  # one start or stop at a time
+            try:
+                if not cluster_up():
+                    self._start_missing(timeout)
+            except BaseException:
+                self._stop_daemons(self.started)
+                self.started.clear()
+                raise
+            self._lock = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(self._lock, fcntl.LOCK_SH)  # a user of the cluster until stop()
+        return self
+
+    def _start_missing(self, timeout: float) -> None:
         if os.geteuid() != 0:
             raise SlurmUnavailable("no Slurm cluster answers, and starting one needs root")
         ensure_installed()
-        try:
-            if pid := _start_munge():
-                self.started["munged"] = pid
-            _write_conf()
-            if not _alive(CTLD_PID):
-                # -i: ignore state saved by an earlier test cluster (jobs, node states)
-                _run("slurmctld", "-i")
-                _wait_for("slurmctld", lambda: _alive(CTLD_PID), 15)
-                self.started["slurmctld"] = _alive(CTLD_PID)
-            if not _alive(SLURMD_PID):
-                _run("slurmd")
-                _wait_for("slurmd", lambda: _alive(SLURMD_PID), 15)
-                self.started["slurmd"] = _alive(SLURMD_PID)
-            _wait_for("the Slurm node", cluster_up, timeout)
-        except BaseException:
-            self.stop()
-            raise
-        self._save()
-        return self
+        if pid := _start_munge():
+            self.started["munged"] = pid
+        _write_conf()
+        if not _alive(CTLD_PID):
+            # -c: drop the jobs and node states an earlier test cluster saved; a job left
+            # running by a killed test run would otherwise hold the one node when it restarts
+            _run("slurmctld", "-c")
+            _wait_for("slurmctld", lambda: _alive(CTLD_PID), 15)
+            self.started["slurmctld"] = _alive(CTLD_PID)
+        if not _alive(SLURMD_PID):
+            _run("slurmd")
+            _wait_for("slurmd", lambda: _alive(SLURMD_PID), 15)
+            self.started["slurmd"] = _alive(SLURMD_PID)
+        _save_started({**_load_started(), **self.started})
+        _wait_for("the Slurm node", cluster_up, timeout)
 
-    def stop(self, timeout: float = 20) -> None:
-        if not self.started:
-            return  # a cluster this instance found running is someone else's to stop
-        # Reverse order of starting: slurmd, slurmctld, then munged.
-        for name in reversed(list(self.started)):
-            pid = self.started.pop(name)
+    def stop(self, timeout: float = 20) -> dict[str, int]:
+        """Stop the started daemons if no one else uses the cluster; returns those stopped."""
+        with _locked(MUTEX):
+            fd = self._lock if self._lock is not None else os.open(LOCK, os.O_RDWR | os.O_CREAT)
+            self._lock = None
             try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                continue
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # from shared: the last user?
+            except BlockingIOError:
+                return {}  # another test run still uses it; the last one out stops it
+            finally:
+                os.close(fd)  # (after a successful flock too: MUTEX keeps new users out)
+            started = _load_started()
+            self._stop_daemons(started, timeout)
+            _save_started({})
+            self.started.clear()
+            return started
+
+    @staticmethod
+    def _stop_daemons(started: dict[str, int], timeout: float = 20) -> None:
+        # Reverse order of starting: slurmd, slurmctld, then munged.
+        for name, pid in reversed(list(started.items())):
+            if not _is(pid, name):
+                continue  # gone, or the pid now belongs to another process
+            os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
+            while time.monotonic() < deadline and _is(pid, name):
                 time.sleep(0.2)
-            else:
+            if _is(pid, name):
                 os.kill(pid, signal.SIGKILL)
-        self._save()
 
-    def _save(self) -> None:
-        if self.started:
-            STATE.write_text(json.dumps(self.started))
-        else:
-            STATE.unlink(missing_ok=True)
 
-    @classmethod
-    def load(cls) -> LocalSlurm:
-        try:
-            return cls(json.loads(STATE.read_text()))
-        except (OSError, ValueError):
-            return cls()
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _is(pid: int, name: str) -> bool:
+    """True while process pid runs the program name (not a later process given its pid)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == name[:15]
+    except OSError:
+        return False
+
+
+def _load_started() -> dict[str, int]:
+    try:
+        return {k: int(v) for k, v in json.loads(STATE.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _save_started(started: dict[str, int]) -> None:
+    if started:
+        STATE.write_text(json.dumps(started))
+    else:
+        STATE.unlink(missing_ok=True)
 
 
 def logs_tail(n: int = 40) -> str:
@@ -247,17 +295,14 @@ def logs_tail(n: int = 40) -> str:
 def main() -> None:
     cmd = sys.argv[1] if len(sys.argv) > 1 else "status"
     if cmd == "start":
-        cluster = LocalSlurm.load()
         try:
-            cluster.start()
+            started = LocalSlurm().start().started
         except SlurmUnavailable as e:
             sys.exit(f"cannot start Slurm: {e}\n{logs_tail()}")
-        print(f"Slurm up; started here: {cluster.started or 'nothing (already running)'}")
+        print(f"Slurm up; started here: {started or 'nothing (already running)'}")
     elif cmd == "stop":
-        cluster = LocalSlurm.load()
-        stopped = dict(cluster.started)
-        cluster.stop()
-        print(f"stopped: {stopped or 'nothing started here'}")
+        stopped = LocalSlurm().stop()
+        print(f"stopped: {stopped or 'nothing (not started here, or in use by a test run)'}")
     elif cmd == "status":
         print("up" if cluster_up() else "down")
         sys.exit(0 if cluster_up() else 1)

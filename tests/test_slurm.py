@@ -284,3 +284,24 @@ def test_time_limit_signal_requeues_and_resumes_on_slurm(slurm, tmp_path, gpt2):
     assert "(resumed)" in merged.stdout
     ids = pq.read_table(tmp_path / "out" / MERGED_FILE).column("key").to_pylist()
     assert sorted(ids) == [f"r{i:03d}" for i in range(200)]
+
+
+def test_the_last_user_of_the_cluster_stops_it_and_no_one_before(tmp_path, monkeypatch):
+    """Two test runs share the cluster: the first to finish leaves the daemons to the other."""
+    import slurm_cluster
+
+    monkeypatch.setattr(slurm_cluster, "LOCK", tmp_path / "cluster.lock")
+    monkeypatch.setattr(slurm_cluster, "STATE", tmp_path / "cluster.json")
+    monkeypatch.setattr(slurm_cluster, "MUTEX", tmp_path / "cluster.mutex")
+    monkeypatch.setattr(slurm_cluster, "cluster_up", lambda: True)
+    daemon = subprocess.Popen(["sleep", "600"])  # stands in for a daemon an earlier start began
+    try:
+        slurm_cluster.STATE.write_text(f'{{"sleep": {daemon.pid}}}')
+        first, second = LocalSlurm().start(), LocalSlurm().start()
+        assert first.stop() == {}
+        assert daemon.poll() is None, "stopped while another run still used it"
+        assert second.stop() == {"sleep": daemon.pid}
+        assert daemon.wait(timeout=20) == -signal.SIGTERM
+        assert not slurm_cluster.STATE.exists()
+    finally:
+        daemon.kill()
