@@ -233,6 +233,26 @@ def test_tied_and_untied_embeddings(tied, tiny_dirs, tmp_path):
     assert _greedy(path) == hf_greedy(path, _prompts(), 10)
 
 
+@pytest.mark.parametrize("differs", [True, False])
+def test_a_tied_config_with_its_own_head_in_the_checkpoint(differs, tmp_path):
+    """config.json says tied but the checkpoint saves lm_head.weight: transformers uses that
+    head when it differs from the embedding (and ties when it is the same), so batchgen does."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny_model("llama", tmp_path / "m", tie_word_embeddings=True)
+    (f,) = path.glob("*.safetensors")
+    sd = load_file(f)
+    assert "lm_head.weight" not in sd
+    embed = sd["model.embed_tokens.weight"]
+    sd["lm_head.weight"] = torch.randn_like(embed) if differs else embed.clone()
+    save_file(sd, f, metadata={"format": "pt"})
+    model = load_model(path)
+    assert model.cfg.tie_embeddings is not differs
+    assert (model.lm_head.weight.data_ptr() == model.embed.weight.data_ptr()) is not differs
+    assert torch.equal(model.lm_head.weight, sd["lm_head.weight"])
+    assert _greedy(path) == hf_greedy(path, _prompts(), 10)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("family", ["gpt2", "qwen3"])
 def test_half_precision_load_dtype_honoured(dtype, family, tiny_dirs):

@@ -14,6 +14,7 @@ import contextlib
 import json
 import pickle
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +181,13 @@ def load_model(
     fix = "--tensor-parallel-size (more ranks), --quantize or --dtype"
     check_allocation(nbytes, f"{who} ({path})", fix, device)
     sd = load_state_dict(cfg, _checkpoint_files(path, allow_pickle), dtype, device, tp, shapes)
-    if cfg.tie_embeddings or "lm_head.weight" not in sd:
+    head = sd.get("lm_head.weight")
+    if cfg.tie_embeddings and head is not None and not torch.equal(head, sd["embed.weight"]):
+        # As transformers does: a checkpoint's own head that differs from the embedding is
+        # used, whatever config.json's tie_word_embeddings says.
+        cfg = replace(cfg, tie_embeddings=False)
+        model.cfg = replace(model.cfg, tie_embeddings=False)
+    if cfg.tie_embeddings or head is None:
         sd["lm_head.weight"] = sd["embed.weight"]
     elif device.type == "cpu" and dtype == torch.float32:
         # column-major, for the CPU's faster x @ W^T (transformer.LMHead); the row-major copy is
