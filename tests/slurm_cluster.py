@@ -1,15 +1,16 @@
 """A real one-node Slurm cluster on localhost, for the tests of `batchgen slurm`.
 
     python tests/slurm_cluster.py start    # install if missing, start munge + slurmctld + slurmd
-    python tests/slurm_cluster.py stop     # stop the daemons started here, unless a test run uses them
+    python tests/slurm_cluster.py stop     # stop what `start` began, unless a test run uses it
     python tests/slurm_cluster.py status
 
 Needs root and, when Slurm is not installed yet, apt-get (Debian packages slurm-wlm and munge).
 `start` is idempotent: a cluster that already answers is used as it is, and only the daemons
 started here are stopped (by their process ids), by the last test run using them: two runs may
-share this machine, and one that ends must not take the node from under the other. What worked, and why each
-setting is there, is in shared/notes/slurm-on-one-machine.md: no systemd and no cgroups, so
-processes are tracked by /proc (proctrack/linuxproc, task/none) and everything runs as root.
+share this machine, and one that ends must not take the node from under the other. What worked,
+and why each setting is there, is in shared/notes/slurm-on-one-machine.md: no systemd and no
+cgroups, so processes are tracked by /proc (proctrack/linuxproc, task/none) and everything runs
+as root.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ class LocalSlurm:
     Two test runs may share this machine (a developer's `make test` and CI's): each user holds
     a shared lock on LOCK while it uses the cluster, and stop() ends the daemons that any
     LocalSlurm started (STATE) only when it can take that lock exclusively, i.e. when it is the
-    last user. Starts and stops take turns on MUTEX. A cluster found running that no LocalSlurm started is never stopped.
+    last user. Starts and stops take turns on MUTEX. A cluster found running that no
+    LocalSlurm started is never stopped.
     """
 
     started: dict[str, int] = field(default_factory=dict)  # daemon -> pid, started by start()
