@@ -171,25 +171,40 @@ def test_the_flex_path_carries_each_layers_attention(model_type, hf_dirs, refere
     assert calls  # the decodes went through flex, not the gather
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_the_flex_path_at_the_gpus_head_dims(model_type, head_dim, hf_dirs, monkeypatch):
+    """The GPU's defaults on the backend: block 16 with the head sizes of real models, the
+    soft-cap (gemma2) and the sinks (gpt_oss) in flex's kernel, eager."""
+    monkeypatch.setenv(DECODE_ATTENTION_ENV, "flex")
+    path = hf_dirs(model_type, head_dim=head_dim)
+    llm = LLM(path, dtype="float32", device="cpu", engine=EngineConfig(block_size=16))
+    got = [c.token_ids for c in llm.generate(_prompts(), PARAMS)]
+    assert got == hf_greedy(path, _prompts(), MAX_NEW)
+    assert {c.k.shape[-1] for c in llm.model.kv_caches} == {head_dim}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "model_type, path",
+    "model_type, path, head_dim",
     [
-        ("gemma2", "gather"),
-        ("gpt_oss", "gather"),
-        ("deepseek_v3", "gather"),
-        ("gemma2", "flex"),  # CUDA's path, compiled: it was refused for the backend
-        ("granite", "flex"),
+        ("gemma2", "gather", None),
+        ("gpt_oss", "gather", None),
+        ("deepseek_v3", "gather", None),
+        ("gemma2", "flex", None),  # CUDA's path, compiled: it was refused for the backend
+        ("gemma2", "flex", 128),  # ... at the GPU's block 16 and a real model's head size
+        ("granite", "flex", None),
     ],
 )
-def test_compiled_decode_equals_transformers(model_type, path, hf_dirs, references, monkeypatch):
+def test_compiled_decode_equals_transformers(model_type, path, head_dim, hf_dirs, monkeypatch):
     """One graph of the HF forward over a symbolic batch, attention an opaque op with the
     layer's scale, soft-cap and sinks: the gather's math, or flex's kernel with the soft-cap as
     a score_mod (sinks need its log-sum-exp, which inductor's CPU template lacks: they are
     tested on flex in tests/test_gpu_flex.py)."""
     monkeypatch.setenv(DECODE_ATTENTION_ENV, path)
+    model_dir = hf_dirs(model_type, **({"head_dim": head_dim} if head_dim else {}))
     llm = LLM(
-        hf_dirs(model_type),
+        model_dir,
         dtype="float32",
         device="cpu",
         compile=True,
@@ -197,7 +212,7 @@ def test_compiled_decode_equals_transformers(model_type, path, hf_dirs, referenc
         engine=EngineConfig(block_size=16),
     )
     got = [c.token_ids for c in llm.generate(_prompts(), PARAMS)]
-    assert got == references(model_type)
+    assert got == hf_greedy(model_dir, _prompts(), MAX_NEW)
     assert llm.runner.shapes and llm.runner.decode.graphs == 1
 
 
