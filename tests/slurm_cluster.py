@@ -263,11 +263,14 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _is(pid: int, name: str) -> bool:
-    """True while process pid runs the program name (not a later process given its pid)."""
+    """True while process pid runs the program name (not a later process given its pid, nor
+    a zombie: its comm stays until its parent reaps it)."""
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip() == name[:15]
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
+    comm, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
+    return comm == name[:15] and state not in "ZX"
 
 
 def _load_started() -> dict[str, int]:

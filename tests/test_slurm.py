@@ -296,6 +296,11 @@ def test_the_last_user_of_the_cluster_stops_it_and_no_one_before(tmp_path, monke
     monkeypatch.setattr(slurm_cluster, "cluster_up", lambda: True)
     daemon = subprocess.Popen(["sleep", "600"])  # stands in for a daemon an earlier start began
     try:
+        # exec closes the pipe Popen waits on before it renames the process: on a loaded
+        # machine /proc may still say python for a moment (a daemon is long past that)
+        deadline = time.monotonic() + 30
+        while not slurm_cluster._is(daemon.pid, "sleep") and time.monotonic() < deadline:
+            time.sleep(0.05)
         slurm_cluster.STATE.write_text(f'{{"sleep": {daemon.pid}}}')
         first, second = LocalSlurm().start(), LocalSlurm().start()
         assert first.stop() == {}
