@@ -243,3 +243,42 @@ def test_openai_batch_bodies_carry_penalties_per_row(model, tmp_path):
     assert rows["r1"]["token_ids"] == [7] * 12 and rows["r0"]["token_ids"] != [7] * 12
     assert rows["r2"]["error"] is None and rows["r2"]["token_ids"] != rows["r0"]["token_ids"]
     assert "presence_penalty" in rows["r3"]["error"]
+
+
+def test_seen_tokens_table_equals_the_dense_formula():
+    """apply_penalties against the formula over every logit, step by step, while rows
+    grow past the table's width, finish and give their slots to new rows (whose first token
+    pads their row: a stale token left there would be penalized)."""
+    from batchgen.engine.penalties import TokenCounts, apply_penalties
+    from batchgen.engine.sequence import Request, Scheduled, Sequence, SeqStatus
+
+    g = torch.Generator().manual_seed(0)
+    vocab, counts = 50, TokenCounts(50, torch.device("cpu"))
+    params = SamplingParams(repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3)
+
+    def seq(i: int, n: int) -> Sequence:
+        prompt = torch.randint(0, vocab, (n,), generator=g).tolist()
+        s = Sequence(Request(i, prompt, params), arrival=i, token_ids=list(prompt))
+        s.status = SeqStatus.RUNNING
+        return s
+
+    running = [seq(i, n) for i, n in enumerate([3, 20, 1, 9])]
+    for step in range(40):
+        if step == 15:  # two finish; two new rows take their slots
+            for s in running[:2]:
+                s.status = SeqStatus.FINISHED
+            running = running[2:] + [seq(10, 2), seq(11, 30)]
+        logits = torch.randn(len(running), vocab, generator=g)
+        want = logits.clone()
+        for row, s in enumerate(running):
+            out = torch.bincount(torch.tensor(s.output_ids, dtype=torch.long), minlength=vocab)
+            seen = out > 0
+            seen[s.request.prompt_ids] = True
+            x = want[row]
+            x[seen] = torch.where(x[seen] > 0, x[seen] / 1.5, x[seen] * 1.5)
+            x -= 0.3 * out + 0.4 * (out > 0)
+        got = apply_penalties(logits, [Scheduled(s, 0, 1, True) for s in running], counts)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        for row, s in enumerate(running):  # the next token: often one seen before
+            s.token_ids.append(int(torch.randint(0, vocab // 3, (), generator=g)) + row)
+    assert counts.seen.shape[1] >= 32  # widened past its first 8 columns
