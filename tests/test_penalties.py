@@ -250,7 +250,7 @@ def test_seen_tokens_table_equals_the_dense_formula():
     grow past the table's width, finish and give their slots to new rows (whose first token
     pads their row: a stale token left there would be penalized)."""
     from batchgen.engine.penalties import TokenCounts, apply_penalties
-    from batchgen.engine.sequence import Request, Scheduled, Sequence, SeqStatus
+    from batchgen.engine.sequence import Request, Scheduled, SeqStatus, Sequence
 
     g = torch.Generator().manual_seed(0)
     vocab, counts = 50, TokenCounts(50, torch.device("cpu"))
