@@ -152,13 +152,26 @@ def token_ids(path: Path) -> dict[int, list[int]]:
     return dict(zip(t.column("id").to_pylist(), t.column("token_ids").to_pylist(), strict=True))
 
 
+def write_workload(name: str, rows: int, shape: str, root: Path) -> tuple[Path, dict]:
+    """The workload's rows for the vocabulary of bench_models' shape, written to
+    root/NAME.parquet; returns the file and the rows."""
+    work = make_workload(name, rows, bench_models.SHAPES[shape].config["vocab_size"])
+    data = root / f"{name}.parquet"
+    pq.write_table(pa.table(work), data)
+    return data, work
+
+
+def mark_differing(runs: list[dict], ref: dict[int, list[int]]) -> None:
+    """Each run's `ids` (token_ids) replaced by how many of ref's rows it differs on."""
+    for r in runs:
+        r["rows_differing"] = sum(r["ids"].get(i) != ids for i, ids in ref.items())
+        del r["ids"]
+
+
 def bench_workload(a, name: str, model: Path, root: Path, matmul_flops: float) -> dict:
     import roofline
 
-    vocab = bench_models.SHAPES[a.model].config["vocab_size"]
-    work = make_workload(name, a.rows, vocab)
-    data = root / f"{name}.parquet"
-    pq.write_table(pa.table(work), data)
+    data, work = write_workload(name, a.rows, a.model, root)
     logs = root / "logs"
     logs.mkdir(exist_ok=True)
     runs: list[dict] = []
@@ -191,10 +204,7 @@ def bench_workload(a, name: str, model: Path, root: Path, matmul_flops: float) -
         bg.append(run_batchgen(k))
         for fam, r in best.items() if k else ():  # each exploration run is its first B
             peers[fam].append(run_base(r["mode"], r["batch_size"], k))
-    ref = bg[0]["ids"]
-    for r in runs:
-        r["rows_differing"] = sum(r["ids"].get(i) != ids for i, ids in ref.items())
-        del r["ids"]
+    mark_differing(runs, bg[0]["ids"])
     bg_med = statistics.median(r["wall_s"] for r in bg)
     vs = [
         {
@@ -223,9 +233,7 @@ def bench_workload(a, name: str, model: Path, root: Path, matmul_flops: float) -
 
 def sweep_workload(a, name: str, model: Path, root: Path) -> dict:
     """One `batchgen run` per --max-num-seqs value: throughput against TPOT and TTFT."""
-    vocab = bench_models.SHAPES[a.model].config["vocab_size"]
-    data = root / f"{name}.parquet"
-    pq.write_table(pa.table(make_workload(name, a.rows, vocab)), data)
+    data, _ = write_workload(name, a.rows, a.model, root)
     (root / "logs").mkdir(exist_ok=True)
     points = []
     for v in (int(x) for x in a.sweep_max_num_seqs.split(",")):

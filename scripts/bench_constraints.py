@@ -14,12 +14,10 @@ most of the job; the figure is what a labeling job pays for exact labels.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 HERE = Path(__file__).resolve().parent
@@ -42,9 +40,7 @@ def main(argv=None) -> dict:
     root = Path(a.workdir)
     root.mkdir(parents=True, exist_ok=True)
     model = bench_models.cached(a.model, "float32")
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    data = root / "labeling.parquet"
-    pq.write_table(pa.table(bench.make_workload("labeling", a.rows, vocab)), data)
+    data, _ = bench.write_workload("labeling", a.rows, a.model, root)
     runs: dict[str, list[float]] = {"free": [], "choice": [], "score": [], "hf-score": []}
     variants = {
         "free": "",

@@ -25,9 +25,6 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from batchgen.data.layout import STATS_FILE
 
 HERE = Path(__file__).resolve().parent
@@ -72,15 +69,10 @@ def main(argv: list[str] | None = None) -> dict:
     root = a.workdir
     (root / "logs").mkdir(parents=True, exist_ok=True)
     model = bench_models.cached(a.model, a.dtype, a.device)
-    vocab = bench_models.SHAPES[a.model].config["vocab_size"]
-    data = root / f"{a.workload}.parquet"
-    pq.write_table(pa.table(bench.make_workload(a.workload, a.rows, vocab)), data)
+    data, _ = bench.write_workload(a.workload, a.rows, a.model, root)
 
     runs = [run(a, model, data, root, tp, k) for k in range(a.pairs) for tp in (1, a.tp)]
-    ref = runs[0]["ids"]
-    for r in runs:
-        got = r.pop("ids")
-        r["rows_differing"] = sum(got.get(i) != ids for i, ids in ref.items())
+    bench.mark_differing(runs, runs[0]["ids"])
     one = [r for r in runs if r["tp"] == 1]
     split = [r for r in runs if r["tp"] == a.tp]
     med = {n: statistics.median(r["wall_s"] for r in rs) for n, rs in ((1, one), (a.tp, split))}
