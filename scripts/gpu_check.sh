@@ -7,7 +7,7 @@
 #      against transformers' sorted generate; then batchgen again on the same cache (warm).
 #      The summary gives the ratio, compile_s / capture_s cold and warm, and the cache's hit;
 #   3. the GPU-marked tests (`pytest -m gpu`: CUDA graphs and no recompiles, NVML stats,
-#      bf16 agreement with transformers, quantized paths), and with 2+ GPUs tensor
+#      bf16 agreement with transformers, quantized paths, penalties on the device), and with 2+ GPUs tensor
 #      parallelism at TP=2 (the summary says plainly when the device has one GPU);
 #   4. the CUDA decode path, FlexAttention reading the paged pool in place: its GPU tests
 #      against the gather path (tests/test_gpu_flex.py), then one layer's decode attention both
@@ -155,7 +155,7 @@ PYTEST_TIMEOUT=()
 # so a step cut by its limit still shows why its failed tests failed.
 selected tests && BATCHGEN_INSTAFAIL=1 step "pytest -m gpu" "${GPU_CHECK_TESTS_S:-180}" "$OUT/tests.log" \
     "$PY" -m pytest -m gpu -v -rA --tb=short -p no:cacheprovider "${PYTEST_TIMEOUT[@]}" \
-    ${GPU_CHECK_TESTS:-tests/test_gpu.py tests/test_quant.py}
+    ${GPU_CHECK_TESTS:-tests/test_gpu.py tests/test_quant.py tests/test_penalties.py}
 
 # ---------------------------------------------------------------- 3b. tensor parallel
 # TP=2 over NCCL, compiled (the CUDA graphs capture the all-reduces): only on 2+ GPUs.

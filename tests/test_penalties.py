@@ -245,15 +245,17 @@ def test_openai_batch_bodies_carry_penalties_per_row(model, tmp_path):
     assert "presence_penalty" in rows["r3"]["error"]
 
 
-def test_seen_tokens_table_equals_the_dense_formula():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_seen_tokens_table_equals_the_dense_formula(device):
     """apply_penalties against the formula over every logit, step by step, while rows
     grow past the table's width, finish and give their slots to new rows (whose first token
-    pads their row: a stale token left there would be penalized)."""
+    pads their row: a stale token left there would be penalized). On CUDA too
+    (scripts/gpu_check.sh): its gathers and scatters run on the device."""
     from batchgen.engine.penalties import TokenCounts, apply_penalties
     from batchgen.engine.sequence import Request, Scheduled, SeqStatus, Sequence
 
     g = torch.Generator().manual_seed(0)
-    vocab, counts = 50, TokenCounts(50, torch.device("cpu"))
+    vocab, counts = 50, TokenCounts(50, torch.device(device))
     params = SamplingParams(repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3)
 
     def seq(i: int, n: int) -> Sequence:
@@ -277,7 +279,8 @@ def test_seen_tokens_table_equals_the_dense_formula():
             x = want[row]
             x[seen] = torch.where(x[seen] > 0, x[seen] / 1.5, x[seen] * 1.5)
             x -= 0.3 * out + 0.4 * (out > 0)
-        got = apply_penalties(logits, [Scheduled(s, 0, 1, True) for s in running], counts)
+        sampled = [Scheduled(s, 0, 1, True) for s in running]
+        got = apply_penalties(logits.to(device), sampled, counts).cpu()
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         for row, s in enumerate(running):  # the next token: often one seen before
             s.token_ids.append(int(torch.randint(0, vocab // 3, (), generator=g)) + row)
