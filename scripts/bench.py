@@ -57,7 +57,8 @@ from bench_workloads import WORKLOADS, make_workload  # noqa: E402
 
 HF_MODES = ("input", "sorted", "cb")
 CT2 = "ct2"  # --baselines mode of scripts/ct2_baseline.py
-ENGINE_NAMES = {"hf": "transformers", CT2: "CTranslate2"}
+OV = "ov"  # --baselines mode of scripts/ov_baseline.py (BATCH: its max_num_batched_tokens)
+ENGINE_NAMES = {"hf": "transformers", CT2: "CTranslate2", OV: "OpenVINO GenAI"}
 
 
 # Linux's ru_maxrss of a child counts the memory of the process it was forked from, so
@@ -141,9 +142,25 @@ def ct2_cmd(a, model: Path, data: Path | None, out: Path | None, batch: int) -> 
     return cmd + (["--threads", str(a.threads)] if a.threads else [])
 
 
+def ov_cmd(a, model: Path, data: Path | None, out: Path | None, batch: int) -> list[str]:
+    """OpenVINO GenAI runs under its own interpreter (--ov-python); with data and out None:
+    export the checkpoint (once; untimed, before any run)."""
+    cmd = [a.ov_python, str(HERE / "ov_baseline.py"), str(model)]
+    cmd += ["--convert-only"] if data is None else [str(data), str(out)]
+    cmd += [] if data is None else ["--batched-tokens", str(batch)]
+    return cmd + (["--threads", str(a.threads)] if a.threads else [])
+
+
+def family(mode: str) -> str:
+    """The engine a --baselines mode runs: "hf" for every transformers mode."""
+    return mode if mode in (CT2, OV) else "hf"
+
+
 def baseline_cmd(a, model: Path, data: Path, out: Path, mode: str, batch: int) -> list[str]:
     if mode == CT2:
         return ct2_cmd(a, model, data, out, batch)
+    if mode == OV:
+        return ov_cmd(a, model, data, out, batch)
     return hf_cmd(a, model, data, out, mode, batch)
 
 
@@ -185,7 +202,7 @@ def bench_workload(a, name: str, model: Path, root: Path, matmul_flops: float) -
         return r
 
     def run_base(mode: str, b: int, k: int) -> dict:
-        engine = CT2 if mode == CT2 else f"hf-{mode}"
+        engine = mode if family(mode) != "hf" else f"hf-{mode}"
         out = root / f"{name}-{engine}-{b}.parquet"
         cmd = baseline_cmd(a, model, data, out, mode, b)
         r = timed(cmd, logs / f"{name}-{engine}-{b}-{k}.log")
@@ -196,7 +213,7 @@ def bench_workload(a, name: str, model: Path, root: Path, matmul_flops: float) -
     best: dict[str, dict] = {}  # engine family ("hf", "ct2") -> its fastest exploration run
     for mode, b in a.baselines:
         r = run_base(mode, b, 0)
-        fam = CT2 if mode == CT2 else "hf"
+        fam = family(mode)
         if fam not in best or r["wall_s"] < best[fam]["wall_s"]:
             best[fam] = r
     bg, peers = [], {fam: [r] for fam, r in best.items()}
@@ -261,9 +278,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--baselines",
         default=None,
         help=f"baseline runs to try, MODE:BATCH comma-separated, MODE one of {', '.join(HF_MODES)}"
-        f" (transformers) or {CT2} (CTranslate2); the fastest of each engine is its baseline "
-        f"(default: each transformers mode at 8, 16 and 32, and {CT2} at 16, 32 and 64 when "
-        "ctranslate2 is installed)",
+        f" (transformers), {CT2} (CTranslate2) or {OV} (OpenVINO GenAI, BATCH its tokens per "
+        "step); the fastest of each engine is its baseline (default: each transformers mode at "
+        f"8, 16 and 32, {CT2} at 16, 32 and 64 when ctranslate2 is installed, {OV} at 512, 1024 "
+        "and 2048 with --ov-python)",
+    )
+    p.add_argument(
+        "--ov-python",
+        default=os.environ.get("BATCHGEN_OV_PYTHON"),
+        help="the interpreter of a virtual environment with openvino-genai and optimum-intel "
+        "(docs/benchmarks.md has the recipe); default $BATCHGEN_OV_PYTHON",
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -283,19 +307,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     has_ct2 = importlib.util.find_spec("ctranslate2") is not None
     if a.baselines is None:
         runs = [f"{m}:{b}" for m in HF_MODES for b in (8, 16, 32)]
-        a.baselines = ",".join(runs + ([f"{CT2}:{b}" for b in (16, 32, 64)] if has_ct2 else []))
+        runs += [f"{CT2}:{b}" for b in (16, 32, 64)] if has_ct2 else []
+        runs += [f"{OV}:{b}" for b in (512, 1024, 2048)] if a.ov_python else []
+        a.baselines = ",".join(runs)
     a.baselines = [parse_baseline(p, x) for x in a.baselines.split(",")]
     if not has_ct2 and any(m == CT2 for m, _ in a.baselines):
         p.error(f"--baselines {CT2}:B needs CTranslate2: pip install ctranslate2")
+    if not a.ov_python and any(m == OV for m, _ in a.baselines):
+        p.error(f"--baselines {OV}:B needs --ov-python (an OpenVINO GenAI environment)")
     return a
 
 
 def parse_baseline(p: argparse.ArgumentParser, entry: str) -> tuple[str, int]:
     mode, _, batch = entry.strip().partition(":")
-    if mode not in (*HF_MODES, CT2) or not batch.isdigit() or int(batch) < 1:
+    if mode not in (*HF_MODES, CT2, OV) or not batch.isdigit() or int(batch) < 1:
         p.error(
             f"--baselines: bad entry {entry!r}; want MODE:BATCH, MODE one of "
-            f"{', '.join((*HF_MODES, CT2))}, e.g. sorted:16 or {CT2}:64"
+            f"{', '.join((*HF_MODES, CT2, OV))}, e.g. sorted:16 or {CT2}:64"
         )
     return mode, int(batch)
 
@@ -319,8 +347,9 @@ def main(argv=None) -> dict:
         "matmul_flops": ceilings.matmul_flops if ceilings else None,
         "workloads": [],
     }
-    if not sweeping and any(m == CT2 for m, _ in a.baselines):
-        subprocess.run(ct2_cmd(a, model, None, None, 0), check=True, stdout=subprocess.DEVNULL)
+    for mode, convert in ((CT2, ct2_cmd), (OV, ov_cmd)):
+        if not sweeping and any(m == mode for m, _ in a.baselines):
+            subprocess.run(convert(a, model, None, None, 0), check=True, stdout=subprocess.DEVNULL)
     for name in a.workload.split(","):
         if sweeping:
             report["workloads"].append(sweep_workload(a, name, model, a.workdir))

@@ -104,11 +104,37 @@ def test_bench_ct2_baseline_on_tiny_model(tmp_path):
     assert (cache / "tiny-llama-float32-ct2-float32" / "model.bin").is_file()
 
 
+@pytest.mark.slow  # the export and three whole processes, in the OpenVINO GenAI environment
+def test_bench_openvino_baseline_on_tiny_model(tmp_path):
+    ov_python = os.environ.get("BATCHGEN_OV_PYTHON")
+    if not ov_python:
+        pytest.skip("BATCHGEN_OV_PYTHON (an OpenVINO GenAI environment) is not set")
+    work, cache = tmp_path / "work", tmp_path / "models"
+    r, report = _tiny_bench(
+        "bench.py", tmp_path, "--pairs", 1, "--baselines", "ov:256", "--workload", "mixed"
+    )
+    (w,) = report["workloads"]
+    assert [x["engine"] for x in w["runs"]] == ["ov", "batchgen"]
+    # greedy, f32 weights, compute and KV, exactly max_new_tokens each: OpenVINO's tokens
+    assert w["runs"][0]["rows_differing"] == 0
+    ids = pq.read_table(work / "mixed-ov-256.parquet").to_pydict()
+    news = pq.read_table(work / "mixed.parquet").column("max_new_tokens").to_pylist()
+    assert ids["id"] == list(range(6)) and [len(t) for t in ids["token_ids"]] == news
+    (peer,) = w["peers"]
+    assert peer["engine"] == "OpenVINO GenAI" and peer["baseline"] == "ov batch 256"
+    assert (cache / "tiny-llama-float32-ov-fp32" / "openvino_model.xml").is_file()
+
+
 @pytest.mark.parametrize(
     ("baselines", "message"),
-    [("ct2:4", "needs CTranslate2: pip install ctranslate2"), ("fast:4", "bad entry 'fast:4'")],
+    [
+        ("ct2:4", "needs CTranslate2: pip install ctranslate2"),
+        ("ov:512", "needs --ov-python"),
+        ("fast:4", "bad entry 'fast:4'"),
+    ],
 )
-def test_bench_rejects_baselines_it_cannot_run(tmp_path, baselines, message):
+def test_bench_rejects_baselines_it_cannot_run(tmp_path, baselines, message, monkeypatch):
+    monkeypatch.delenv("BATCHGEN_OV_PYTHON", raising=False)
     # sys.modules[name] = None is how find_spec sees a package that is not installed
     hide = (
         "import runpy, sys; sys.modules['ctranslate2'] = None; sys.argv = sys.argv[1:]; "
