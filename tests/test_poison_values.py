@@ -63,6 +63,9 @@ def test_logit_bias_has_a_size_bound():
             logit_bias_pairs(value)
     with pytest.raises(ValueError, match=f"at most {MAX_LOGIT_BIAS_TOKENS}"):
         DecodeParams(logit_bias=tuple((t, 1.0) for t in range(1000)))
+    # a struct column's row: every row's keys, None where another row set them, not counted
+    struct_row = {**{str(t): None for t in range(5000)}, "7": 2.0}
+    assert logit_bias_pairs(struct_row) == ((7, 2.0),)
 
 
 @pytest.mark.parametrize("eos", [2.5, [[2]], "</s>", [], True])

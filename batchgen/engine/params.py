@@ -146,7 +146,8 @@ def logit_bias_pairs(value: Any) -> LogitBias:
             ) from None
     items = value.items() if isinstance(value, Mapping) else value
     try:
-        pairs = [(k, v) for k, v in items]
+        # None: a struct column's field that another row set
+        pairs = [(k, v) for k, v in items if v is not None]
     except (TypeError, ValueError):
         raise ValueError(f'logit_bias {value!r} is not a {{"token id": bias}} mapping') from None
     if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
@@ -155,8 +156,6 @@ def logit_bias_pairs(value: Any) -> LogitBias:
         )
     out: dict[int, float] = {}
     for k, v in pairs:
-        if v is None:  # a struct column's field that another row set
-            continue
         tok = int(k) if isinstance(k, str) and k.strip().isdigit() else k
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
             raise ValueError(f"logit_bias key {k!r} is not a token id (an integer >= 0)")
