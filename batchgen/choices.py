@@ -86,7 +86,7 @@ class Bound:
 MAX_N = 128
 
 # Numeric options' ranges, checked in RunConfig and given to click as IntRange/FloatRange, so a
-# flag and a job spec value are refused alike. The sampling ones are SamplingParams' checks.
+# flag and a job spec value are refused alike. The sampling ones are DecodeParams' checks.
 BOUNDS = {
     **dict.fromkeys(
         (

@@ -202,14 +202,14 @@ class Engine:
         return f"prompt ({r.prompt_len} tokens) + max_new_tokens ({r.params.max_new_tokens}) {why}"
 
     def abort(self) -> None:
-        """Drop every request in flight, after the caller's failure or Ctrl-C inside
-        `generate`: their blocks go back to the pool, and nothing of them comes out of a
-        later call."""
+        """Drop every request in flight (the caller failed or was interrupted inside
+        `generate`): their blocks go back, and no later call returns them."""
         sched = self.scheduler
         if sched is None:
             return
-        for seq in list(sched.running):
-            sched.finish(seq, FinishReason.ERROR)  # gives its blocks back
+        for seq in sched.running:  # whatever step it was in
+            sched.pool.release(seq.block_table)
+        sched.running.clear()
         sched.waiting.clear()
         sched.pending.clear()
         self.completions.clear()
