@@ -191,6 +191,10 @@ def test_unknown_engine_arguments_are_refused_naming_the_class(model):
         LLM(model, quantization="awq")
     with pytest.raises(ConfigError, match="more than the model's 256 positions"):
         LLM(model, max_model_len=10**6)
+    with pytest.raises(ConfigError, match="contradict"):
+        LLM(model, enforce_eager=True, compile=True)
+    with pytest.raises(ConfigError, match="not both"):
+        LLM(model, engine={"block_size": 8}, max_num_seqs=2)
 
 
 def test_builtin_default_model():

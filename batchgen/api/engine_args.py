@@ -52,7 +52,7 @@ class EngineArgs:
 
 def parse_engine_args(owner: str, model: str | Path | None, options: dict[str, Any]) -> EngineArgs:
     """owner: the class the user called (its name heads an unknown argument's error)."""
-    known = (*VLLM_ENGINE, *VLLM_OTHER, VLLM_QUANTIZATION, *BATCHGEN, "model")
+    known = (*VLLM_ENGINE, *VLLM_OTHER, VLLM_QUANTIZATION, *BATCHGEN)
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ConfigError(
@@ -61,10 +61,6 @@ def parse_engine_args(owner: str, model: str | Path | None, options: dict[str, A
             f"and batchgen's {', '.join(BATCHGEN)} (docs/coming-from-vllm.md)"
         )
     opts = dict(options)
-    if "model" in opts:
-        if model is not None:
-            raise ConfigError(f"{owner}() got the model twice; pass it once")
-        model = opts.pop("model")
     engine = opts.pop("engine", None)
     values = {field: opts.pop(name) for name, field in VLLM_ENGINE.items() if name in opts}
     if "kv_cache_tokens" in opts:
@@ -75,11 +71,10 @@ def parse_engine_args(owner: str, model: str | Path | None, options: dict[str, A
         engine = values
     if engine is not None:
         opts["engine"] = engine
-    if "enforce_eager" in opts:
-        eager = opts.pop("enforce_eager")
-        if eager and opts.get("compile"):
+    if opts.pop("enforce_eager", False):  # False: the device's default (compiled on a GPU)
+        if opts.get("compile"):
             raise ConfigError(f"{owner}(): enforce_eager=True and compile=True contradict")
-        opts.setdefault("compile", None if not eager else False)
+        opts["compile"] = False
     if "dtype" in opts:
         d = opts["dtype"]
         opts["dtype"] = _DTYPES.get(d, d) if isinstance(d, str) else str(d).removeprefix("torch.")
