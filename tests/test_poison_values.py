@@ -9,11 +9,14 @@ import json
 import logging
 import shutil
 
+import pyarrow as pa
+import pyarrow.json as pj
 import pytest
 from helpers import assert_one_line_error, read_output, run_job, write_jsonl
 
 from batchgen.engine.params import MAX_LOGIT_BIAS_TOKENS, DecodeParams, logit_bias_pairs
 from batchgen.errors import ModelLoadError
+from batchgen.job.bias_column import compact_bias_column
 from batchgen.job.generation import model_defaults
 from batchgen.job.model_spec import ModelSpec
 
@@ -93,3 +96,23 @@ def test_a_poisoned_config_value_is_refused(model, tmp_path, values, says):
     d = _edited(model, tmp_path, "config.json", **values)
     with pytest.raises(ModelLoadError, match=says):
         ModelSpec.resolve(d, device="cpu")
+
+
+def test_a_struct_logit_bias_column_keeps_only_each_row_s_entries(tmp_path):
+    """pyarrow reads JSON objects as a struct of every row's keys: 2000 rows each biasing its
+    own token made 2000 x 2000 dict entries; compacted, each row holds its own."""
+    rows = [{"id": i, "logit_bias": {str(i): 1.5}} for i in range(2000)] + [{"id": 2000}]
+    batch = pj.read_json(write_jsonl(tmp_path / "in.jsonl", rows)).to_batches()[0]
+    assert pa.types.is_struct(batch.schema.field("logit_bias").type)  # what the reader gives
+    got = compact_bias_column(batch).column("logit_bias").to_pylist()
+    assert got[:2000] == [json.dumps({str(i): 1.5}) for i in range(2000)] and got[2000] is None
+    assert logit_bias_pairs(got[7]) == ((7, 1.5),)
+
+
+def test_rows_bias_their_own_tokens_from_a_jsonl_object_column(model, tmp_path):
+    rows = [{"id": i, "prompt": PROMPT, "logit_bias": {str(t): 100}} for i, t in enumerate([7, 9])]
+    out = tmp_path / "out"
+    run_job(write_jsonl(tmp_path / "in.jsonl", rows), out, model, "--with-token-ids")
+    got = {r["id"]: r for r in read_output(out).to_pylist()}
+    assert set(got[0]["token_ids"]) == {7} and set(got[1]["token_ids"]) == {9}
+    assert got[1]["logit_bias"] == '{"9": 100}'  # copied as the row's own entries

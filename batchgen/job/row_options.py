@@ -22,6 +22,7 @@ from batchgen.engine.constraints import ConstraintError, parse_choices, word_bou
 from batchgen.engine.params import logit_bias_pairs
 from batchgen.engine.sequence import Constraint, ConstraintKind, DecodeParams
 from batchgen.errors import ConfigError, RowError
+from batchgen.job.bias_column import BIAS_COLUMN
 from batchgen.job.config import RunConfig, Task, read_json_schema
 from batchgen.job.seeds import row_seed
 from batchgen.job.tokenization import tokenize
@@ -40,8 +41,8 @@ CONSTRAINT_COLUMNS = tuple(k.value for k in ConstraintKind)
 STOP_COLUMN = "stop"
 # One of token ids (a list of integers) that replaces --stop-token-id for its row.
 STOP_IDS_COLUMN = "stop_token_ids"
-# One of {token id: bias} (a map or struct, or its JSON text) that replaces --logit-bias.
-BIAS_COLUMN = "logit_bias"
+# BIAS_COLUMN: {token id: bias} (a map, or its JSON text; a struct is compacted to that,
+# bias_column.py) that replaces --logit-bias.
 
 log = logging.getLogger(__name__)
 
