@@ -11,14 +11,17 @@ run(RunConfig(input="prompts.parquet", output="out/"))
 
 from typing import Any
 
+from batchgen.api.outputs import CompletionOutput, Logprob, RequestOutput
+from batchgen.api.sampling import SamplingParams
 from batchgen.engine.sequence import Completion, FinishReason
 from batchgen.job.config import RunConfig
-from batchgen.job.sampling import RequestOutput, SamplingParams
 
 __all__ = [
     "LLM",
     "Completion",
+    "CompletionOutput",
     "FinishReason",
+    "Logprob",
     "RequestOutput",
     "RunConfig",
     "SamplingParams",

@@ -86,7 +86,7 @@ class Bound:
 MAX_N = 128
 
 # Numeric options' ranges, checked in RunConfig and given to click as IntRange/FloatRange, so a
-# flag and a job spec value are refused alike. The sampling ones are SamplingParams' checks.
+# flag and a job spec value are refused alike. The sampling ones are DecodeParams' checks.
 BOUNDS = {
     **dict.fromkeys(
         (
@@ -106,7 +106,7 @@ BOUNDS = {
     ),
     "n": Bound(1, MAX_N),
     "temperature": Bound(0),
-    "top_k": Bound(0),
+    "top_k": Bound(0, 2**63 - 1),  # an int64 tensor holds it
     "top_p": Bound(0, 1, low_open=True),
     "seed": Bound(0, 2**31 - 1),
     "repetition_penalty": Bound(0, low_open=True),

@@ -36,6 +36,10 @@ class ModelLoadError(UsageError):
     """The model directory, its config.json or its weights cannot be used."""
 
 
+class RequestError(UsageError, ValueError):
+    """A Python API call's prompt, candidates or parameters that cannot run."""
+
+
 class QuantUnavailableError(UsageError, ValueError):
     """The quantization scheme cannot run here (library, device or dtype)."""
 

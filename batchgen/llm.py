@@ -1,32 +1,43 @@
 """The Python API: `LLM(model_dir).generate(prompts, SamplingParams(...))`, named as in vLLM.
 
-`SamplingParams` (job/sampling.py) takes vLLM's names (max_tokens, n, stop as a string or a
-list, logprobs, ...) beside batchgen's, and `generate`/`chat` return one `RequestOutput` per
-prompt with its `n` completions in `.outputs`, as vLLM does. docs/coming-from-vllm.md lists
-the names.
+`LLM(...)` takes vLLM's engine arguments (api/engine_args.py), `SamplingParams`
+(api/sampling.py) vLLM's names and defaults, and `generate`/`chat` return one `RequestOutput`
+per prompt with its `n` samples in `.outputs` (api/outputs.py), as vLLM does. Calls run one at
+a time, and a failed or interrupted call leaves nothing behind. docs/coming-from-vllm.md lists
+what differs from vLLM and why.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
+import random
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from batchgen.api.engine_args import parse_engine_args
+from batchgen.api.outputs import RequestOutput, completion_output
+from batchgen.api.prompts import (
+    Message,
+    Prompt,
+    PromptChecker,
+    as_prompt_list,
+    chat_texts,
+    is_candidate_list,
+    is_token_ids,
+)
+from batchgen.api.sampling import SamplingParams, sample_requests
 from batchgen.choices import ModelImpl
-from batchgen.data.prompts import PromptBuilder
-from batchgen.engine import sequence
-from batchgen.engine.completions import error_completion
 from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.params import DecodeParams
 from batchgen.engine.sequence import Completion, Request
-from batchgen.errors import RowError
+from batchgen.errors import RequestError
 from batchgen.job.model_spec import ModelSpec
-from batchgen.job.sampling import RequestOutput, SamplingParams, is_candidate_list, is_token_ids
+from batchgen.job.seeds import SEED_RANGE
 from batchgen.model.host_malloc import release_freed_memory
 from batchgen.model.tensor_parallel import TPShard
 from batchgen.model.tp_layers import CollectiveClock
@@ -36,29 +47,40 @@ from batchgen.quant import weight_bytes
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": ...} form
-Message = dict[str, Any]  # {"role": ..., "content": ...}
-
 
 class LLM:
     """A model loaded and an engine over it."""
 
     def __init__(self, model: str | Path | None = None, **options: Any) -> None:
-        """model: a local save_pretrained directory (None: the embedded default model).
-        options, resolved as `batchgen run` resolves its flags (ModelSpec.resolve, where
-        their defaults are): dtype, device, compile, engine (an EngineConfig), allow_pickle,
-        quantize, quant_backend, quant_group_size, lora, tensor_parallel_size (ranks to split
-        the model over: processes started here, ended by `close()`), model_impl (auto|native|
-        transformers: batchgen's decoder or transformers' modeling code)."""
-        self._load(ModelSpec.resolve(model, **options), resumable=False)
+        """model: a local save_pretrained directory or a `builtin:` one (None: the embedded
+        default model). options: vLLM's engine arguments (max_model_len, max_num_seqs,
+        max_num_batched_tokens, enable_prefix_caching, gpu_memory_utilization, block_size,
+        enforce_eager, seed, tensor_parallel_size, dtype, quantization) and batchgen's,
+        resolved as `batchgen run` resolves its flags (ModelSpec.resolve, where their defaults
+        are): device, compile, engine (an EngineConfig), allow_pickle, quantize,
+        quant_backend, quant_group_size, lora, model_impl (auto|native|transformers),
+        compile_cache, kv_cache_tokens. tensor_parallel_size: ranks to split the model over,
+        processes started here and ended by `close()`. seed: the generator of the seeds of
+        requests that ask for none. An unknown name is refused (ConfigError)."""
+        args = parse_engine_args(type(self).__name__, model, options)
+        spec = ModelSpec.resolve(args.model, **args.spec)
+        self._limits(spec, args.max_model_len, args.seed)
+        self._load(spec, resumable=False)
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, resumable: bool = True) -> LLM:
         """Build from a spec already resolved (open_job's). resumable: a failed rank's
         advice is a job's (run the same command again), else the API's (a new LLM)."""
         llm = cls.__new__(cls)
+        llm._limits(spec, None, 0)
         llm._load(spec, resumable)
         return llm
+
+    def _limits(self, spec: ModelSpec, max_model_len: int | None, seed: int | None) -> None:
+        self._checker = PromptChecker.of(spec.tokenizer, spec.model_cfg, max_model_len)
+        self.max_model_len = self._checker.max_model_len
+        self._rng = random.Random(seed)  # None: seeded from the OS
+        self._lock = threading.Lock()
 
     def _load(self, spec: ModelSpec, resumable: bool) -> None:
         self.spec = spec
@@ -130,146 +152,126 @@ class LLM:
         self.close()
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's: the model's generation_config.json defaults; generate's when given none."""
-        return SamplingParams.from_model(self.spec.model_dir, self.spec.generation_config)
+        """vLLM's: the model's generation_config.json values over SamplingParams' defaults;
+        generate's when given none."""
+        return SamplingParams.from_model(self.spec.generation_config)
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (transformers'), as vLLM's `LLM.get_tokenizer()`."""
+        return self.tokenizer
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: sequence.SamplingParams | Sequence[sequence.SamplingParams] | None = None,
+        sampling_params: DecodeParams | Sequence[DecodeParams] | None = None,
         use_tqdm: bool = False,
         *,
-        params: sequence.SamplingParams | Sequence[sequence.SamplingParams] | None = None,
+        params: DecodeParams | Sequence[DecodeParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids, or {"prompt": ...} /
         {"prompt_token_ids": ...}; one string is one prompt); one RequestOutput per prompt, in
         prompt order. sampling_params (or params, batchgen's earlier name): one for all
-        prompts or one each; None: get_default_sampling_params(). use_tqdm: a progress bar."""
-        if isinstance(prompts, str | dict) or is_token_ids(prompts):
-            prompts = [prompts]
-        texts, ids, errors = [], [], []
-        for p in prompts:
-            if isinstance(p, dict):
-                p = p.get("prompt_token_ids", p.get("prompt"))
-            texts.append(p if isinstance(p, str) else None)
-            p_ids, error = self._prompt_ids(p)
-            ids.append(p_ids)
-            errors.append(error)
-        return self._generate(texts, ids, sampling_params or params, use_tqdm, errors)
-
-    def _prompt_ids(self, p: str | Sequence[int]) -> tuple[list[int], str | None]:
-        """A prompt's token ids, and why it cannot run (None: it can). Such a prompt gets an
-        error result, as the command line writes an error row, and never reaches the engine:
-        an empty or out-of-vocabulary prompt there fails the call and leaves the engine's
-        queue holding it."""
-        if isinstance(p, str):
-            try:
-                p.encode("utf-8")
-            except UnicodeEncodeError as e:  # a lone surrogate, which no tokenizer takes
-                return [], f"prompt is not valid Unicode text ({e.reason} at character {e.start})"
-            ids = self.tokenizer(p)["input_ids"]
-        else:
-            ids = list(p)
-        if not ids:
-            return ids, "prompt tokenized to zero tokens"
-        vocab = self.spec.model_cfg.vocab_size
-        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            return ids, f"token id {bad!r} is not in the model's vocabulary (0 to {vocab - 1})"
-        return ids, None
+        prompts or one each; None: get_default_sampling_params(). use_tqdm: a progress bar.
+        RequestError, before anything runs, for a prompt that cannot run (empty, outside the
+        vocabulary, no room left under max_model_len)."""
+        checked = [self._checker.prompt(i, p) for i, p in enumerate(as_prompt_list(prompts))]
+        texts, ids = [t for t, _ in checked], [x for _, x in checked]
+        return self._generate(texts, ids, sampling_params or params, use_tqdm)
 
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
-        sampling_params: sequence.SamplingParams | Sequence[sequence.SamplingParams] | None = None,
+        sampling_params: DecodeParams | Sequence[DecodeParams] | None = None,
         use_tqdm: bool = False,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of {role, content} messages) or to each of a list
-        of them, through the tokenizer's chat template as `--messages-column` renders rows."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(
-                "this model's tokenizer has no chat template; render the prompt yourself and "
-                "call generate()"
-            )
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        builder = PromptBuilder(None, "messages", None, self._chat_text)
-        try:
-            texts = [builder.render({"messages": list(c)}) for c in convs]
-        except RowError as e:
-            raise ValueError(str(e)) from None
-        # the template already holds the model's special tokens (BOS)
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return self._generate(texts, ids, sampling_params, use_tqdm)
-
-    def _chat_text(self, messages: list[Message]) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+        of them, through the tokenizer's chat template (or chat_template, a Jinja text) as
+        `--messages-column` renders rows; chat_template_kwargs go to the template."""
+        texts = chat_texts(
+            self.tokenizer,
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
         )
+        # the template already holds the model's special tokens (BOS)
+        ids = [self._checker.text_ids(f"conversation {i}", t, False) for i, t in enumerate(texts)]
+        return self._generate(texts, ids, sampling_params, use_tqdm)
 
     def _generate(
         self,
         texts: list[str | None],
         ids: list[list[int]],
-        params: sequence.SamplingParams | Sequence[sequence.SamplingParams] | None,
+        params: DecodeParams | Sequence[DecodeParams] | None,
         use_tqdm: bool,
-        errors: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         params = params or self.get_default_sampling_params()
-        per_row = [params] * len(ids) if isinstance(params, sequence.SamplingParams) else params
-        if len(per_row) != len(ids):
-            raise ValueError(f"{len(per_row)} sampling params for {len(ids)} prompts")
-        for sp in per_row:  # the engine's own class takes a NaN temperature
-            if not (math.isfinite(sp.temperature) and math.isfinite(sp.top_p)):
-                raise ValueError(f"temperature and top_p must be finite numbers, got {sp}")
-        errors = errors or [None] * len(ids)
-        requests, owner, failed = [], [], []  # owner: each request's (prompt, sample)
-        for i, (p, sp, error) in enumerate(zip(ids, per_row, errors, strict=True)):
-            n = getattr(sp, "n", 1)
-            for k in range(n):
-                r = Request(len(requests), p, sp.sample(k) if n > 1 else sp)
-                if error is None:
-                    requests.append(r)
-                    owner.append((i, k))
-                else:
-                    failed.append(((i, k), error_completion(r, error)))
-        if any(getattr(sp, "n", 1) > 1 and sp.greedy for sp in per_row):
-            _warn_greedy_samples()
-        done = self._run(requests, use_tqdm) if requests else []
+        requests, owner = sample_requests(ids, params, self._seed, self.max_model_len)
+        done = self._run(requests, use_tqdm)
         outs = [RequestOutput(i, t, p, []) for i, (t, p) in enumerate(zip(texts, ids, strict=True))]
-        for (i, k), c in [*zip(owner, done, strict=True), *failed]:
-            c.index = k
-            outs[i].outputs.append(c)
-        for o in outs:
-            o.outputs.sort(key=lambda c: c.index)
+        for (i, k, sp), c in zip(owner, done, strict=True):
+            outs[i].outputs.append(completion_output(c, k, sp, self._decode))
         return outs
 
-    def score(
+    def _seed(self) -> int:
+        """A seed for a request that asked for none: the LLM's generator's next."""
+        return self._rng.randrange(SEED_RANGE)
+
+    def candidate_logprobs(
         self,
-        prompts: Sequence[str] | Sequence[list[int]],
+        prompts: str | Sequence[str] | Sequence[list[int]],
         candidates: Sequence[str | list[int]] | Sequence[Sequence[str | list[int]]],
     ) -> list[Completion]:
         """log P(candidate | prompt) of each candidate continuation (text, tokenized
         without special tokens, or token ids), in `Completion.scores`; one candidate list
-        for all prompts or one per prompt. Nothing is sampled."""
+        for all prompts or one per prompt; one string is one prompt. Nothing is sampled."""
+        prompts = [prompts] if isinstance(prompts, str) or is_token_ids(prompts) else prompts
         per_row = [candidates] * len(prompts) if is_candidate_list(candidates) else candidates
+        if len(per_row) != len(prompts):
+            raise RequestError(f"{len(per_row)} candidate lists for {len(prompts)} prompts")
         requests = []
         for i, (p, cands) in enumerate(zip(prompts, per_row, strict=True)):
-            ids = p if isinstance(p, list) else self.tokenizer(p)["input_ids"]
-            conts = tuple(tuple(self._candidate_ids(c)) for c in cands)
-            requests.append(Request(i, list(ids), candidates=conts))
+            _, ids = self._checker.prompt(i, p)
+            requests.append(
+                Request(i, ids, candidates=self._checker.candidates(i, len(ids), cands))
+            )
         return self._run(requests)
 
-    def _candidate_ids(self, c: str | list[int]) -> list[int]:
-        return (
-            c if isinstance(c, list) else self.tokenizer(c, add_special_tokens=False)["input_ids"]
+    def score(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's `LLM.score` is a cross-encoder or embedding similarity, which batchgen does
+        not compute; refused, naming `candidate_logprobs` (log P(candidate | prompt))."""
+        raise RequestError(
+            "LLM.score is vLLM's cross-encoder / embedding similarity, which batchgen does not "
+            "compute; for log P(candidate | prompt) call LLM.candidate_logprobs(prompts, "
+            "candidates)"
         )
 
     def _run(self, requests: list[Request], use_tqdm: bool = False) -> list[Completion]:
+        """Run the requests to their completions, one call at a time (calls from other
+        threads wait). Any failure, Ctrl-C included, drops what is in flight, so no later
+        call returns this one's completions or finds its requests queued."""
+        with self._lock:
+            try:
+                return self._drain(requests, use_tqdm)
+            except BaseException:
+                self.engine.abort()
+                raise
+
+    def _drain(self, requests: list[Request], use_tqdm: bool) -> list[Completion]:
         results: list[Completion | None] = [None] * len(requests)
-        self.engine.reserve(max((r.longest_tokens for r in requests), default=1))
+        if not requests:
+            return []
+        self.engine.reserve(max(r.longest_tokens for r in requests))
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -285,11 +287,3 @@ class LLM:
             if bar is not None:
                 bar.close()
         return results  # type: ignore[return-value]
-
-
-@functools.cache
-def _warn_greedy_samples() -> None:
-    log.warning(
-        "n > 1 with temperature 0 (greedy) gives n identical completions; pass a temperature "
-        "above 0 (e.g. temperature=0.8) to sample different ones (warned once)"
-    )

@@ -1,6 +1,6 @@
-"""Audit 2, item 10: prompts the engine cannot run (empty, a lone surrogate, token ids outside
-the vocabulary) come back as error results, as the command line writes error rows, and the LLM
-keeps working; a NaN temperature is refused where it is given."""
+"""Audit 2, item 10, and issue 38: prompts the engine cannot run (empty, a lone surrogate,
+token ids outside the vocabulary) are refused before anything runs, naming the prompt, as
+vLLM raises, and the LLM keeps working; a NaN temperature is refused where it is given."""
 
 import math
 
@@ -8,6 +8,7 @@ import pytest
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine import sequence
+from batchgen.errors import RequestError
 
 
 @pytest.fixture(scope="module")
@@ -15,18 +16,20 @@ def llm(model):
     return LLM(model, device="cpu", compile=False)
 
 
-def test_bad_prompts_are_error_results_and_the_llm_keeps_working(llm):
-    sp = SamplingParams(max_tokens=2)
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ("", "prompt 1 is empty"),
+        ([], "prompt 1 is empty"),
+        ("\ud800", "prompt 1 is not valid Unicode"),
+        ([10**9], "prompt 1: token id 1000000000 is not in the model's vocabulary"),
+    ],
+)
+def test_bad_prompts_are_refused_and_the_llm_keeps_working(llm, bad, says):
+    sp = SamplingParams(max_tokens=2, temperature=0)
     good = llm.generate("the lazy dog", sp)[0].outputs[0]
-    outs = llm.generate(["", "\ud800", [], [10**9], "the lazy dog"], sp)
-    errors = [o.outputs[0].error for o in outs]
-    assert [o.outputs[0].finish_reason.value for o in outs[:4]] == ["error"] * 4
-    assert errors[0] == errors[2] == "prompt tokenized to zero tokens"
-    assert "not valid Unicode" in errors[1] and "vocabulary" in errors[3]
-    assert errors[4] is None and outs[4].outputs[0].token_ids == good.token_ids
-    # samples of a bad prompt are each an error, in sample order
-    two = llm.generate([""], SamplingParams(n=2, max_tokens=2, temperature=0.5))[0]
-    assert [c.index for c in two.outputs] == [0, 1]
+    with pytest.raises(RequestError, match=says):
+        llm.generate(["the lazy dog", bad], sp)
     assert llm.generate("the lazy dog", sp)[0].outputs[0].token_ids == good.token_ids
 
 
@@ -34,4 +37,4 @@ def test_a_nan_temperature_is_refused(llm):
     with pytest.raises(ValueError, match="temperature must be a finite number"):
         SamplingParams(temperature=math.nan)
     with pytest.raises(ValueError, match="finite"):
-        llm.generate("the lazy dog", sequence.SamplingParams(temperature=math.nan))
+        llm.generate("the lazy dog", sequence.DecodeParams(temperature=math.nan))

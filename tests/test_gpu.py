@@ -244,7 +244,7 @@ def test_scores_in_float32_on_cuda_equal_transformers(model_dir):
     llm = LLM(model_dir, dtype="float32", device="cuda", compile=True, engine=engine)
     labels = [[5], [7, 8], [9, 10, 11]]
     rows = prompts(3)  # 17-32 tokens: one full block each, shared by the three labels
-    got = llm.score(rows, labels)
+    got = llm.candidate_logprobs(rows, labels)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf = hf.to("cuda").eval()
     with torch.no_grad():

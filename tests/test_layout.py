@@ -10,6 +10,7 @@ Layers, bottom up (a package may import its own modules and any lower layer):
     engine             scheduler + block pool (plain Python) and the model runner
     stats              the sum of the engine's step reports, GPU sampling
     job                one job's options, model spec, input and prepared rows
+    api                the Python API's parts: engine arguments, SamplingParams, prompts, outputs
     llm                the Python API: a model loaded and an engine over it
     runner             running one job: request stream -> engine -> writer
     scaleout           shards over worker processes or a Slurm array, and their merge
@@ -34,6 +35,7 @@ LAYERS = [
     ("stats",),
     ("job",),
     ("parallel",),
+    ("api",),
     ("llm",),
     ("runner",),
     ("scaleout",),

@@ -22,9 +22,9 @@ from helpers import (
     write_parquet,
 )
 
+from batchgen.api.sampling import SamplingParams
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.params import logit_bias_pairs
-from batchgen.job.sampling import SamplingParams
 from batchgen.llm import LLM
 
 LENS = [3, 11, 6, 17, 1, 9]
@@ -44,9 +44,9 @@ def sharp(sharp_dirs):
 
 def _mixed(**penalty) -> list[SamplingParams]:
     """Every other row penalized, the rest plain."""
-    plain = SamplingParams(max_tokens=MAX_NEW)
+    plain = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     return [
-        SamplingParams(max_tokens=MAX_NEW, **penalty) if i % 2 == 0 else plain
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, **penalty) if i % 2 == 0 else plain
         for i in range(len(LENS))
     ]
 
@@ -65,7 +65,10 @@ def test_greedy_repetition_penalty_equals_transformers(sharp, engine):
     llm = _llm(sharp, engine)
     got = [c.token_ids for c in llm.generate(prompts, params)]
     assert got == _hf_rows(sharp, prompts, params)
-    plain = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))]
+    plain = [
+        c.token_ids
+        for c in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    ]
     assert got[1::2] == plain[1::2] and got[::2] != plain[::2]  # the penalty changed rows
     if engine is PREEMPTED:  # preempted rows recomputed, their counts made again
         assert llm.engine.scheduler.num_preemptions > 0
@@ -77,10 +80,14 @@ def test_penalties_hold_for_n_samples_and_cached_prefixes(sharp):
     (prefix,) = random_prompts([13], seed=7)
     prompts = [prefix + p for p in random_prompts([3, 6, 2], seed=1)]
     llm = _llm(sharp, EngineConfig(block_size=4))
-    out = llm.generate(prompts, SamplingParams(n=2, max_tokens=MAX_NEW, repetition_penalty=1.5))
+    out = llm.generate(
+        prompts, SamplingParams(temperature=0, n=2, max_tokens=MAX_NEW, repetition_penalty=1.5)
+    )
     want = _hf_rows(sharp, prompts, _mixed(repetition_penalty=1.5)[:1] * len(prompts))
     assert [[c.token_ids for c in r.outputs] for r in out] == [[w, w] for w in want]
-    assert any(r.outputs[0].cached_tokens for r in out[1:])  # the prefix came from the cache
+    assert any(
+        r.outputs[0].completion.cached_tokens for r in out[1:]
+    )  # the prefix came from the cache
 
 
 def _reference_ok(model_dir, prompt, output, presence, frequency) -> bool:
@@ -105,7 +112,10 @@ def test_presence_and_frequency_equal_a_python_reference(sharp, presence, freque
     params = _mixed(presence_penalty=presence, frequency_penalty=frequency)
     llm = _llm(sharp)
     got = [c.token_ids for c in llm.generate(prompts, params)]
-    plain = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))]
+    plain = [
+        c.token_ids
+        for c in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    ]
     assert got[1::2] == plain[1::2] and got[::2] != plain[::2]
     for p, out in zip(prompts[::2], got[::2], strict=True):
         assert _reference_ok(sharp, p, out, presence, frequency)
@@ -116,14 +126,20 @@ def test_presence_and_frequency_equal_a_python_reference(sharp, presence, freque
 def test_logit_bias_bans_and_forces_tokens(sharp):
     prompts = random_prompts(LENS)
     llm = _llm(sharp)
-    plain = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW))
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW))
     first = plain[0].token_ids[0]
-    banned = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, logit_bias={first: -100}))
+    banned = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, logit_bias={first: -100})
+    )
     assert all(first not in c.token_ids for c in banned)
     assert banned[0].token_ids[0] != first
     forced = llm.generate(
         prompts,
-        [SamplingParams(max_tokens=5, logit_bias={"7": 100}), SamplingParams(max_tokens=5)] * 3,
+        [
+            SamplingParams(temperature=0, max_tokens=5, logit_bias={"7": 100}),
+            SamplingParams(temperature=0, max_tokens=5),
+        ]
+        * 3,
     )
     assert all(c.token_ids == [7] * 5 for c in forced[::2])
     assert [c.token_ids for c in forced[1::2]] == [c.token_ids[:5] for c in plain[1::2]]
@@ -135,10 +151,15 @@ def test_logit_bias_bans_and_forces_tokens(sharp):
 
 
 def test_sampling_params_take_vllm_names():
-    p = SamplingParams(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-1)
+    p = SamplingParams(
+        temperature=0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-1
+    )
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.2, 0.5, -1)
-    assert p.penalized and not SamplingParams().penalized
-    assert SamplingParams(logit_bias={"5": 300, 2: -1.5}).logit_bias == ((2, -1.5), (5, 100.0))
+    assert p.penalized and not SamplingParams(temperature=0).penalized
+    assert SamplingParams(temperature=0, logit_bias={"5": 300, 2: -1.5}).logit_bias == (
+        (2, -1.5),
+        (5, 100.0),
+    )
     assert p.sample(1).repetition_penalty == 1.2  # each of n samples keeps them
     for bad in (
         {"repetition_penalty": 0},
@@ -159,12 +180,14 @@ def test_compiled_sampling_with_penalties_equals_eager(sharp):
     graph, whose inputs they do not change)."""
     prompts = random_prompts(LENS)
     params = [
-        SamplingParams(max_tokens=MAX_NEW, repetition_penalty=1.5, logit_bias={7: -100}),
-        SamplingParams(max_tokens=MAX_NEW),
+        SamplingParams(
+            temperature=0, max_tokens=MAX_NEW, repetition_penalty=1.5, logit_bias={7: -100}
+        ),
+        SamplingParams(temperature=0, max_tokens=MAX_NEW),
         SamplingParams(max_tokens=MAX_NEW, temperature=0.9, seed=1, presence_penalty=1.0),
         SamplingParams(max_tokens=MAX_NEW, temperature=0.9, seed=2),
-        SamplingParams(max_tokens=MAX_NEW, frequency_penalty=1.5),
-        SamplingParams(max_tokens=MAX_NEW, logit_bias={9: 100}),
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, frequency_penalty=1.5),
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, logit_bias={9: 100}),
     ]
     engine = EngineConfig(block_size=16)
     want = [c.token_ids for c in _llm(sharp, engine).generate(prompts, params)]
@@ -256,7 +279,9 @@ def test_seen_tokens_table_equals_the_dense_formula(device):
 
     g = torch.Generator().manual_seed(0)
     vocab, counts = 50, TokenCounts(50, torch.device(device))
-    params = SamplingParams(repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3)
+    params = SamplingParams(
+        temperature=0, repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3
+    )
 
     def seq(i: int, n: int) -> Sequence:
         prompt = torch.randint(0, vocab, (n,), generator=g).tolist()

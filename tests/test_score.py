@@ -76,7 +76,7 @@ def prompt_tokens(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("model", MODELS)
 def test_scores_equal_transformers_loglikelihoods(model, engine, dirs, references):  # noqa: F811
     llm = _llm(dirs[model], ENGINES[engine])
-    got = llm.score(_prompts(3, PROMPT_LENS), CANDIDATES)
+    got = llm.candidate_logprobs(_prompts(3, PROMPT_LENS), CANDIDATES)
     for i, (c, ref) in enumerate(zip(got, references[model], strict=True)):
         assert c.index == i and c.error is None and c.finish_reason is FinishReason.STOP
         assert c.token_ids == [] and c.prompt_tokens == PROMPT_LENS[i]
@@ -90,12 +90,12 @@ def test_the_prompt_is_computed_once_per_row(dirs, prompt_tokens):  # noqa: F811
     llm = _llm(dirs["llama"], EngineConfig(block_size=4))
     (prompt,) = _prompts(5, [40])  # 10 full blocks
     cands = [[5], [6, 7], [8], [9, 10, 11]]
-    (c,) = llm.score([prompt], [cands])
+    (c,) = llm.candidate_logprobs([prompt], [cands])
     # the first candidate runs its 41 tokens; each other one only the prompt's last block
     # (from the token that predicts its first) and its own tokens
     assert sum(prompt_tokens) == 41 + (4 + 2) + (4 + 1) + (4 + 3)
     assert c.cached_tokens == 3 * 36
-    alone = [llm.score([prompt], [[x]])[0].scores[0] for x in cands]
+    alone = [llm.candidate_logprobs([prompt], [[x]])[0].scores[0] for x in cands]
     assert c.scores == pytest.approx(alone, abs=1e-5)
 
 
@@ -117,7 +117,7 @@ def test_scored_and_generated_rows_run_together_and_survive_preemption(dirs, pre
     ]
     got = llm._run(requests)
     assert any(seq.request.scoring for seq in preempted)  # a scored candidate, recomputed
-    scored = llm.score([prompts[i] for i in (1, 3)], [CANDIDATES[i] for i in (1, 3)])
+    scored = llm.candidate_logprobs([prompts[i] for i in (1, 3)], [CANDIDATES[i] for i in (1, 3)])
     generated = llm.generate([prompts[i] for i in (0, 2, 4)], SamplingParams(max_new_tokens=12))
     for i, alone in zip((1, 3), scored, strict=True):
         assert got[i].scores == pytest.approx(alone.scores, abs=1e-5)

@@ -110,7 +110,7 @@ def test_constraints_scores_samples_and_row_seeds(model, pair):
     for llm in pair:
         c = llm.generate(PROMPTS[:6], constrained)
         s = llm.generate([PROMPTS[3]] * 4, sampled)  # one prompt, four seeds (two alike)
-        sc = llm.score(PROMPTS[:4], [" yes", " no"])
+        sc = llm.candidate_logprobs(PROMPTS[:4], [" yes", " no"])
         results.append((c, s, sc))
     (c1, s1, sc1), (c2, s2, sc2) = results
     assert [c.text for c in c2] == [c.text for c in c1]

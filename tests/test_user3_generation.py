@@ -93,5 +93,7 @@ def test_api_uses_the_model_defaults(model5):
         assert (sp.max_tokens, sp.temperature, sp.top_p) == (5, 0.0, 0.9)
         [out] = llm.generate("the quick brown fox")
         assert len(out.outputs[0].token_ids) <= 5
-        [out] = llm.generate("the quick brown fox", SamplingParams(max_tokens=7, ignore_eos=True))
+        [out] = llm.generate(
+            "the quick brown fox", SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+        )
         assert len(out.outputs[0].token_ids) == 7

@@ -7,11 +7,11 @@ import pytest
 import torch
 from helpers import read_output, run_job, write_jsonl
 
+from batchgen.api.sampling import SamplingParams
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sampler import SamplingTensors, sample
 from batchgen.engine.sequence import FinishReason, Request
 from batchgen.engine.sequence import SamplingParams as EngineParams
-from batchgen.job.sampling import SamplingParams
 from batchgen.llm import LLM
 
 PROMPT = "The quick brown fox"
@@ -31,10 +31,12 @@ def _hf_greedy(model, ids: list[int], **kw) -> list[int]:
 
 
 def test_stop_token_id_ends_the_row_out_of_its_text(llm):
-    base = llm.generate([PROMPT], SamplingParams(max_tokens=12))[0].outputs[0]
+    base = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     stop = base.token_ids[3]
     first = base.token_ids.index(stop)
-    out = llm.generate([PROMPT], SamplingParams(max_tokens=12, stop_token_ids=[stop]))[0]
+    out = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])
+    )[0]
     c = out.outputs[0]
     assert c.finish_reason is FinishReason.STOP and c.stop_reason == stop
     assert c.token_ids == base.token_ids[: first + 1]  # kept in the ids, as vLLM
@@ -46,9 +48,9 @@ def test_min_tokens_equals_transformers_min_new_tokens(llm, model):
     """A stop token below min_tokens is suppressed (transformers: eos_token_id with
     min_new_tokens), then ends the row."""
     ids = llm.tokenizer(PROMPT)["input_ids"]
-    base = llm.generate([ids], SamplingParams(max_tokens=16))[0].outputs[0]
+    base = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
     stop = base.token_ids[2]
-    sp = SamplingParams(max_tokens=16, stop_token_ids=[stop], min_tokens=6)
+    sp = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop], min_tokens=6)
     got = llm.generate([ids], sp)[0].outputs[0]
     eos = [stop, *llm.engine.eos_ids]  # the model's EOS is held back too
     want = _hf_greedy(model, ids, max_new_tokens=16, min_new_tokens=6, eos_token_id=eos)
@@ -58,14 +60,18 @@ def test_min_tokens_equals_transformers_min_new_tokens(llm, model):
 
 def test_stop_strings_wait_for_min_tokens(llm, model):
     ids = llm.tokenizer(PROMPT)["input_ids"]
-    base = llm.generate([ids], SamplingParams(max_tokens=16))[0].outputs[0]
+    base = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
     stop = llm.detokenize(base.token_ids[1:2])
     assert stop.strip()
-    early = llm.generate([ids], SamplingParams(max_tokens=16, stop=stop))[0].outputs[0]
+    early = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, stop=stop))[0].outputs[
+        0
+    ]
     assert early.stop_reason == stop and early.finish_reason is FinishReason.STOP
     want = _hf_greedy(model, ids, max_new_tokens=2, stop_strings=[stop], tokenizer=llm.tokenizer)
     assert early.token_ids == want[: len(early.token_ids)]
-    late = llm.generate([ids], SamplingParams(max_tokens=16, stop=stop, min_tokens=8))[0]
+    late = llm.generate(
+        [ids], SamplingParams(temperature=0, max_tokens=16, stop=stop, min_tokens=8)
+    )[0]
     c = late.outputs[0]
     assert len(c.token_ids) >= 8  # the stop string before token 8 did not end it
     assert c.token_ids[:8] == base.token_ids[:8]
@@ -90,17 +96,17 @@ def test_min_p_keeps_only_tokens_near_the_top():
 
 
 def test_min_p_one_is_greedy_through_the_api(llm):
-    greedy = llm.generate([PROMPT], SamplingParams(max_tokens=10))[0].token_ids
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10))[0].token_ids
     sp = SamplingParams(max_tokens=10, temperature=1.0, seed=5, min_p=1.0)
     assert llm.generate([PROMPT], sp)[0].token_ids == greedy
     with pytest.raises(ValueError, match="min_p"):
-        SamplingParams(min_p=1.5)
+        SamplingParams(temperature=0, min_p=1.5)
     with pytest.raises(ValueError, match="min_tokens"):
-        SamplingParams(max_tokens=4, min_tokens=5)
+        SamplingParams(temperature=0, max_tokens=4, min_tokens=5)
 
 
 def test_cli_options_and_columns(llm, model, tmp_path):
-    base = llm.generate([PROMPT], SamplingParams(max_tokens=12))[0].outputs[0]
+    base = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     stop = base.token_ids[3]
     rows = [
         {"id": 0, "prompt": PROMPT},
@@ -122,7 +128,7 @@ def test_cli_options_and_columns(llm, model, tmp_path):
 def test_stop_reason_column(llm, model, tmp_path):
     """--with-stop-reason: the stop token id (as text) or the stop string that ended a row,
     null for a row cut at its length."""
-    base = llm.generate([PROMPT], SamplingParams(max_tokens=12))[0].outputs[0]
+    base = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     stop_id = base.token_ids[3]
     rows = [
         {"id": 0, "prompt": PROMPT},
@@ -144,7 +150,7 @@ def test_compiled_decode_with_the_options_equals_eager(model):
     engine = EngineConfig(max_num_seqs=8, block_size=16, kv_cache_tokens=2048)
     eager = LLM(model, dtype="float32", device="cpu", compile=False, engine=engine)
     ids = eager.tokenizer(PROMPT)["input_ids"]
-    base = eager.generate([ids], SamplingParams(max_tokens=12))[0].token_ids
+    base = eager.generate([ids], SamplingParams(temperature=0, max_tokens=12))[0].token_ids
     variants = [
         EngineParams(max_new_tokens=12, stop_token_ids=(base[2],)),
         EngineParams(max_new_tokens=12, stop_token_ids=(base[2],), min_tokens=5),

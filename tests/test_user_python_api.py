@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-import batchgen.llm as api
+import batchgen.api.sampling as api
 from batchgen import LLM, RequestOutput, SamplingParams
 from batchgen.engine import sequence
 
@@ -41,7 +41,9 @@ def test_vllm_names_and_keyword(llm):
     for o in outs:
         assert [c.index for c in o.outputs] == [0, 1, 2]
         assert all(len(c.logprobs) == len(c.token_ids) for c in o.outputs)
-        assert all(len(c.top_logprobs[0]) == 2 for c in o.outputs if c.token_ids)
+        for c in o.outputs:  # vLLM's: per token, {id: Logprob} of the token and 2 alternatives
+            pairs = zip(c.token_ids, c.logprobs, strict=True)
+            assert all(t in d and len(d) in (2, 3) for t, d in pairs)
     # sample 0 is what n=1 gives; the others sample on seeds of their own
     alone = llm.generate("the lazy dog", SamplingParams(max_tokens=4, temperature=0.9, seed=7))
     assert alone[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
@@ -50,12 +52,13 @@ def test_vllm_names_and_keyword(llm):
 
 def test_one_stop_string_is_one_stop_string(llm):
     assert SamplingParams(stop="the").stop == ("the",)
-    free = llm.generate("the quick brown fox", SamplingParams(max_tokens=24, ignore_eos=True))
+    greedy = {"max_tokens": 24, "temperature": 0}
+    free = llm.generate("the quick brown fox", SamplingParams(ignore_eos=True, **greedy))
     text = free[0].text
     stop = next((text[i : i + 3] for i in range(1, len(text) - 3) if text[i : i + 3].strip()), None)
     if stop is None:
         pytest.skip("the tiny model wrote no text to stop on")
-    out = llm.generate("the quick brown fox", SamplingParams(max_tokens=24, stop=stop))[0]
+    out = llm.generate("the quick brown fox", SamplingParams(stop=stop, **greedy))[0]
     assert out.text == text[: text.index(stop)] and out.finish_reason == "stop"
 
 
@@ -68,21 +71,21 @@ def test_engine_params_and_old_keyword_still_work(llm):
 
 def test_chat_uses_the_chat_template(llm):
     messages = [{"role": "user", "content": "label the sentiment: great product"}]
-    out = llm.chat(messages, SamplingParams(max_tokens=3))
+    out = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0))
     want = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert len(out) == 1 and out[0].prompt == want
     assert out[0].prompt_token_ids == llm.tokenizer(want, add_special_tokens=False)["input_ids"]
-    two = llm.chat([messages, messages], SamplingParams(max_tokens=3))
+    two = llm.chat([messages, messages], SamplingParams(max_tokens=3, temperature=0))
     assert [o.text for o in two] == [out[0].text] * 2
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "no role"}])
 
 
 def test_greedy_n_warns_once_naming_temperature(llm, caplog):
-    api._warn_greedy_samples.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="batchgen.llm"):
-        outs = llm.generate(["the lazy dog"] * 2, SamplingParams(n=2, max_tokens=2))
-        llm.generate("the lazy dog", SamplingParams(n=2, max_tokens=2))
+    api.warn_greedy_samples.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="batchgen.api.sampling"):
+        outs = llm.generate(["the lazy dog"] * 2, SamplingParams(n=2, max_tokens=2, temperature=0))
+        llm.generate("the lazy dog", SamplingParams(n=2, max_tokens=2, temperature=0))
     warned = [r for r in caplog.records if "temperature" in r.getMessage()]
     assert len(warned) == 1 and "n > 1" in warned[0].getMessage()
     assert outs[0].outputs[0].token_ids == outs[0].outputs[1].token_ids

@@ -6,7 +6,7 @@ import json
 
 from helpers import FAST, prompts, run_job, run_plan, write_parquet
 
-from batchgen.job.sampling import SamplingParams
+from batchgen.api.sampling import SamplingParams
 from batchgen.llm import LLM
 
 
@@ -18,7 +18,7 @@ def test_plans_histogram_counts_prompts_not_samples(tmp_path, model):
 
 
 def test_finish_reason_prints_as_vllms_does(model):
-    out = LLM(model, device="cpu").generate("hello", SamplingParams(max_tokens=2))[0]
+    out = LLM(model, device="cpu").generate("hello", SamplingParams(temperature=0, max_tokens=2))[0]
     assert str(out.outputs[0].finish_reason) in ("stop", "length")
     assert f"{out.outputs[0].finish_reason}" == out.outputs[0].finish_reason.value
 

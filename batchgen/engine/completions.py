@@ -55,6 +55,10 @@ class Completions:
         for j, seq in enumerate(seqs):
             self._candidates[seq] = (row, j)
 
+    def clear(self) -> None:
+        """Forget the scored requests in flight (Engine.abort)."""
+        self._candidates.clear()
+
     @property
     def scoring_in_flight(self) -> int:
         return len(self._candidates)

@@ -287,6 +287,11 @@ class Constrainer:
     def release(self, seq: Sequence) -> None:
         self._matchers.pop(seq.request.index, None)
 
+    def clear(self) -> None:
+        """Forget every row's matcher (Engine.abort)."""
+        self._matchers.clear()
+        self._stuck.clear()
+
     def _matcher(self, seq: Sequence) -> Any:
         m = self._matchers.get(seq.request.index)
         if m is None:

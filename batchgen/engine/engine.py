@@ -32,6 +32,7 @@ from batchgen.engine.constraints import (
     Verdict,
 )
 from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.params import vocab_error
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import (
     Completion,
@@ -66,6 +67,7 @@ class Engine:
         self.kv_pool: KVPool | None = None  # the KV cache as allocated, at the first request
         self.completions = Completions(detokenize, self.constrainer)
         self._window = runner.model.cfg.sliding_window  # attention's reach, for step_cost
+        self._vocab = runner.model.cfg.vocab_size
         self.job_longest = 0  # the caller's whole job's longest row (CPU pool sizing), if known
 
     def reserve(self, longest: int) -> None:
@@ -154,7 +156,11 @@ class Engine:
         for part in parts:  # a longrope model's long prompts cache other keys (longrope.py)
             part.cache_salt = 1 if rope is not None and rope.is_long(part.prompt_len) else None
         longest = max(parts, key=lambda c: c.max_tokens)
-        error = self._size_error(r, longest) or self._check_constraint(r) or self._check_bias(r)
+        error = (
+            self._size_error(r, longest)
+            or self._check_constraint(r)
+            or vocab_error(r.params, self._vocab)
+        )
         if error is not None:
             return error_completion(r, error)
         now = time.perf_counter()  # queue entry: a row's timings count from here
@@ -195,15 +201,20 @@ class Engine:
             return f"prompt ({r.prompt_len} tokens) + its longest candidate ({cand}) {why}"
         return f"prompt ({r.prompt_len} tokens) + max_new_tokens ({r.params.max_new_tokens}) {why}"
 
-    def _check_bias(self, r: Request) -> str | None:
-        vocab = self.runner.model.cfg.vocab_size
-        bad = [t for t, _ in r.params.logit_bias if t >= vocab]
-        if bad:
-            return (
-                f"logit_bias token id {bad[0]} is not in the model's vocabulary (0 to "
-                f"{vocab - 1}); bias this model's token ids (its tokenizer's)"
-            )
-        return None
+    def abort(self) -> None:
+        """Drop every request in flight (the caller failed or was interrupted inside
+        `generate`): their blocks go back, and no later call returns them."""
+        sched = self.scheduler
+        if sched is None:
+            return
+        for seq in sched.running:  # whatever step it was in
+            sched.pool.release(seq.block_table)
+        sched.running.clear()
+        sched.waiting.clear()
+        sched.pending.clear()
+        self.completions.clear()
+        if self.constrainer is not None:
+            self.constrainer.clear()
 
     def _check_constraint(self, r: Request) -> str | None:
         if r.params.constraint is None:

@@ -1,4 +1,5 @@
-"""A row's decoding parameters (`SamplingParams`) and its output constraint: plain data, no
+"""A row's decoding parameters (`DecodeParams`, the engine's; the Python API's vLLM-shaped
+`SamplingParams` in api/sampling.py builds on it) and its output constraint: plain data, no
 torch. vLLM's penalties are here as vLLM defines them: `repetition_penalty` over the prompt and
 the output, `presence_penalty` / `frequency_penalty` over the output, `logit_bias` added to the
 raw logits (engine/penalties.py applies them)."""
@@ -35,12 +36,18 @@ class Constraint:
 MAX_TOP_LOGPROBS = 20
 # OpenAI's range of a logit bias; vLLM clamps a value outside it to its end, and so does this.
 MAX_LOGIT_BIAS = 100.0
+# The most tokens one logit_bias may hold (OpenAI's bound): a row's map is parsed for each row
+# of the read-ahead, and a bigger one is a mistake more often than a need.
+MAX_LOGIT_BIAS_TOKENS = 300
+# An integer past int64 cannot become a tensor: refused here, not at the first step.
+INT64_MAX = 2**63 - 1
 LogitBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, by token id
 
 
 @dataclass(slots=True, frozen=True)
-class SamplingParams:
-    """Per-row decoding parameters. temperature == 0 means greedy."""
+class DecodeParams:
+    """The engine's per-row decoding parameters, filled by the command line from its options
+    (its defaults: greedy, 64 tokens, seed 0). temperature == 0 means greedy."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -65,8 +72,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be in [0, 2**63) (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.seed < 2**31:
@@ -94,6 +101,25 @@ class SamplingParams:
         )
 
 
+SamplingParams = DecodeParams  # the engine's class under its former name (scripts, tests)
+
+
+def vocab_error(params: DecodeParams, vocab: int) -> str | None:
+    """Why params cannot run on a vocabulary of `vocab` tokens: a logit_bias or stop token id
+    outside it (it would index past the logits: a crash, a device assert on a GPU)."""
+    for name, ids in (
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            return (
+                f"{name} token id {bad[0]} is not in the model's vocabulary (0 to "
+                f"{vocab - 1}); use this model's token ids (its tokenizer's)"
+            )
+    return None
+
+
 def check_penalties(repetition: float, presence: float, frequency: float) -> None:
     """vLLM's ranges: repetition_penalty > 0, presence and frequency in [-2, 2]; ValueError."""
     if not (math.isfinite(repetition) and repetition > 0):
@@ -110,6 +136,8 @@ def logit_bias_pairs(value: Any) -> LogitBias:
     if value is None:
         return ()
     if isinstance(value, str | bytes):
+        if len(value) > MAX_LOGIT_BIAS_TOKENS * 64:  # longer than any map of that many entries
+            raise ValueError(f"logit_bias text of {len(value)} characters is too long")
         try:
             value = json.loads(value)
         except ValueError:
@@ -118,13 +146,16 @@ def logit_bias_pairs(value: Any) -> LogitBias:
             ) from None
     items = value.items() if isinstance(value, Mapping) else value
     try:
-        pairs = [(k, v) for k, v in items]
+        # None: a struct column's field that another row set
+        pairs = [(k, v) for k, v in items if v is not None]
     except (TypeError, ValueError):
         raise ValueError(f'logit_bias {value!r} is not a {{"token id": bias}} mapping') from None
+    if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(
+            f"logit_bias holds {len(pairs)} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are taken"
+        )
     out: dict[int, float] = {}
     for k, v in pairs:
-        if v is None:  # a struct column's field that another row set
-            continue
         tok = int(k) if isinstance(k, str) and k.strip().isdigit() else k
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
             raise ValueError(f"logit_bias key {k!r} is not a token id (an integer >= 0)")

@@ -1,6 +1,6 @@
 """Plain-data types that flow through the engine: no torch here.
 
-A `Request` (prompt ids + `SamplingParams`) comes in; the scheduler wraps it in a
+A `Request` (prompt ids + `DecodeParams`) comes in; the scheduler wraps it in a
 `Sequence`, its running state (tokens so far, cache blocks, lifecycle), and plans each step
 as a `StepPlan` of `Scheduled` chunks; a `Completion` goes out, and each step's
 accounting as a `StepReport`."""
@@ -10,10 +10,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-# SamplingParams and Constraint live in engine/params.py; imported from here too, as before
+# DecodeParams and Constraint live in engine/params.py; imported from here too, as before
 from batchgen.engine.params import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS
 from batchgen.engine.params import Constraint as Constraint
 from batchgen.engine.params import ConstraintKind as ConstraintKind
+from batchgen.engine.params import DecodeParams as DecodeParams
 from batchgen.engine.params import SamplingParams as SamplingParams
 
 TopLogprobs = list[tuple[int, float]]  # a position's likeliest (token id, logprob), best first
@@ -39,7 +40,7 @@ class Request:
 
     index: int  # position in the caller's list; results come back keyed by it
     prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
+    params: DecodeParams = field(default_factory=DecodeParams)
     candidates: tuple[tuple[int, ...], ...] = ()  # continuations to score instead of generating
     score_from: int | None = None  # a candidate's sequence: tokens from here are scored
     # the parent of its first prefix-cache key: requests whose equal tokens hold other keys
@@ -127,7 +128,7 @@ class Sequence:
             self.token_ids = list(self.request.prompt_ids)
 
     @property
-    def params(self) -> SamplingParams:
+    def params(self) -> DecodeParams:
         return self.request.params
 
     @property

@@ -33,8 +33,9 @@ GIVEN, MODEL, BATCHGEN = "option", "generation_config.json", "batchgen"
 def _valid(key: str, v: Any) -> bool:
     if isinstance(v, bool) or not isinstance(v, int | float):
         return False
-    if key in ("max_new_tokens", "top_k"):
-        return isinstance(v, int) and (v >= 1 if key == "max_new_tokens" else v >= -1)
+    if key in ("max_new_tokens", "top_k"):  # past int64 no tensor holds it
+        low = 1 if key == "max_new_tokens" else -1
+        return isinstance(v, int) and low <= v < 2**63
     return v >= 0 if key == "temperature" else 0 < v <= 1
 
 

@@ -104,10 +104,16 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, device: torch.device) -> Non
 
 def eos_token_ids(gen: Mapping[str, Any], hf: dict, tokenizer) -> list[int]:
     """EOS ids from generation_config.json (gen), else config.json (hf), else the tokenizer."""
-    for cfg in (gen, hf):
+    for name, cfg in (("generation_config.json", gen), ("config.json", hf)):
         eos = cfg.get("eos_token_id")
         if eos is not None:
-            return [eos] if isinstance(eos, int) else list(eos)
+            ids = [eos] if not isinstance(eos, list) else eos
+            if not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                raise ModelLoadError(
+                    f"{name}: eos_token_id {eos!r} is not a token id or a list of them; fix "
+                    "it (e.g. 2 or [2, 32000]) or remove it"
+                )
+            return ids
     return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
 
 

@@ -20,6 +20,7 @@ from batchgen.data.records import RecordShape, Row
 from batchgen.data.source import DEFAULT_ID_COLUMN, decode_rows
 from batchgen.engine.sequence import Request
 from batchgen.errors import InputError, RowError
+from batchgen.job.bias_column import compact_bias_column, compact_field
 from batchgen.job.config import RunConfig
 from batchgen.job.ids import ROW_NUMBERS_FIX, check_id_type
 from batchgen.job.passthrough import passthrough_columns
@@ -134,7 +135,9 @@ class Preparer:
     def output_schema(self) -> pa.Schema:
         """The output's schema: the record shape over the id's type and the passthrough."""
         fields = self.source.schema
-        passthrough = pa.schema([fields.field(c).with_name(n) for c, n in self.passthrough.items()])
+        passthrough = pa.schema(
+            [compact_field(fields.field(c)).with_name(n) for c, n in self.passthrough.items()]
+        )
         return self.record_shape.schema(self.id_type, passthrough)
 
     @property
@@ -167,7 +170,7 @@ class Preparer:
                 batch = batch.filter(pa.array(keep, pa.bool_()))
                 ids = list(itertools.compress(ids, keep))
                 row_numbers = list(itertools.compress(row_numbers, keep))
-            records, bad = decode_rows(batch, row_numbers)
+            records, bad = decode_rows(compact_bias_column(batch), row_numbers)
             window = self._window(records, ids, done, bad)
             window.skipped += other * self.cfg.n
             yield n_read, window

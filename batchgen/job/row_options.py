@@ -20,8 +20,9 @@ from typing import Any
 
 from batchgen.engine.constraints import ConstraintError, parse_choices, word_boundary
 from batchgen.engine.params import logit_bias_pairs
-from batchgen.engine.sequence import Constraint, ConstraintKind, SamplingParams
+from batchgen.engine.sequence import Constraint, ConstraintKind, DecodeParams
 from batchgen.errors import ConfigError, RowError
+from batchgen.job.bias_column import BIAS_COLUMN
 from batchgen.job.config import RunConfig, Task, read_json_schema
 from batchgen.job.seeds import row_seed
 from batchgen.job.tokenization import tokenize
@@ -40,8 +41,8 @@ CONSTRAINT_COLUMNS = tuple(k.value for k in ConstraintKind)
 STOP_COLUMN = "stop"
 # One of token ids (a list of integers) that replaces --stop-token-id for its row.
 STOP_IDS_COLUMN = "stop_token_ids"
-# One of {token id: bias} (a map or struct, or its JSON text) that replaces --logit-bias.
-BIAS_COLUMN = "logit_bias"
+# BIAS_COLUMN: {token id: bias} (a map, or its JSON text; a struct is compacted to that,
+# bias_column.py) that replaces --logit-bias.
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def row_constraint(
 
 
 class RowOptions:
-    """The options of the rows of one input: `params(rec)` gives a row's SamplingParams,
+    """The options of the rows of one input: `params(rec)` gives a row's DecodeParams,
     `labels(rec)` a score row's labels."""
 
     def __init__(self, cfg: RunConfig, columns: Collection[str], tokenizer) -> None:
@@ -134,8 +135,8 @@ class RowOptions:
             self._check_round_trip(_parse_labels(cfg.choice))
 
     @staticmethod
-    def _job_params(cfg: RunConfig) -> SamplingParams:
-        return SamplingParams(
+    def _job_params(cfg: RunConfig) -> DecodeParams:
+        return DecodeParams(
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             top_k=cfg.top_k,
@@ -160,7 +161,7 @@ class RowOptions:
 
     def params(
         self, rec: dict, row_id: Any, sample: int = 0, prompt_tail: str = ""
-    ) -> SamplingParams:
+    ) -> DecodeParams:
         """Sample `sample` of the row `rec` (of id row_id): the job's options, with the row's.
         prompt_tail: the rendered prompt's last character (a choice's word boundary)."""
         values = {c: rec[c] for c in self.overrides if rec.get(c) is not None}

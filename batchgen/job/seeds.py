@@ -16,7 +16,7 @@ from typing import Any
 
 from batchgen.job.shard import id_bytes
 
-SEED_RANGE = 1 << 31  # SamplingParams.seed lies in [0, 2**31)
+SEED_RANGE = 1 << 31  # DecodeParams.seed lies in [0, 2**31)
 
 
 def row_seed(job_seed: int, row_id: Any, sample: int = 0) -> int:

@@ -1,0 +1,2 @@
+"""The Python API's parts below `LLM` (llm.py), under vLLM's names: its engine arguments,
+`SamplingParams`, the prompts' checks and the `RequestOutput`s it returns."""
