@@ -117,10 +117,15 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
         _fail(str(e), 128 + e.signum)
     except KeyboardInterrupt:  # a second SIGINT during the job's loop
         _fail(str(JobInterrupted(signal.SIGINT)), 128 + signal.SIGINT)
+    verdict = stats.verdict  # the complete job's error rate, this run's or an earlier one's
     if stats.rows == 0 and stats.rows_skipped_done:  # a rerun of a finished job: no table of 0s
         click.echo(f"{cfg.output_dir}: all {stats.rows_skipped_done} rows were done before")
-        return
-    if not cfg.quiet:
+        if verdict is not None and not verdict.passed:
+            from batchgen.data.verdict import reason_lines
+
+            lines = reason_lines(verdict.reasons, ".batchgen/verdict.json")
+            click.echo("\n".join(["error rows by reason:", *lines]), err=True)
+    elif not cfg.quiet:
         click.echo(f"\nwrote {cfg.output_dir}\n{stats.table()}")
         click.echo(f"plots and metrics: batchgen report {cfg.output_dir}")
     else:
@@ -134,13 +139,8 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
         click.echo(f"wrote {cfg.output_dir}: {stats.rows} rows ({errors}), {rate}")
         if stats.error_reasons:
             click.echo("\n".join(["error rows by reason:", *stats.error_lines()]), err=True)
-    if stats.error_rate > cfg.max_error_rate:
-        _fail(
-            f"{stats.error_records} of {stats.rows} rows ({stats.error_rate:.0%}) are error rows, "
-            f"over --max-error-rate {cfg.max_error_rate:g} (every row is written); fix the "
-            "reasons above, or pass --max-error-rate 1 to accept them",
-            1,
-        )
+    if verdict is not None and not verdict.passed:
+        _fail(verdict.line(), 1)
 
 
 @main.command("plan", cls=SectionedCommand)

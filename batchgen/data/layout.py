@@ -39,6 +39,9 @@ JOB_FILE = f"{META_DIR}/job.json"
 STATS_FILE = f"{META_DIR}/stats.json"
 LOCK_PATH = f"{META_DIR}/{LOCK_FILE}"  # the one writer's flock (data/lock.py)
 SUCCESS_FILE = f"{META_DIR}/SUCCESS"
+# The error-rate verdict on the complete job, written just before SUCCESS and again by each
+# rerun (runner/verdict.py): SUCCESS says every row is there, this says whether they pass.
+VERDICT_FILE = f"{META_DIR}/verdict.json"
 RESULTS_FILE = f"{META_DIR}/results.jsonl"  # OpenAI batch output lines (--output-format openai)
 REPORT_FILE = f"{META_DIR}/report.html"  # `batchgen report`'s page
 MERGED_FILE = f"{META_DIR}/merged.parquet"  # a sharded job's rows, by `batchgen merge`
@@ -60,7 +63,7 @@ PART_RE = re.compile(r"part-(\d+)\.parquet")  # the dataset's files; part_name(n
 # Any other ".tmp-..." entry is not ours, so it is neither deleted nor taken as a sign of ownership.
 TMP_RE = re.compile(
     rf"{re.escape(TMP_PREFIX)}(part-\d+\.parquet|job\.json|stats\.json|\.?_?steps\.parquet"
-    r"|SUCCESS|results\.jsonl|report\.html|_job\.json|_stats\.json|_SUCCESS)\.\w+"
+    r"|SUCCESS|verdict\.json|results\.jsonl|report\.html|_job\.json|_stats\.json|_SUCCESS)\.\w+"
 )
 
 

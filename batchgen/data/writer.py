@@ -39,6 +39,7 @@ from batchgen.data.layout import (
     STEPS_FILE,
     SUCCESS_FILE,
     TMP_RE,
+    VERDICT_FILE,
     is_ours,
     migrate_old_layout,
     part_name,
@@ -46,6 +47,7 @@ from batchgen.data.layout import (
 )
 from batchgen.data.lock import LOCK_FILE, lock_directory
 from batchgen.data.source import DEFAULT_ID_COLUMN
+from batchgen.data.verdict import ErrorVerdict
 from batchgen.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ __all__ = [
     "STATS_FILE",
     "STEPS_FILE",
     "SUCCESS_FILE",
+    "VERDICT_FILE",
     "OutputDir",
     "migrate_old_layout",
     "write_file",
@@ -163,6 +166,13 @@ class OutputDir:
 
     def write_stats(self, stats: dict[str, Any]) -> None:
         write_file(self.path, STATS_FILE, _json_writer(stats))
+
+    def record_verdict(self, max_error_rate: float) -> ErrorVerdict:
+        """The error-rate verdict on every row in the parts, written beside SUCCESS."""
+        parts = [os.path.join(self.path, n) for n in self.part_files()]
+        verdict = ErrorVerdict.count(parts, max_error_rate)
+        write_file(self.path, VERDICT_FILE, _json_writer(verdict.to_dict()))
+        return verdict
 
     def mark_success(self) -> None:
         write_file(self.path, SUCCESS_FILE, lambda f: None)
