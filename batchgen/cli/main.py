@@ -215,13 +215,13 @@ def slurm_cmd(
       batchgen slurm jobs/summarize.yaml --shards 4 --dry-run -- --limit 1000 --no-compile
     Flags after -- go to every `batchgen run`. When all tasks are done: batchgen merge OUTPUT.
     """
+    from batchgen.runner.split import check_split
     from batchgen.scaleout.slurm import (
         SbatchOptions,
         SlurmError,
         parse_only,
         sbatch_script,
         submit,
-        write_script,
     )
 
     args = [a for a in run_args if a != "--"]
@@ -232,13 +232,13 @@ def slurm_cmd(
         run_ctx = run_cmd.make_context("run", [source, *args, "--shard", f"0/{opts['shards']}"])
         params = {k: v for k, v in run_ctx.params.items() if k not in ("source", "dry_run")}
         cfg = build_config(run_ctx, source, **params)
+        check_split(cfg)  # not into an unsharded job's output, nor beside another split
         sb = SbatchOptions(only=parse_only(only), **opts)
         script = sbatch_script(source, cfg, args, sb)
         if dry_run:
             click.echo(script)
             return
-        path = write_script(cfg.output, script)
-        job_id = submit(path)
+        job_id, path = submit(cfg.output, script)
     except (UsageError, SlurmError, ValueError) as e:
         _fail(str(e), EXIT_USAGE)
     except click.UsageError as e:
@@ -248,7 +248,7 @@ def slurm_cmd(
     click.echo(job_id)
     click.echo(
         f"submitted {sb.array} of {sb.shards} shards as job {job_id} (script {path}); "
-        f"logs in {cfg.output}/logs/; when all are done: batchgen merge {cfg.output}",
+        f"logs in {path.parent}/; when all are done: batchgen merge {cfg.output}",
         err=True,
     )
 
@@ -258,12 +258,12 @@ def slurm_cmd(
 @click.option(
     "--stats-only",
     is_flag=True,
-    help="Check and write the statistics, without .batchgen/merged.parquet.",
+    help="Check and write the statistics, without .batchgen/merged.pq.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
 def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
     """Check that every shard in OUTPUT finished and belongs to one job, then write
-    OUTPUT/.batchgen/merged.parquet and OUTPUT/.batchgen/stats.json (totals and a per-shard
+    OUTPUT/.batchgen/merged.pq and OUTPUT/.batchgen/stats.json (totals and a per-shard
     table). OUTPUT itself still reads as the dataset (pd.read_parquet(OUTPUT)), from the shards.
     Missing, unfinished or mismatched shards are listed by number and nothing is merged."""
     import json

@@ -168,7 +168,7 @@ HELP: dict[str, str] = {
     "workers": (
         "auto or N: N processes (auto: one per visible GPU, or per group of "
         "--tensor-parallel-size GPUs) over shards of the input, then merged into "
-        "OUTPUT/.batchgen/merged.parquet."
+        "OUTPUT/.batchgen/merged.pq."
     ),
     "tensor_parallel_size": (
         "Split the model over N GPUs of this node (N processes, started by batchgen; NCCL), "

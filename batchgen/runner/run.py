@@ -27,6 +27,7 @@ from batchgen.llm import LLM
 from batchgen.runner.deadline import Watchdog, deadlines
 from batchgen.runner.progress import ProgressLine, postfix, progress_bar
 from batchgen.runner.rows import RunRows
+from batchgen.runner.split import check_split
 from batchgen.stats.latency import row_timings
 from batchgen.stats.nvml import NvmlSampler
 from batchgen.stats.peaks import resolve_peaks
@@ -82,6 +83,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
             ", ".join(f"{k} ({n} line{'s' * (n > 1)})" for k, n in unsupported.items()),
         )
     schema = prep.output_schema()  # checked before the output directory is touched
+    check_split(cfg)  # a sharded run and an unsharded one are two jobs: not in one output
     out = job_scope.enter_context(OutputDir(cfg.output_dir, job_fingerprint(job), cfg.overwrite))
     rename_legacy_parts(out, legacy_renames(cfg, source, prep.id_column))  # `text`, pre-0.5
     shape = prep.record_shape
