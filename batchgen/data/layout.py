@@ -64,13 +64,13 @@ OLD_NAMES = {
     "_job.json": JOB_FILE,
     "_stats.json": STATS_FILE,
     "_steps.parquet": STEPS_FILE,
-    ".steps.parquet": STEPS_FILE,  # an earlier batchgen's merged timeline
     "results.jsonl": RESULTS_FILE,
     "report.html": REPORT_FILE,
     "_SUCCESS": SUCCESS_FILE,  # last: a crash mid-move leaves the job incomplete, not wrong
 }
 
 PART_RE = re.compile(r"part-(\d+)\.parquet")  # the dataset's files; part_name(n) writes one
+SHARD_DIR_RE = re.compile(r"shard-\d{5}-of-\d{5}")  # a shard's folder (job/shard.py's dirname)
 # What write_atomic's mkstemp names look like: TMP_PREFIX, the final name, "." and a random tail.
 # Any other ".tmp-..." entry is not ours, so it is neither deleted nor taken as a sign of ownership.
 TMP_RE = re.compile(
@@ -87,13 +87,41 @@ def steps_part_name(n: int) -> str:
     return f"steps-{n:05d}.pq"
 
 
-def is_ours(name: str) -> bool:
-    """A top-level name batchgen writes (today's or an older layout's)."""
+def is_ours(name: str, old_layout: bool = False) -> bool:
+    """A top-level name batchgen writes: today's, and with old_layout (is_old_layout) an older
+    layout's. Without that, a results.jsonl, report.html or _SUCCESS (Spark's and Hadoop's
+    marker) at the top is someone else's file."""
     return (
-        name in (META_DIR, LOCK_FILE, *OLD_NAMES)
+        name == META_DIR
         or TMP_RE.fullmatch(name) is not None
         or PART_RE.fullmatch(name) is not None
+        or (old_layout and (name in OLD_NAMES or name == LOCK_FILE))
     )
+
+
+def is_old_layout(names: list[str]) -> bool:
+    """The top-level names of a batchgen 0.1 output: its run's _job.json (written first), or
+    its merge's _stats.json beside shard folders."""
+    shards = any(SHARD_DIR_RE.fullmatch(n) for n in names)
+    return "_job.json" in names or ("_stats.json" in names and shards)
+
+
+def check_meta_dir(directory: str | os.PathLike[str]) -> None:
+    """Refuse a META_DIR that is not batchgen's own folder: a file, or a symbolic link (a
+    takeover or --overwrite would delete the files of the folder it points to), and links
+    for the folders in it that runs write (the step timeline, Slurm's logs)."""
+    for rel in (META_DIR, STEPS_DIR, SLURM_DIR):
+        path = os.path.join(os.fspath(directory), rel)
+        if os.path.islink(path):
+            raise InputError(
+                f"{path} is a symbolic link (to {os.readlink(path)}); batchgen never follows a "
+                "link in its own folder of an output: remove the link, or pick another output"
+            )
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise InputError(
+                f"{path} is a file, where batchgen keeps its folder {rel}/: move it away, or "
+                "pick another output directory"
+            )
 
 
 def holds_unsharded_run(directory: str | os.PathLike[str]) -> bool:
@@ -118,9 +146,10 @@ def migrate_old_layout(directory: str | os.PathLike[str]) -> None:
     """Move an older batchgen's bookkeeping (OLD_NAMES, at the top) into today's layout, under
     the old lock when there is one, so that its files no longer read as data."""
     directory = os.fspath(directory)
+    check_meta_dir(directory)
     _rename_hidden_parquet(directory)
     names = os.listdir(directory)
-    if not any(n in OLD_NAMES or n == LOCK_FILE for n in names):
+    if not is_old_layout(names):  # a results.jsonl or _SUCCESS of someone else's stays put
         return
     old_lock = lock_directory(directory) if LOCK_FILE in names else None
     try:
@@ -140,8 +169,12 @@ def migrate_old_layout(directory: str | os.PathLike[str]) -> None:
 
 def _rename_hidden_parquet(directory: str) -> None:
     """An earlier batchgen's hidden files that end in ".parquet" (a merged copy, the step
-    timeline's parts) under today's names, out of DuckDB's globs (see MERGED_FILE)."""
+    timeline's parts or a merge's single file) under today's names, out of DuckDB's globs (see
+    MERGED_FILE). Only where META_DIR is already there: the output is batchgen's."""
+    if not os.path.isdir(os.path.join(directory, META_DIR)):
+        return
     moves = [(os.path.join(directory, META_DIR, "merged.parquet"), MERGED_FILE)]
+    moves.append((os.path.join(directory, ".steps.parquet"), STEPS_FILE))
     steps = os.path.join(directory, STEPS_DIR)
     if os.path.isdir(steps) and not os.path.islink(steps):
         for n in os.listdir(steps):

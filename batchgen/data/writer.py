@@ -40,6 +40,7 @@ from batchgen.data.layout import (
     SUCCESS_FILE,
     TMP_RE,
     VERDICT_FILE,
+    check_meta_dir,
     is_ours,
     migrate_old_layout,
     part_name,
@@ -90,6 +91,7 @@ class OutputDir:
         except OSError as e:
             raise InputError(os_error(e, f"cannot create output {self.path}")) from None
         # Read-only first: nothing, not even the lock file, goes into a directory that is not ours.
+        check_meta_dir(self.path)
         self._check_owner()
         migrate_old_layout(self.path)
         meta = os.path.join(self.path, META_DIR)

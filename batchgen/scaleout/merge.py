@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.data.atomic import TMP_PREFIX
-from batchgen.data.layout import holds_unsharded_run
+from batchgen.data.layout import check_meta_dir, holds_unsharded_run
 from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.data.writer import (
     JOB_FILE,
@@ -117,6 +117,7 @@ def merge(out: str | os.PathLike[str], write_data: bool = True) -> MergeSummary:
     if not root.is_dir():
         what = "is not a directory" if root.exists() else "no such directory"
         raise InputError(f"{root}: {what}; pass the output directory of a sharded job")
+    check_meta_dir(root)  # merge writes there: never through a link
     if holds_unsharded_run(root) and shard_counts(root):  # before anything in it moves
         raise MergeError(
             f"{root} holds the results of a run without --shard beside shard folders: two jobs "
@@ -239,8 +240,8 @@ def _remove_temp_files(root: Path) -> None:
 def _migrate_old_layout(root: Path) -> None:
     """Move batchgen 0.1's files, in the merge and in each complete shard (one still running
     keeps its files until it is opened again), into today's layout."""
-    if not root.is_dir():
-        return  # scan() says what is wrong
+    if not root.is_dir() or not shard_counts(root):
+        return  # scan() says what is wrong, before anything in a folder not ours moves
     for shard in root.glob("shard-*-of-*"):
         if (shard / "_SUCCESS").exists() or (shard / SUCCESS_FILE).exists():
             migrate_old_layout(shard)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.data.atomic import os_error, write_atomic
-from batchgen.data.layout import SLURM_DIR, SUCCESS_FILE
+from batchgen.data.layout import SLURM_DIR, SUCCESS_FILE, check_meta_dir
 from batchgen.engine.compile_cache import default_root
 from batchgen.errors import RuntimeFailure
 from batchgen.job.config import RunConfig
@@ -231,6 +231,8 @@ def submit(output: str, script: str) -> tuple[str, Path]:
     not make it); a failed submit removes the folders it made, so it leaves nothing behind."""
     if not shutil.which("sbatch"):
         raise SlurmError("sbatch is not on PATH; run on a Slurm login node, or use --dry-run")
+    if Path(output).is_dir():
+        check_meta_dir(output)  # the logs go there: never through a link
     logs = Path(output) / SLURM_DIR
     made = [p for p in (logs, *logs.parents) if not p.exists()]
     try:
