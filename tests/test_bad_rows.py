@@ -163,7 +163,7 @@ def _truncated_parquet(d):
 
 def _missing_prompt_column(d):
     src = write_parquet(d / "in.parquet", {"text": ["the lazy dog"]})
-    return src, [], ["no column(s) 'prompt'", "available columns: 'text'"]
+    return src, [], ["no column(s) 'prompt'", "available columns: 'text'", "--prompt-column text"]
 
 
 def _missing_template_column(d):

@@ -82,6 +82,8 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
             "OpenAI batch body field(s) not supported, ignored: %s",
             ", ".join(f"{k} ({n} line{'s' * (n > 1)})" for k, n in unsupported.items()),
         )
+    if source.num_rows == 0:  # a job of no rows completes: say why it wrote none
+        log.warning("input %s has no rows: the job writes none", source.path)
     schema = prep.output_schema()  # checked before the output directory is touched
     check_split(cfg)  # a sharded run and an unsharded one are two jobs: not in one output
     out = job_scope.enter_context(OutputDir(cfg.output_dir, job_fingerprint(job), cfg.overwrite))
