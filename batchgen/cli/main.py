@@ -118,6 +118,7 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
     except KeyboardInterrupt:  # a second SIGINT during the job's loop
         _fail(str(JobInterrupted(signal.SIGINT)), 128 + signal.SIGINT)
     verdict = stats.verdict  # the complete job's error rate, this run's or an earlier one's
+    wrote = cfg.output_dir if cfg.results_path is None else f"{cfg.results_path} ({cfg.output_dir})"
     if stats.rows == 0 and stats.rows_skipped_done:  # a rerun of a finished job: no table of 0s
         click.echo(f"{cfg.output_dir}: all {stats.rows_skipped_done} rows were done before")
         if verdict is not None and not verdict.passed:
@@ -126,7 +127,7 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
             lines = reason_lines(verdict.reasons, ".batchgen/verdict.json")
             click.echo("\n".join(["error rows by reason:", *lines]), err=True)
     elif not cfg.quiet:
-        click.echo(f"\nwrote {cfg.output_dir}\n{stats.table()}")
+        click.echo(f"\nwrote {wrote}\n{stats.table()}")
         click.echo(f"plots and metrics: batchgen report {cfg.output_dir}")
     else:
         d = stats.to_dict()
@@ -136,7 +137,7 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
             else f"{d['output_tokens_per_s']:.1f} output tokens/s"
         )
         errors = f"{stats.rows_error} error{'s' * (stats.rows_error != 1)}"
-        click.echo(f"wrote {cfg.output_dir}: {stats.rows} rows ({errors}), {rate}")
+        click.echo(f"wrote {wrote}: {stats.rows} rows ({errors}), {rate}")
         if stats.error_reasons:
             click.echo("\n".join(["error rows by reason:", *stats.error_lines()]), err=True)
     if verdict is not None and not verdict.passed:

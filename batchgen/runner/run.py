@@ -217,10 +217,11 @@ def _write_openai_results(out: OutputDir, job: Job) -> None:
         return tokenizer.decode([t])
 
     model = str(job.spec.model_dir)
-    n = write_results(
-        out.path, source.requests, out.read_all(), model, token_text, eos_ids=job.spec.eos_ids
-    )
-    log.info("wrote %d OpenAI batch output lines to %s", n, os.path.join(out.path, RESULTS_FILE))
+    # -o results.jsonl: that file; else OUT/.batchgen/results.jsonl
+    folder, name = os.path.split(job.cfg.results_path or os.path.join(out.path, RESULTS_FILE))
+    requests, results, eos = source.requests, out.read_all(), job.spec.eos_ids
+    n = write_results(folder, requests, results, model, token_text, eos_ids=eos, name=name)
+    log.info("wrote %d OpenAI batch output lines to %s", n, os.path.join(folder, name))
 
 
 def _job_longest_row(job: Job, done: set) -> int | None:
