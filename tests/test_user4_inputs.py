@@ -47,3 +47,30 @@ def test_a_missing_prompt_column_names_the_fix(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"text": prompts(2), "id": [1, 2]})
     r = run_job(src, tmp_path / "out", model, exit_code=2)
     assert_one_line_error(r, "no column(s) 'prompt'", "--prompt-column text", "--template")
+
+
+def test_reading_a_long_input_keeps_no_memory_per_row(tmp_path, model):
+    # Item 23: a 1M-row input grew ~125 B a row after the first window; the row-number ids
+    # seen were kept in a set (~60-85 B a row), though row numbers cannot repeat.
+    import tracemalloc
+
+    from batchgen.job.config import RunConfig
+    from batchgen.job.open import open_job
+
+    n, window = 12_000, 500
+    src = write_parquet(
+        tmp_path / "in.parquet", {"prompt": [f"the quick fox {i}" for i in range(n)]}
+    )
+    paths = dict(input=str(src), output=str(tmp_path / "out"), model=str(model))
+    cfg = RunConfig(**paths, device="cpu", window_rows=window)
+    prep = open_job(cfg).prep
+    tracemalloc.start()
+    try:
+        held = []
+        for k, _ in enumerate(prep.windows(set())):
+            if k in (5, n // window - 1):
+                held.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    per_row = (held[1] - held[0]) / (n - 6 * window)
+    assert per_row < 8, f"{per_row:.0f} bytes held a row"

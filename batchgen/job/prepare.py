@@ -286,6 +286,8 @@ class Preparer:
             self._seen_ids.clear()
 
     def _check_id(self, rid: Any) -> None:
+        if not self.id_column:
+            return  # row numbers: unique by construction; remembering them cost ~60 B a row
         if rid is None:
             raise InputError(f"id column {self.id_column!r} has a null value; ids must be set")
         if rid in self._seen_ids:
