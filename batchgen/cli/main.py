@@ -121,11 +121,8 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
     wrote = cfg.output_dir if cfg.results_path is None else f"{cfg.results_path} ({cfg.output_dir})"
     if stats.rows == 0 and stats.rows_skipped_done:  # a rerun of a finished job: no table of 0s
         click.echo(f"{cfg.output_dir}: all {stats.rows_skipped_done} rows were done before")
-        if verdict is not None and not verdict.passed:
-            from batchgen.data.verdict import reason_lines
-
-            lines = reason_lines(verdict.reasons, ".batchgen/verdict.json")
-            click.echo("\n".join(["error rows by reason:", *lines]), err=True)
+        if verdict is not None and not verdict.passed:  # its reasons, as the first run's
+            click.echo("\n".join(["error rows by reason:", *verdict.reason_lines()]), err=True)
     elif not cfg.quiet:
         click.echo(f"\nwrote {wrote}\n{stats.table()}")
         click.echo(f"plots and metrics: batchgen report {cfg.output_dir}")

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchgen.data.layout import VERDICT_FILE
+
 
 def error_reason(error: str) -> str:
     """An error's reason, its numbers as N ("prompt of N tokens ..."): rows group by it."""
@@ -67,6 +69,9 @@ class ErrorVerdict:
             f"--max-error-rate {self.max_error_rate:g} (every row is written); fix the reasons "
             "above, or pass --max-error-rate 1 to accept them"
         )
+
+    def reason_lines(self) -> list[str]:
+        return reason_lines(self.reasons, VERDICT_FILE)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "error_rate": self.rate, "passed": self.passed}
