@@ -43,7 +43,7 @@ STATS_FILE = f"{META_DIR}/stats.json"
 LOCK_PATH = f"{META_DIR}/{LOCK_FILE}"  # the one writer's flock (data/lock.py)
 SUCCESS_FILE = f"{META_DIR}/SUCCESS"
 # The error-rate verdict on the complete job, written just before SUCCESS and again by each
-# rerun (runner/verdict.py): SUCCESS says every row is there, this says whether they pass.
+# rerun (data/verdict.py): SUCCESS says every row is there, this says whether they pass.
 VERDICT_FILE = f"{META_DIR}/verdict.json"
 RESULTS_FILE = f"{META_DIR}/results.jsonl"  # OpenAI batch output lines (--output-format openai)
 REPORT_FILE = f"{META_DIR}/report.html"  # `batchgen report`'s page
@@ -87,15 +87,14 @@ def steps_part_name(n: int) -> str:
     return f"steps-{n:05d}.pq"
 
 
-def is_ours(name: str, old_layout: bool = False) -> bool:
-    """A top-level name batchgen writes: today's, and with old_layout (is_old_layout) an older
-    layout's. Without that, a results.jsonl, report.html or _SUCCESS (Spark's and Hadoop's
-    marker) at the top is someone else's file."""
+def is_ours(name: str) -> bool:
+    """A top-level name today's batchgen writes. An older layout's names (OLD_NAMES) are not:
+    a results.jsonl, report.html or _SUCCESS (Spark's and Hadoop's marker) at the top is
+    someone else's file unless 0.1's _job.json says otherwise (is_old_layout)."""
     return (
         name == META_DIR
         or TMP_RE.fullmatch(name) is not None
         or PART_RE.fullmatch(name) is not None
-        or (old_layout and (name in OLD_NAMES or name == LOCK_FILE))
     )
 
 
