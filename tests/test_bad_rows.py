@@ -183,7 +183,7 @@ def _missing_file(d):
 def _jsonl_type_change(d):
     src = d / "in.jsonl"
     src.write_text('{"prompt": "the lazy dog"}\n{"prompt": 5}\n')
-    return src, [], ["in.jsonl", "changed from string to number", "convert to Parquet"]
+    return src, [], ["in.jsonl", "changed from string to number on line 2", "convert to Parquet"]
 
 
 def _json_array(d):

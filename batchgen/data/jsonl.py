@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
@@ -172,7 +173,7 @@ def _jsonl_schema(file: str) -> pa.Schema | None:
         raise InputError(f"cannot read JSON Lines file {file}: {e}") from e
     except pa.ArrowException:
         pass
-    good, size, first_error = [], 0, None
+    good, numbers, size, first_error = [], [], 0, None
     for number, line in _lines(file, skip=0):
         size += len(line)
         if size > JSON_BLOCK_BYTES:
@@ -180,18 +181,23 @@ def _jsonl_schema(file: str) -> pa.Schema | None:
         error = _line_error(line)
         if error is None:
             good.append(line)
+            numbers.append(number)
         first_error = first_error or (error and f"line {number}: {error}")
     if not good:
         raise InputError(
             f"cannot read JSON Lines file {file}: no line of its first {JSON_BLOCK_BYTES >> 20} "
             f"MiB is a JSON object ({first_error}); each line must be one JSON object"
         )
+    data = b"\n".join(good)
+    one_block = pajson.ReadOptions(block_size=len(data) + 1)  # row numbers: the good lines'
     try:
-        return pajson.read_json(io.BytesIO(b"\n".join(good))).schema
+        return pajson.read_json(io.BytesIO(data), one_block).schema
     except pa.ArrowException as e:
+        # "... in row K" (0-based, among the good lines) as the file's line
+        where = re.sub(r" in row (\d+)", lambda m: f" on line {numbers[int(m[1])]}", str(e))
         raise InputError(
-            f"cannot read JSON Lines file {file}: {e}; a column's type must not change between "
-            "lines (or convert to Parquet)"
+            f"cannot read JSON Lines file {file}: {where}; a column's type must not change "
+            "between lines (or convert to Parquet)"
         ) from e
 
 
