@@ -58,3 +58,13 @@ def test_the_verdict_counts_the_whole_job_across_a_resume(tmp_path, model):
     r = run_job(src, out, model, "--max-error-rate", 0.5, exit_code=1)
     assert_one_line_error(r, "3 of 5 rows (60%)")
     run_job(src, out, model, "--max-error-rate", 0.6)
+
+
+def test_workers_judge_the_jobs_error_rate_once_over_every_shard(tmp_path, model):
+    # 3 null prompts in 8 rows: 38% of the job, whatever share each shard got
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(5) + [None] * 3})
+    out, workers = tmp_path / "out", ("--workers", 2, "--device", "cpu")
+    r = run_job(src, out, model, *workers, "--max-error-rate", 0.3, exit_code=1)
+    assert_one_line_error(r, "3 of 8 rows (38%)", "--max-error-rate 0.3")
+    assert success(out) and json.loads((out / VERDICT_FILE).read_text())["passed"] is False
+    run_job(src, out, model, *workers, "--max-error-rate", 0.4)  # a rerun, accepted

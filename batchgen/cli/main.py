@@ -105,8 +105,10 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
                 click.echo(describe_workers(cfg))
                 return
             if cfg.workers != 1:  # one process per GPU (or N on the CPU) over shards, merged
-                click.echo(run_workers(cfg).table())
-                click.echo(f"plots and metrics: batchgen report {cfg.output}")
+                summary = run_workers(cfg)
+                click.echo(f"{summary.table()}\nplots and metrics: batchgen report {cfg.output}")
+                if summary.verdict is not None and not summary.verdict.passed:
+                    _fail(summary.verdict.line(), 1)
                 return
             stats = run(cfg)
     except UsageError as e:
@@ -128,11 +130,8 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
         click.echo(f"plots and metrics: batchgen report {cfg.output_dir}")
     else:
         d = stats.to_dict()
-        rate = (
-            f"{d['rows_per_s']:.1f} rows/s"
-            if cfg.task is Task.SCORE
-            else f"{d['output_tokens_per_s']:.1f} output tokens/s"
-        )
+        unit = "rows" if cfg.task is Task.SCORE else "output_tokens"
+        rate = f"{d[unit + '_per_s']:.1f} {unit.replace('_', ' ')}/s"
         errors = f"{stats.rows_error} error{'s' * (stats.rows_error != 1)}"
         click.echo(f"wrote {wrote}: {stats.rows} rows ({errors}), {rate}")
         if stats.error_reasons:

@@ -9,6 +9,8 @@ until the user accepts the rate (--max-error-rate 1)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -16,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.data.layout import VERDICT_FILE
+from batchgen.data.layout import VERDICT_FILE, write_file
 
 
 def error_reason(error: str) -> str:
@@ -75,3 +77,14 @@ class ErrorVerdict:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "error_rate": self.rate, "passed": self.passed}
+
+
+def record_verdict(
+    directory: str | os.PathLike[str], parts: Iterable[str], max_error_rate: float
+) -> ErrorVerdict:
+    """The verdict on the records in these part files, written to directory/VERDICT_FILE (a
+    run's own parts, or a merged job's shards')."""
+    verdict = ErrorVerdict.count(parts, max_error_rate)
+    data = json.dumps(verdict.to_dict(), indent=2, sort_keys=True).encode() + b"\n"
+    write_file(directory, VERDICT_FILE, lambda f: f.write(data))
+    return verdict

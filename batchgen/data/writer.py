@@ -48,7 +48,7 @@ from batchgen.data.layout import (
 )
 from batchgen.data.lock import LOCK_FILE, lock_directory
 from batchgen.data.source import DEFAULT_ID_COLUMN
-from batchgen.data.verdict import ErrorVerdict
+from batchgen.data.verdict import ErrorVerdict, record_verdict
 from batchgen.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -172,9 +172,7 @@ class OutputDir:
     def record_verdict(self, max_error_rate: float) -> ErrorVerdict:
         """The error-rate verdict on every row in the parts, written beside SUCCESS."""
         parts = [os.path.join(self.path, n) for n in self.part_files()]
-        verdict = ErrorVerdict.count(parts, max_error_rate)
-        write_file(self.path, VERDICT_FILE, _json_writer(verdict.to_dict()))
-        return verdict
+        return record_verdict(self.path, parts, max_error_rate)
 
     def mark_success(self) -> None:
         write_file(self.path, SUCCESS_FILE, lambda f: None)
