@@ -6,7 +6,7 @@
 
 `prepare` takes a seeded random sample of the shipped reviews (the same rows on every run), so
 the pipeline has an input file of its own, as a real one would. `report` reads a merged output
-(OUT/.batchgen/merged.parquet and OUT/.batchgen/stats.json, from `batchgen merge OUT`).
+(OUT/.batchgen/merged.pq and OUT/.batchgen/stats.json, from `batchgen merge OUT`).
 """
 
 from __future__ import annotations

@@ -110,6 +110,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def fake_sbatch(tmp_path, monkeypatch):
+    """body -> an `sbatch` first on PATH: a shell script that reads the batch script from its
+    stdin and runs body (`echo 4242`: a job id; `exit 1`: a refused submit)."""
+
+    def make(body: str) -> None:
+        bin_dir = tmp_path / "fake-bin"
+        bin_dir.mkdir(exist_ok=True)
+        (bin_dir / "sbatch").write_text(f"#!/bin/sh\ncat > /dev/null\n{body}\n")
+        (bin_dir / "sbatch").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def long_model(tmp_path_factory) -> Path:
     """A tiny Llama with 2048 positions, for rows longer than the default 256."""

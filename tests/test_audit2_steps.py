@@ -9,7 +9,7 @@ from helpers import prompts, read_stats, run_cli, run_job, write_parquet
 
 from batchgen.data.layout import REPORT_FILE, STEPS_FILE
 from batchgen.report.load import load
-from batchgen.stats.steps import STEPS_DIR, read_steps, steps_files
+from batchgen.stats.steps import OLD_STEPS_FILE, STEPS_DIR, read_steps, steps_files
 
 
 def test_each_flush_appends_only_its_steps(tmp_path, model):
@@ -34,9 +34,9 @@ def test_an_older_outputs_single_timeline_file_still_reads(tmp_path, model):
     out = tmp_path / "out"
     run_job(src, out, model, "--max-new-tokens", 3)
     table = read_steps(out)
-    pq.write_table(table, out / STEPS_FILE)  # as batchgen wrote it before
+    pq.write_table(table, out / OLD_STEPS_FILE)  # as batchgen wrote it before
     shutil.rmtree(out / STEPS_DIR)
-    assert steps_files(out) == [out / STEPS_FILE]
+    assert steps_files(out) == [out / OLD_STEPS_FILE]
     assert len(load(out).steps["t_s"]) == len(table)
     run_cli("report", out)
     assert "Throughput" in (out / REPORT_FILE).read_text()

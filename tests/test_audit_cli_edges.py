@@ -7,6 +7,7 @@ import os
 import pytest
 from helpers import assert_one_line_error, prompts, run_cli, run_job, write_parquet
 
+from batchgen.data.layout import SLURM_DIR
 from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE
 from batchgen.stats.steps import STEPS_DIR
 
@@ -72,16 +73,17 @@ def test_a_failed_sbatch_is_a_runtime_failure(src, tmp_path, monkeypatch):
     assert_one_line_error(r, "sbatch failed", "invalid partition")
 
 
-def test_the_sbatch_script_replaces_a_planted_link(src, tmp_path, monkeypatch):
+def test_the_sbatch_script_replaces_a_planted_link(src, tmp_path, fake_sbatch):
     """The script is written under a new name and renamed: a link there is not followed."""
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me\n")
-    (tmp_path / "sout" / "logs").mkdir(parents=True)
-    (tmp_path / "sout" / "logs" / "batchgen.sbatch").symlink_to(victim)
-    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # no sbatch: fails after writing
-    _slurm(src, tmp_path, exit_code=2)
+    logs = tmp_path / "sout" / SLURM_DIR
+    logs.mkdir(parents=True)
+    (logs / "batchgen.sbatch").symlink_to(victim)
+    fake_sbatch("echo 4242")
+    _slurm(src, tmp_path, exit_code=0)
     assert victim.read_text() == "keep me\n"
-    assert not (tmp_path / "sout" / "logs" / "batchgen.sbatch").is_symlink()
+    assert not (logs / "batchgen.sbatch").is_symlink()
 
 
 @pytest.mark.parametrize("command", ["merge", "report"])
@@ -102,7 +104,7 @@ def test_report_on_a_killed_first_run_says_it_is_unfinished(finished):
 @pytest.mark.parametrize(
     ("name", "content", "words"),
     [
-        (f"{STEPS_DIR}/part-00000.parquet", b"PAR1 not", ["cannot read the step timeline"]),
+        (f"{STEPS_DIR}/steps-00000.pq", b"PAR1 not", ["cannot read the step timeline"]),
         (STATS_FILE, b"[1, 2]", ["JSON list", "run the job again"]),
         (STATS_FILE, b'{"output_tokens_per_s": "fast"}', ["do not hold what batchgen writes"]),
     ],

@@ -163,7 +163,7 @@ def _truncated_parquet(d):
 
 def _missing_prompt_column(d):
     src = write_parquet(d / "in.parquet", {"text": ["the lazy dog"]})
-    return src, [], ["no column(s) 'prompt'", "available columns: 'text'"]
+    return src, [], ["no column(s) 'prompt'", "available columns: 'text'", "--prompt-column text"]
 
 
 def _missing_template_column(d):
@@ -183,7 +183,7 @@ def _missing_file(d):
 def _jsonl_type_change(d):
     src = d / "in.jsonl"
     src.write_text('{"prompt": "the lazy dog"}\n{"prompt": 5}\n')
-    return src, [], ["in.jsonl", "changed from string to number", "convert to Parquet"]
+    return src, [], ["in.jsonl", "changed from string to number on line 2", "convert to Parquet"]
 
 
 def _json_array(d):

@@ -373,6 +373,21 @@ def test_openai_output_lines_in_input_order(tmp_path, model):
     assert again == strip
 
 
+def test_openai_output_into_a_results_file_as_vllm_run_batch_writes_it(tmp_path, model):
+    lines = [completion_line("a", PROMPTS[0], max_tokens=3), chat_line("b", CHATS[0])]
+    src = write_jsonl(tmp_path / "req.jsonl", lines)
+    results = tmp_path / "results.jsonl"  # `vllm run-batch -i req.jsonl -o results.jsonl`
+    _run(src, results, model, "--output-format", "openai")
+    got = [json.loads(x) for x in results.read_text().splitlines()]
+    assert [g["custom_id"] for g in got] == ["a", "b"] and got[0]["error"] is None
+    state = tmp_path / ".results.jsonl.batchgen"  # the parts and the job, beside the file
+    assert success(state) and len(rows_by_id(state, "custom_id")) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [state.name, "req.jsonl", results.name]
+    r = _run(src, results, model, "--output-format", "openai")  # a rerun resumes from there
+    assert "were done before" in r.stdout
+    assert [json.loads(x)["custom_id"] for x in results.read_text().splitlines()] == ["a", "b"]
+
+
 def test_openai_output_needs_an_openai_input(tmp_path, model):
     src = write_parquet(tmp_path / "in.parquet", {"prompt": PROMPTS})
     r = run_job(src, tmp_path / "out", model, "--output-format", "openai", exit_code=None)

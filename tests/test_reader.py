@@ -207,9 +207,9 @@ def test_large_parquet_small_batches_every_row_once(tmp_path):
 
 def test_jsonl_streams_in_blocks(tmp_path, monkeypatch):
     # Tiny blocks force many pyarrow blocks; rows, order and offsets must not depend on them.
-    import batchgen.data.reader as reader
+    import batchgen.data.jsonl as jsonl
 
-    monkeypatch.setattr(reader, "JSON_BLOCK_BYTES", 256)
+    monkeypatch.setattr(jsonl, "JSON_BLOCK_BYTES", 256)
     rows = _rows(500)
     _write_jsonl(tmp_path / "in.jsonl", rows)
     got, offsets = _read_all(open_input(tmp_path / "in.jsonl"), batch_rows=64)
@@ -217,15 +217,19 @@ def test_jsonl_streams_in_blocks(tmp_path, monkeypatch):
     assert offsets == list(range(0, 500, 64))
 
 
-def test_jsonl_type_change_mid_file_is_an_input_error(tmp_path, monkeypatch):
-    import batchgen.data.reader as reader
+def test_jsonl_type_change_mid_file_is_that_lines_error(tmp_path, monkeypatch):
+    import batchgen.data.jsonl as jsonl
 
-    monkeypatch.setattr(reader, "JSON_BLOCK_BYTES", 64)
+    monkeypatch.setattr(jsonl, "JSON_BLOCK_BYTES", 64)
     lines = [{"prompt": f"p{i}", "x": i} for i in range(20)] + [{"prompt": "p", "x": "str"}]
+    lines.append({"prompt": "last", "x": 21})
     _write_jsonl(tmp_path / "in.jsonl", lines)
     source = open_input(tmp_path / "in.jsonl")
-    with pytest.raises(InputError, match="in.jsonl"):
-        list(source.iter_batches(8))
+    error = source.error_column
+    rows = [r for _, b in source.iter_batches(8, ["prompt", "x", error]) for r in b.to_pylist()]
+    assert [r["x"] for r in rows] == [*range(20), None, 21]  # every line a row, in order
+    assert [i for i, r in enumerate(rows) if r[error]] == [20]
+    assert "in.jsonl line 21" in rows[20][error] and "changed from number" in rows[20][error]
 
 
 def test_batches_share_one_schema_without_metadata(tmp_path):

@@ -12,16 +12,17 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
 from click.testing import CliRunner
-from helpers import success
+from helpers import listing, run_job, success
 from slurm_cluster import LocalSlurm, SlurmUnavailable, logs_tail
 
 from batchgen.cli import main
-from batchgen.data.layout import MERGED_FILE
+from batchgen.data.layout import MERGED_FILE, SLURM_DIR
 
 BATCHGEN = [sys.executable, "-m", "batchgen.cli"]
 # Long enough (200 rows, 2 sequences at a time, a part per 2 rows) that a time-limit signal
@@ -92,7 +93,7 @@ def test_dry_run_script(tmp_path):
         "--requeue",
         "--signal=B:USR1@120",
         "--open-mode=append",
-        f"--output={tmp_path}/out/logs/%A_%a.out",
+        f"--output={tmp_path}/out/{SLURM_DIR}/%A_%a.out",
         "--partition=gpu",
         "--gpus-per-task=1",
         "--time=01:00:00",
@@ -134,6 +135,32 @@ def test_slurm_refuses_unknown_spec_keys(tmp_path):
     r = CliRunner().invoke(main, ["slurm", str(spec), "--shards", "2", "--dry-run"])
     assert r.exit_code == 2
     assert "unknown key(s) max_tokens" in r.output and "max_new_tokens" in r.output
+
+
+def test_a_failed_submit_writes_nothing(tmp_path, fake_sbatch):
+    spec = make_job(tmp_path, tmp_path / "model")
+    fake_sbatch("echo 'sbatch: error: invalid partition' >&2; exit 1")
+    r = CliRunner().invoke(main, ["slurm", str(spec), "--shards", "2"])
+    assert r.exit_code == 1 and "invalid partition" in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_script_and_logs_are_hidden_in_the_output(tmp_path, fake_sbatch):
+    spec = make_job(tmp_path, tmp_path / "model")
+    fake_sbatch("echo 4242")
+    r = CliRunner().invoke(main, ["slurm", str(spec), "--shards", "2"])
+    assert r.exit_code == 0 and r.stdout.strip() == "4242", r.output
+    out = tmp_path / "out"
+    assert listing(out) == [f"{SLURM_DIR}/batchgen.sbatch"]
+    assert "#SBATCH --array=0-1" in (out / SLURM_DIR / "batchgen.sbatch").read_text()
+
+
+def test_slurm_refuses_an_unsharded_jobs_output(tmp_path, model):
+    # the README's block: `batchgen run jobs/label_sentiment.yaml`, then its Slurm array
+    spec = make_job(tmp_path, model, n_rows=4)
+    run_job(spec, tmp_path / "out", model)
+    r = CliRunner().invoke(main, ["slurm", "--dry-run", str(spec), "--shards", "2"])
+    assert r.exit_code == 2 and "without --shard" in r.output, r.output
 
 
 def test_script_saves_requeues_and_resumes_on_usr1(tmp_path, gpt2):
@@ -237,7 +264,7 @@ def test_array_job_on_slurm_then_merge(slurm, tmp_path, gpt2):
     job = submit(spec, "--shards", "3")
     wait_for(job)
     out = tmp_path / "out"
-    logs = {p.name: p.read_text() for p in (out / "logs").glob("*.out")}
+    logs = {p.name: p.read_text() for p in (out / SLURM_DIR).glob("*.out")}
     assert task_states(job) == ["COMPLETED"] * 3, logs
     assert sorted(logs) == [f"{job}_{i}.out" for i in range(3)]
     merged = subprocess.run([*BATCHGEN, "merge", str(out)], capture_output=True, text=True)
@@ -245,6 +272,8 @@ def test_array_job_on_slurm_then_merge(slurm, tmp_path, gpt2):
     assert "total" in merged.stdout and "2/3" in merged.stdout
     ids = pq.read_table(out / MERGED_FILE).column("key").to_pylist()
     assert sorted(ids) == [f"r{i:03d}" for i in range(30)]  # every row exactly once
+    # the logs and the script are hidden: the directory reads as the rows, once
+    assert sorted(pd.read_parquet(out)["key"]) == sorted(ids)
 
 
 @pytest.mark.slurm
@@ -254,7 +283,7 @@ def test_spaces_in_the_output_path_and_job_name_on_slurm(slurm, tmp_path, gpt2):
     job = submit(spec, "--shards", "1", "--job-name", "my job")
     wait_for(job)
     out = tmp_path / "out dir"
-    assert [p.name for p in (out / "logs").glob("*.out")] == [f"{job}_0.out"]
+    assert [p.name for p in (out / SLURM_DIR).glob("*.out")] == [f"{job}_0.out"]
     assert success(out / "shard-00000-of-00001")
     name = subprocess.run(
         ["sacct", "-n", "-X", "-j", job, "-o", "JobName%20"], capture_output=True, text=True
@@ -274,7 +303,7 @@ def test_time_limit_signal_requeues_and_resumes_on_slurm(slurm, tmp_path, gpt2):
     subprocess.run(["scancel", "--batch", "--signal=USR1", f"{job}_0"], check=True)
     wait_for(job, 300, until=lambda: "PENDING" in task_states(job))
     wait_for(job)  # it starts again after cred_expire, 10 s in the test cluster
-    log = (tmp_path / "out" / "logs" / f"{job}_0.out").read_text()
+    log = (tmp_path / "out" / SLURM_DIR / f"{job}_0.out").read_text()
     assert "requeueing" in log and "restart 1" in log, log
     assert task_states(job) == ["COMPLETED"], log
     merged = subprocess.run(

@@ -83,10 +83,12 @@ def _output(args: list[str], cwd: Path) -> Path:
     return cwd / yaml.safe_load((cwd / spec).read_text())["output"]
 
 
-def _shards(spec: str, model: Path) -> None:
-    """What `batchgen slurm SPEC --shards 2` would leave: each task's shard directory."""
+def _shards(args: list[str], model: Path) -> None:
+    """What `batchgen slurm SPEC --shards 2 ... -- RUN FLAGS` would leave: each task's shard
+    directory."""
+    flags = args[args.index("--") + 1 :] if "--" in args else []
     for i in range(2):  # --shard writes OUT/shard-0000I-of-00002, as the array's tasks do
-        run_cli(*_fast(["run", spec, "--shard", f"{i}/2"], model))
+        run_cli(*_fast(["run", args[1], *flags, "--shard", f"{i}/2"], model))
 
 
 def test_every_readme_command_runs(tmp_path, model, monkeypatch):
@@ -102,7 +104,7 @@ def test_every_readme_command_runs(tmp_path, model, monkeypatch):
         if why is not None:
             skipped.append((shlex.join(cmd), why))
             if args[0] == "slurm":  # its array's two tasks, as shards, for `merge` to combine
-                _shards(args[1], model)
+                _shards(args, model)
             continue
         for d in {_output(args, tmp_path)} if args[0] == "run" and "--help" not in args else ():
             shutil.rmtree(d, ignore_errors=True)  # the README's commands share out/
@@ -115,4 +117,7 @@ def test_every_readme_command_runs(tmp_path, model, monkeypatch):
             assert texts and {t.strip() for t in texts} <= labels, (cmd, texts)
             assert "--choice" not in args or set(texts) <= labels, (cmd, texts)  # as written
     assert len(skipped) == 2, skipped  # slurm and -tp 4
+    # the sharded label job, merged, reads as its rows once (issue 38 item 3: 400 for 200)
+    sharded = pq.read_table(tmp_path / "out" / "label_8").column("id").to_pylist()
+    assert len(sharded) == len(set(sharded)) == 12, sharded
     print(json.dumps({"ran": ran, "skipped": skipped}, indent=1))

@@ -23,10 +23,12 @@ from batchgen.data.layout import (
     REPORT_FILE,
     RESULTS_FILE,
     STATS_FILE,
+    STEPS_DIR,
     STEPS_FILE,
     SUCCESS_FILE,
+    VERDICT_FILE,
+    steps_part_name,
 )
-from batchgen.stats.steps import STEPS_DIR
 
 N = 6
 FLAGS = ("--max-new-tokens", "2")
@@ -50,11 +52,28 @@ def assert_dataset(out, ids, tmp_path, glob_ids=None) -> None:
     files = glob.glob(os.path.join(out, "*.parquet"))
     got = [i for f in files for i in pq.read_table(f).column("id").to_pylist()]
     assert sorted(got) == sorted(glob_ids)
+    # DuckDB's globs match hidden names too: no hidden file may end in .parquet at any depth,
+    # so OUT/**/*.parquet reads the rows once, wherever they are
+    assert sorted(_ids(_parquet_files(out))) == want
     if importlib.util.find_spec("duckdb") is not None:
         import duckdb
 
-        q = f"SELECT id FROM '{out}/*.parquet'" if glob_ids else None
-        assert q is None or sorted(r[0] for r in duckdb.sql(q).fetchall()) == sorted(glob_ids)
+        for pattern, rows in (("*.parquet", glob_ids), ("**/*.parquet", ids)):
+            if rows:  # DuckDB refuses a glob that matches no file
+                q = f"SELECT id FROM '{out}/{pattern}'"
+                assert sorted(r[0] for r in duckdb.sql(q).fetchall()) == sorted(rows), pattern
+
+
+def _parquet_files(out) -> list[str]:
+    """Every file under out named *.parquet, hidden ones included (as DuckDB's globs see)."""
+    found = []
+    for folder, _, names in os.walk(out):
+        found += [os.path.join(folder, n) for n in names if n.endswith(".parquet")]
+    return found
+
+
+def _ids(files) -> list:
+    return [i for f in files for i in pq.read_table(f).column("id").to_pylist()]
 
 
 @pytest.fixture
@@ -121,11 +140,30 @@ def test_older_layout_is_moved_on_resume_and_report(tmp_path, model, source):
     for new, name in old.items():
         os.replace(out / new, out / name)
     os.replace(out / LOCK_PATH, out / LOCK_FILE)
-    os.replace(out / STEPS_DIR / "part-00000.parquet", out / "_steps.parquet")  # one flush
+    os.replace(out / STEPS_DIR / steps_part_name(0), out / "_steps.parquet")  # one flush
     os.rmdir(out / STEPS_DIR)
+    os.remove(out / VERDICT_FILE)  # newer than that layout
     os.rmdir(out / META_DIR)
     r = run_job(source, out, model, *FLAGS)  # the same job: complete, nothing to redo
     assert "moving _job.json" in r.stderr or (out / JOB_FILE).exists()
-    assert sorted(os.listdir(out)) == sorted([META_DIR, STEPS_FILE, "part-00000.parquet"])
+    assert sorted(os.listdir(out)) == sorted([META_DIR, "part-00000.parquet"])
+    assert (out / STEPS_FILE).exists()
     assert (out / SUCCESS_FILE).exists() and json.loads((out / JOB_FILE).read_text())
     assert_dataset(out, list(range(N)), tmp_path)
+
+
+def test_an_earlier_outputs_hidden_parquet_files_are_renamed(tmp_path, model, source):
+    """A merged output of the layout before: .steps.parquet at the top, merged.parquet and
+    the shards' step parts as part-N.parquet under .batchgen/, each read as rows by DuckDB's
+    OUT/*.parquet and OUT/**/*.parquet. A merge (and a rerun of a shard) renames them."""
+    out = tmp_path / "out"
+    for i in range(2):
+        run_job(source, out, model, *FLAGS, "--shard", f"{i}/2")
+    run_cli("merge", out)
+    os.replace(out / STEPS_FILE, out / ".steps.parquet")
+    os.replace(out / MERGED_FILE, out / META_DIR / "merged.parquet")
+    shard = out / "shard-00000-of-00002"
+    os.replace(shard / STEPS_DIR / steps_part_name(0), shard / STEPS_DIR / "part-00000.parquet")
+    run_cli("merge", out)
+    assert_dataset(out, list(range(N)), tmp_path, glob_ids=[])
+    assert len(pq.read_table(out / MERGED_FILE)) == N and (out / STEPS_FILE).exists()

@@ -105,8 +105,10 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
                 click.echo(describe_workers(cfg))
                 return
             if cfg.workers != 1:  # one process per GPU (or N on the CPU) over shards, merged
-                click.echo(run_workers(cfg).table())
-                click.echo(f"plots and metrics: batchgen report {cfg.output}")
+                summary = run_workers(cfg)
+                click.echo(f"{summary.table()}\nplots and metrics: batchgen report {cfg.output}")
+                if summary.verdict is not None and not summary.verdict.passed:
+                    _fail(summary.verdict.line(), 1)
                 return
             stats = run(cfg)
     except UsageError as e:
@@ -117,30 +119,25 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
         _fail(str(e), 128 + e.signum)
     except KeyboardInterrupt:  # a second SIGINT during the job's loop
         _fail(str(JobInterrupted(signal.SIGINT)), 128 + signal.SIGINT)
+    verdict = stats.verdict  # the complete job's error rate, this run's or an earlier one's
+    wrote = cfg.output_dir if cfg.results_path is None else f"{cfg.results_path} ({cfg.output_dir})"
     if stats.rows == 0 and stats.rows_skipped_done:  # a rerun of a finished job: no table of 0s
         click.echo(f"{cfg.output_dir}: all {stats.rows_skipped_done} rows were done before")
-        return
-    if not cfg.quiet:
-        click.echo(f"\nwrote {cfg.output_dir}\n{stats.table()}")
+        if verdict is not None and not verdict.passed:  # its reasons, as the first run's
+            click.echo("\n".join(["error rows by reason:", *verdict.reason_lines()]), err=True)
+    elif not cfg.quiet:
+        click.echo(f"\nwrote {wrote}\n{stats.table()}")
         click.echo(f"plots and metrics: batchgen report {cfg.output_dir}")
     else:
         d = stats.to_dict()
-        rate = (
-            f"{d['rows_per_s']:.1f} rows/s"
-            if cfg.task is Task.SCORE
-            else f"{d['output_tokens_per_s']:.1f} output tokens/s"
-        )
+        unit = "rows" if cfg.task is Task.SCORE else "output_tokens"
+        rate = f"{d[unit + '_per_s']:.1f} {unit.replace('_', ' ')}/s"
         errors = f"{stats.rows_error} error{'s' * (stats.rows_error != 1)}"
-        click.echo(f"wrote {cfg.output_dir}: {stats.rows} rows ({errors}), {rate}")
+        click.echo(f"wrote {wrote}: {stats.rows} rows ({errors}), {rate}")
         if stats.error_reasons:
             click.echo("\n".join(["error rows by reason:", *stats.error_lines()]), err=True)
-    if stats.error_rate > cfg.max_error_rate:
-        _fail(
-            f"{stats.error_records} of {stats.rows} rows ({stats.error_rate:.0%}) are error rows, "
-            f"over --max-error-rate {cfg.max_error_rate:g} (every row is written); fix the "
-            "reasons above, or pass --max-error-rate 1 to accept them",
-            1,
-        )
+    if verdict is not None and not verdict.passed:
+        _fail(verdict.line(), 1)
 
 
 @main.command("plan", cls=SectionedCommand)
@@ -215,13 +212,13 @@ def slurm_cmd(
       batchgen slurm jobs/summarize.yaml --shards 4 --dry-run -- --limit 1000 --no-compile
     Flags after -- go to every `batchgen run`. When all tasks are done: batchgen merge OUTPUT.
     """
+    from batchgen.runner.split import check_split
     from batchgen.scaleout.slurm import (
         SbatchOptions,
         SlurmError,
         parse_only,
         sbatch_script,
         submit,
-        write_script,
     )
 
     args = [a for a in run_args if a != "--"]
@@ -232,13 +229,13 @@ def slurm_cmd(
         run_ctx = run_cmd.make_context("run", [source, *args, "--shard", f"0/{opts['shards']}"])
         params = {k: v for k, v in run_ctx.params.items() if k not in ("source", "dry_run")}
         cfg = build_config(run_ctx, source, **params)
+        check_split(cfg)  # not into an unsharded job's output, nor beside another split
         sb = SbatchOptions(only=parse_only(only), **opts)
         script = sbatch_script(source, cfg, args, sb)
         if dry_run:
             click.echo(script)
             return
-        path = write_script(cfg.output, script)
-        job_id = submit(path)
+        job_id, path = submit(cfg.output, script)
     except (UsageError, SlurmError, ValueError) as e:
         _fail(str(e), EXIT_USAGE)
     except click.UsageError as e:
@@ -248,7 +245,7 @@ def slurm_cmd(
     click.echo(job_id)
     click.echo(
         f"submitted {sb.array} of {sb.shards} shards as job {job_id} (script {path}); "
-        f"logs in {cfg.output}/logs/; when all are done: batchgen merge {cfg.output}",
+        f"logs in {path.parent}/; when all are done: batchgen merge {cfg.output}",
         err=True,
     )
 
@@ -258,12 +255,12 @@ def slurm_cmd(
 @click.option(
     "--stats-only",
     is_flag=True,
-    help="Check and write the statistics, without .batchgen/merged.parquet.",
+    help="Check and write the statistics, without .batchgen/merged.pq.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
 def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
     """Check that every shard in OUTPUT finished and belongs to one job, then write
-    OUTPUT/.batchgen/merged.parquet and OUTPUT/.batchgen/stats.json (totals and a per-shard
+    OUTPUT/.batchgen/merged.pq and OUTPUT/.batchgen/stats.json (totals and a per-shard
     table). OUTPUT itself still reads as the dataset (pd.read_parquet(OUTPUT)), from the shards.
     Missing, unfinished or mismatched shards are listed by number and nothing is merged."""
     import json

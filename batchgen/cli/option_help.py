@@ -132,8 +132,9 @@ HELP: dict[str, str] = {
         "divide gets the largest one that does. Default: 128."
     ),
     "max_error_rate": (
-        "Exit 1, after writing every row, when more than this share of the run's rows are "
-        "error rows (their reasons are listed at the end). A few bad rows (a null, an "
+        "Exit 1, after writing every row, when more than this share of the job's rows are "
+        "error rows (a constrained row cut short counts; the reasons are listed at the end; "
+        "a rerun of the complete job checks again). A few bad rows (a null, an "
         "outlier past --max-prompt-len) are normal in real data; more than 1 in 10 almost "
         "always means a wrong template, column or limit. 1.0: never."
     ),
@@ -168,7 +169,7 @@ HELP: dict[str, str] = {
     "workers": (
         "auto or N: N processes (auto: one per visible GPU, or per group of "
         "--tensor-parallel-size GPUs) over shards of the input, then merged into "
-        "OUTPUT/.batchgen/merged.parquet."
+        "OUTPUT/.batchgen/merged.pq."
     ),
     "tensor_parallel_size": (
         "Split the model over N GPUs of this node (N processes, started by batchgen; NCCL), "

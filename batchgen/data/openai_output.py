@@ -48,8 +48,9 @@ def write_results(
     token_text: TokenText = str,
     created: int | None = None,
     eos_ids: Collection[int] = (),
+    name: str = RESULTS_FILE,
 ) -> int:
-    """Write directory/.batchgen/results.jsonl atomically; returns the number of lines.
+    """Write directory/name (.batchgen/results.jsonl) atomically; returns the number of lines.
 
     requests: the OpenAI source's table (`custom_id`, `messages`, `logprobs`, in input order);
     results: the job's output rows (any order), whose id column is custom_id, the input's, with
@@ -77,7 +78,7 @@ def write_results(
         if cid in by_id
     ]
     data = "".join(line + "\n" for line in lines).encode()
-    write_file(directory, RESULTS_FILE, lambda f: f.write(data))
+    write_file(directory, name, lambda f: f.write(data))
     return len(lines)
 
 

@@ -87,6 +87,17 @@ class PromptBuilder:
         assert self.prompt_column is not None
         return {self.prompt_column}
 
+    def missing_fixes(self, available: list[str]) -> dict[str, str]:
+        """{column: how to do without it}: the plain prompt column's (another column, or a
+        template that builds the prompt from them), for an input that lacks it."""
+        if self._template is not None or self.messages_column is not None:
+            return {}
+        example = "text" if "text" in available else (available[0] if available else "COLUMN")
+        return {
+            str(self.prompt_column): f"pass --prompt-column {example} (the column holding the "
+            f"prompts), or build them with a --template, e.g. --template '{{{{ {example} }}}}'"
+        }
+
     def render(self, row: dict[str, Any]) -> str:
         if self.messages_column is not None:
             return self._apply_chat(_messages(row, self.messages_column))

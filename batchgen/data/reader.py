@@ -13,18 +13,15 @@ from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+from batchgen.data.jsonl import JsonlSource, is_blank
 from batchgen.data.openai_batch import OPENAI_ERROR_COLUMN, OpenAIBatchTable, is_openai_batch
 from batchgen.data.source import InputFormat, InputSource
 from batchgen.errors import InputError
 
 PARQUET_SUFFIXES = (".parquet",)
 JSONL_SUFFIXES = (".jsonl", ".json")
-# One JSON block is parsed at a time; its size bounds memory and the longest line pyarrow can read.
-# Column types are inferred from each file's first block.
-JSON_BLOCK_BYTES = 4 << 20
 _SUPPORTED = (
     "a .parquet file, a .jsonl/.json (JSON Lines) file, a directory or glob of those, "
     "or a directory written by datasets' save_to_disk"
@@ -38,6 +35,8 @@ class ParquetSource(InputSource):
         num_rows = 0
         schema: pa.Schema | None = None
         for f in files:
+            if os.path.getsize(f) == 0:
+                raise InputError(f"input {f} is empty (0 bytes); pass a Parquet file with rows")
             try:
                 with pq.ParquetFile(f) as pf:
                     meta = pf.metadata
@@ -64,44 +63,6 @@ class ParquetSource(InputSource):
                     yield from pf.iter_batches(batch_rows, columns=columns)
             except (pa.ArrowException, OSError) as e:
                 raise InputError(f"cannot read Parquet file {f}: {e}") from e
-
-
-class JsonlSource(InputSource):
-    format = InputFormat.JSONL
-
-    def __init__(self, path: str, files: list[str]) -> None:
-        schemas = [s for s in (_jsonl_schema(f) for f in files) if s is not None]
-        try:
-            schema = pa.unify_schemas(schemas, promote_options="permissive") if schemas else None
-        except pa.ArrowException as e:
-            raise InputError(
-                f"JSON Lines files under {path} disagree on column types ({e}); "
-                "make each column's type consistent, or convert the input to Parquet"
-            ) from e
-        # A column that is null in every sampled line is read as a string, the likeliest type.
-        fields = [pa.field(f.name, pa.string()) if f.type == pa.null() else f for f in schema or []]
-        super().__init__(path, pa.schema(fields), None)
-        self.files = files
-
-    def _read(self, batch_rows: int, columns: Sequence[str] | None) -> Iterator[pa.RecordBatch]:
-        for batch in (b for f in self.files for b in self._read_file(f)):
-            yield batch if columns is None else batch.select(list(columns))
-
-    def _read_file(self, file: str) -> Iterator[pa.RecordBatch]:
-        if _is_blank(file):
-            return
-        # Every file is parsed with the unified schema, so all batches agree; fields absent from
-        # the sampled first blocks (hence from .columns) are ignored.
-        parse = pajson.ParseOptions(explicit_schema=self.schema, unexpected_field_behavior="ignore")
-        read = pajson.ReadOptions(block_size=JSON_BLOCK_BYTES)
-        try:
-            with pajson.open_json(file, read_options=read, parse_options=parse) as reader:
-                yield from reader
-        except (pa.ArrowException, OSError) as e:
-            raise InputError(
-                f"cannot read JSON Lines file {file}: {e}; each line must be one JSON object "
-                "and a column's type must not change between lines (or convert to Parquet)"
-            ) from e
 
 
 class DatasetsSource(InputSource):
@@ -182,7 +143,7 @@ def open_input(path: str | os.PathLike[str]) -> InputSource:
     fmt, files = _resolve(path)
     if fmt is InputFormat.PARQUET:
         return ParquetSource(path, files)
-    openai = [is_openai_batch(f) for f in files if not _is_blank(f)]
+    openai = [is_openai_batch(f) for f in files if not is_blank(f)]
     if openai and all(openai):
         return OpenAIBatchSource(path, files)
     if any(openai):
@@ -231,34 +192,3 @@ def _format_of(file: str) -> InputFormat:
     if file.endswith(JSONL_SUFFIXES):
         return InputFormat.JSONL
     raise InputError(f"unsupported input format: {file}; pass {_SUPPORTED}")
-
-
-def _jsonl_schema(file: str) -> pa.Schema | None:
-    """The schema pyarrow infers from the file's first block; None for an empty file."""
-    if _is_blank(file):
-        return None
-    with open(file, "rb") as fh:
-        head = fh.read(4096).lstrip()
-    if head.startswith(b"["):
-        raise InputError(
-            f"{file} holds a JSON array; batchgen reads JSON Lines (one object per line). "
-            "Convert it, e.g. with: jq -c '.[]' in.json > in.jsonl"
-        )
-    read = pajson.ReadOptions(block_size=JSON_BLOCK_BYTES)
-    try:
-        with pajson.open_json(file, read_options=read) as reader:
-            return reader.schema
-    except (pa.ArrowException, OSError) as e:
-        raise InputError(
-            f"cannot read JSON Lines file {file}: {e}; each line must be one JSON object "
-            "and a column's type must not change between lines (or convert to Parquet)"
-        ) from e
-
-
-def _is_blank(file: str) -> bool:
-    """True for a file with nothing but whitespace (pyarrow refuses an empty JSON stream)."""
-    with open(file, "rb") as fh:
-        while chunk := fh.read(1 << 16):
-            if chunk.strip():
-                return False
-    return True

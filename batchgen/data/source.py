@@ -43,7 +43,9 @@ class InputSource:
     format: InputFormat
 
     files: list[str]  # every file the input reads, in reading order
-    error_column: str | None = None  # a column whose non-null value makes its row an error
+    # A column whose non-null value makes its row an error. A source may add it to the batches
+    # a job asks it for without holding it in its schema (JSON Lines: a malformed line's message).
+    error_column: str | None = None
 
     def __init__(self, path: str, schema: pa.Schema, num_rows: int | None) -> None:
         self.path = path
@@ -66,13 +68,20 @@ class InputSource:
         """The id column without --id-column: one named `id`, if the input has it."""
         return DEFAULT_ID_COLUMN if DEFAULT_ID_COLUMN in self.schema.names else None
 
-    def require_columns(self, names: Iterable[str]) -> None:
-        missing = [n for n in names if n not in self.schema.names]
+    def require_columns(self, names: Iterable[str], fixes: dict[str, str] | None = None) -> None:
+        """fixes: {column: how to do without it}, added to the error where it is missing."""
+        missing = [n for n in names if n not in self.schema.names and n != self.error_column]
         if missing:
+            fix = "".join(f"; {fixes[n]}" for n in missing if fixes and n in fixes)
             raise InputError(
                 f"input {self.path} has no column(s) {', '.join(map(repr, missing))}; "
-                f"available columns: {', '.join(map(repr, self.columns))}"
+                f"available columns: {', '.join(map(repr, self.columns))}{fix}"
             )
+
+    def _field(self, name: str) -> pa.Field:
+        if name == self.error_column and name not in self.schema.names:
+            return pa.field(name, pa.string())
+        return self.schema.field(name)
 
     def iter_batches(
         self, batch_rows: int, columns: Sequence[str] | None = None
@@ -87,7 +96,7 @@ class InputSource:
         schema = self.schema
         if columns is not None:
             self.require_columns(columns)
-            schema = pa.schema([self.schema.field(c) for c in columns])
+            schema = pa.schema([self._field(c) for c in columns])
         offset = 0
         raw = self._read(batch_rows, columns)
         for batch in _rebatch((_conform(b, schema) for b in raw), batch_rows):

@@ -39,6 +39,8 @@ from batchgen.data.layout import (
     STEPS_FILE,
     SUCCESS_FILE,
     TMP_RE,
+    VERDICT_FILE,
+    check_meta_dir,
     is_ours,
     migrate_old_layout,
     part_name,
@@ -46,6 +48,7 @@ from batchgen.data.layout import (
 )
 from batchgen.data.lock import LOCK_FILE, lock_directory
 from batchgen.data.source import DEFAULT_ID_COLUMN
+from batchgen.data.verdict import ErrorVerdict, record_verdict
 from batchgen.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ __all__ = [
     "STATS_FILE",
     "STEPS_FILE",
     "SUCCESS_FILE",
+    "VERDICT_FILE",
     "OutputDir",
     "migrate_old_layout",
     "write_file",
@@ -87,6 +91,7 @@ class OutputDir:
         except OSError as e:
             raise InputError(os_error(e, f"cannot create output {self.path}")) from None
         # Read-only first: nothing, not even the lock file, goes into a directory that is not ours.
+        check_meta_dir(self.path)
         self._check_owner()
         migrate_old_layout(self.path)
         meta = os.path.join(self.path, META_DIR)
@@ -163,6 +168,11 @@ class OutputDir:
 
     def write_stats(self, stats: dict[str, Any]) -> None:
         write_file(self.path, STATS_FILE, _json_writer(stats))
+
+    def record_verdict(self, max_error_rate: float) -> ErrorVerdict:
+        """The error-rate verdict on every row in the parts, written beside SUCCESS."""
+        parts = [os.path.join(self.path, n) for n in self.part_files()]
+        return record_verdict(self.path, parts, max_error_rate)
 
     def mark_success(self) -> None:
         write_file(self.path, SUCCESS_FILE, lambda f: None)

@@ -23,7 +23,7 @@ from batchgen.choices import (
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.params import logit_bias_pairs
 from batchgen.errors import ConfigError
-from batchgen.job.paths import check_local_paths, resolve_path
+from batchgen.job.paths import check_local_paths, names_results_file, resolve_path
 from batchgen.job.shard import Shard, ShardError
 from batchgen.job.typecheck import check_types
 
@@ -124,7 +124,6 @@ class RunConfig:
         self.input, self.output = resolve_path(self.input), resolve_path(self.output)
         if self.model is not None:
             self.model = resolve_path(self.model)
-        check_local_paths(self.input, self.output)
         for key, choice in choice_fields().items():
             value = getattr(self, key)
             try:
@@ -132,6 +131,7 @@ class RunConfig:
             except ValueError:
                 allowed = ", ".join(c.value for c in choice)
                 raise ConfigError(f"{key}: {value!r} is not one of {allowed}") from None
+        check_local_paths(self.input, self.output, self.results_path is not None)
         if self.device != "auto":  # cpu, cuda, cuda:1, ...: refused here, not in a traceback
             import torch
 
@@ -212,8 +212,19 @@ class RunConfig:
             )
 
     @property
+    def results_path(self) -> str | None:
+        """`--output-format openai -o results.jsonl`, as vllm run-batch users write it: the
+        OpenAI batch output file itself, the job's parts and state kept beside it."""
+        openai = self.output_format is OutputFormat.OPENAI
+        return self.output if openai and names_results_file(self.output) else None
+
+    @property
     def output_dir(self) -> str:
-        """Where this run's part files go: the output, or its shard's own subdirectory."""
+        """Where this run's part files go: the output, its shard's own subdirectory, or beside
+        the results file (a hidden .NAME.batchgen/ next to results_path)."""
+        if self.results_path is not None:
+            path = Path(self.results_path)
+            return str(path.with_name(f".{path.name}.batchgen"))
         return str(Path(self.output) / self.shard.dirname) if self.shard else self.output
 
     @classmethod

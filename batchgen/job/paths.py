@@ -24,9 +24,10 @@ def resolve_path(value: str) -> str:
     return str(ASSETS / value.removeprefix(BUILTIN)) if value.startswith(BUILTIN) else value
 
 
-def check_local_paths(input: str, output: str) -> None:
+def check_local_paths(input: str, output: str, results_file: bool = False) -> None:
     """Refuse object-store URLs (which would become local folders named `s3:`) and an output
-    named like a file (batchgen writes a directory of part files)."""
+    named like a file (batchgen writes a directory of part files), unless it is the OpenAI
+    batch output file (results_file: RunConfig.results_path)."""
     for key, path in (("input", input), ("output", output)):
         if _URL.match(path):
             fix = "write to a local directory, then copy it" if key == "output" else "copy it here"
@@ -34,9 +35,14 @@ def check_local_paths(input: str, output: str) -> None:
                 f"{key} {path}: object stores and URLs are not supported yet; {fix} "
                 "(e.g. with `aws s3 cp --recursive`)"
             )
-    if output.rstrip("/").lower().endswith(_FILE_SUFFIXES):
+    if output.rstrip("/").lower().endswith(_FILE_SUFFIXES) and not results_file:
         raise ConfigError(
             f"output {output} names a file, but batchgen writes a directory of Parquet parts; "
-            "pass a directory, e.g. `-o OUT` (and `--output-format openai` for "
-            "OUT/.batchgen/results.jsonl, OpenAI batch output lines)"
+            "pass a directory, e.g. `-o OUT` (or, for OpenAI batch output lines as vllm "
+            "run-batch writes them, `--output-format openai -o results.jsonl`)"
         )
+
+
+def names_results_file(output: str) -> bool:
+    """`-o results.jsonl`: a JSON Lines file, vllm run-batch's output."""
+    return output.rstrip("/").lower().endswith(".jsonl") and not output.endswith("/")

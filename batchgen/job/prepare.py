@@ -106,10 +106,12 @@ class Preparer:
         if self.chat_builder is not None:
             needed |= self.chat_builder.required_columns()
         needed |= {c for c in (self.id_column, source.error_column) if c}
-        source.require_columns(sorted(needed))
+        source.require_columns(sorted(needed), self.builder.missing_fixes(source.columns))
         if self.id_column:
             check_id_type(source, self.id_column)
         self.columns = [c for c in source.columns if c in needed]
+        if source.error_column and source.error_column not in self.columns:
+            self.columns.append(source.error_column)  # JSON Lines': added to the batches read
         self._seen_ids: set[Any] = set()
         self._warned_cut = False  # once a job: --truncate left a prompt only a sliver
 
@@ -287,6 +289,8 @@ class Preparer:
             self._seen_ids.clear()
 
     def _check_id(self, rid: Any) -> None:
+        if not self.id_column:
+            return  # row numbers: unique by construction; remembering them cost ~60 B a row
         if rid is None:
             raise InputError(f"id column {self.id_column!r} has a null value; ids must be set")
         if rid in self._seen_ids:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -19,10 +17,7 @@ from batchgen.data import InputSource, OutputDir, PartBuffer
 from batchgen.data.legacy_columns import rename_legacy_parts
 from batchgen.data.openai_output import write_results
 from batchgen.data.reader import OpenAIBatchSource
-from batchgen.data.records import Row, SampleLists
 from batchgen.data.writer import RESULTS_FILE
-from batchgen.engine.constraints import as_written
-from batchgen.engine.sequence import Constraint, Request
 from batchgen.errors import JobInterrupted
 from batchgen.job.config import RunConfig
 from batchgen.job.fingerprint import check_weights, job_fingerprint
@@ -31,6 +26,8 @@ from batchgen.job.passthrough import legacy_renames
 from batchgen.llm import LLM
 from batchgen.runner.deadline import Watchdog, deadlines
 from batchgen.runner.progress import ProgressLine, postfix, progress_bar
+from batchgen.runner.rows import RunRows
+from batchgen.runner.split import check_split
 from batchgen.stats.latency import row_timings
 from batchgen.stats.nvml import NvmlSampler
 from batchgen.stats.peaks import resolve_peaks
@@ -85,7 +82,10 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
             "OpenAI batch body field(s) not supported, ignored: %s",
             ", ".join(f"{k} ({n} line{'s' * (n > 1)})" for k, n in unsupported.items()),
         )
+    if source.num_rows == 0:  # a job of no rows completes: say why it wrote none
+        log.warning("input %s has no rows: the job writes none", source.path)
     schema = prep.output_schema()  # checked before the output directory is touched
+    check_split(cfg)  # a sharded run and an unsharded one are two jobs: not in one output
     out = job_scope.enter_context(OutputDir(cfg.output_dir, job_fingerprint(job), cfg.overwrite))
     rename_legacy_parts(out, legacy_renames(cfg, source, prep.id_column))  # `text`, pre-0.5
     shape = prep.record_shape
@@ -101,6 +101,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
         )
         if cfg.output_format is OutputFormat.OPENAI:  # the part files may predate the option
             _write_openai_results(out, job)
+        stats.verdict = out.record_verdict(cfg.max_error_rate)  # this rerun's --max-error-rate
         stats.finish(complete=True)
         return stats
 
@@ -129,34 +130,11 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
     progress = progress_bar(cfg, source.num_rows)
     log_line = ProgressLine(cfg.progress_seconds)
-    rows: dict[int, Row] = {}  # rows in flight, by request index
-    choices: dict[int, Constraint] = {}  # their choice constraints (the label as written)
-    lists = SampleLists() if prep.as_list else None
 
-    def gather(finished: list[Row], records: list[dict]) -> list[dict]:
-        """The records to write: as they are, or (--n-as-list) each row's once all its
-        samples are in."""
-        if lists is None:
-            return records
-        pairs = zip(finished, records, strict=True)
-        out = (lists.add(r.id, r.num_samples, r.sample_index, rec) for r, rec in pairs)
-        return [rec for rec in out if rec is not None]
+    def timings(c) -> dict | None:
+        return row_timings(c, stats.started) if shape.with_timings else None
 
-    def requests() -> Iterator[Request]:
-        """Every row not done yet, as one stream; error rows are written as read."""
-        n = 0
-        for _, window in prep.windows(done):
-            errors = [shape.record(r, None) for r in window.errors]
-            buffer.add(gather(window.errors, errors))
-            stats.add_error_rows(len(errors))
-            stats.add_error_reasons(errors)
-            progress.update(window.skipped + len(errors))
-            for r in window.requests:
-                rows[n] = window.rows[r.index]
-                if r.params.constraint is not None:
-                    choices[n] = r.params.constraint
-                yield dataclasses.replace(r, index=n)
-                n += 1
+    rows = RunRows(shape, buffer, stats, progress, prep.as_list, timings)
 
     def flush(final: bool = False) -> None:
         """The finished rows into a part file (final: the job's last, an empty one if it has
@@ -164,26 +142,16 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
         buffer.flush(final=final)
         stats.timeline.append_to(out.path)  # the steps since the last flush, as one part
 
-    def timings(c) -> dict | None:
-        return row_timings(c, stats.started) if shape.with_timings else None
-
     last_flush = time.monotonic()
     complete = False
     # Signals stay deferred until the results are flushed and marked: a SIGTERM during the
     # last writes cannot leave a finished job looking unfinished.
     with _stop_on_signals() as signals:
         try:
-            for report in llm.engine.generate(requests()):
+            for report in llm.engine.generate(rows.requests(prep.windows(done))):
                 stats.add_step(report)  # its cost and its finished rows
                 if report.finished:
-                    finished = [rows.pop(c.index) for c in report.finished]
-                    for c in report.finished:
-                        c.text = as_written(choices.pop(c.index, None), c.text)
-                    pairs = zip(finished, report.finished, strict=True)
-                    records = [shape.record(r, c, timings(c)) for r, c in pairs]
-                    buffer.add(gather(finished, records))
-                    stats.add_error_reasons(records)
-                    progress.update(len(finished))
+                    rows.finish(report.finished)
                     progress.set_postfix_str(postfix(stats, report), refresh=False)
                     log_line.maybe(progress, stats)
                 if time.monotonic() - last_flush > cfg.flush_seconds:
@@ -191,8 +159,8 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
                     last_flush = time.monotonic()
                 if signals:
                     raise JobInterrupted(signals[0])
-            if lists is not None and lists.pending:  # cannot happen: every sample finishes
-                raise RuntimeError(f"{lists.pending} rows still wait for samples at the end")
+            if rows.pending_lists:  # cannot happen: every sample finishes
+                raise RuntimeError(f"{rows.pending_lists} rows still wait for samples at the end")
             complete = True
         except BaseException:
             watchdog.arm_fatal()  # the flush below gets seconds, not forever
@@ -205,6 +173,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
             out.write_stats(stats.to_dict())
         if cfg.output_format is OutputFormat.OPENAI:
             _write_openai_results(out, job)
+        stats.verdict = out.record_verdict(cfg.max_error_rate)
         out.mark_success()
     return stats
 
@@ -248,10 +217,11 @@ def _write_openai_results(out: OutputDir, job: Job) -> None:
         return tokenizer.decode([t])
 
     model = str(job.spec.model_dir)
-    n = write_results(
-        out.path, source.requests, out.read_all(), model, token_text, eos_ids=job.spec.eos_ids
-    )
-    log.info("wrote %d OpenAI batch output lines to %s", n, os.path.join(out.path, RESULTS_FILE))
+    # -o results.jsonl: that file; else OUT/.batchgen/results.jsonl
+    folder, name = os.path.split(job.cfg.results_path or os.path.join(out.path, RESULTS_FILE))
+    requests, results, eos = source.requests, out.read_all(), job.spec.eos_ids
+    n = write_results(folder, requests, results, model, token_text, eos_ids=eos, name=name)
+    log.info("wrote %d OpenAI batch output lines to %s", n, os.path.join(folder, name))
 
 
 def _job_longest_row(job: Job, done: set) -> int | None:

@@ -9,12 +9,12 @@ A sharded job (`batchgen run --shard I/N`, `batchgen slurm`, `batchgen run --wor
 and `merge(OUT)` adds, all under hidden names so that directory readers (pd.read_parquet(OUT),
 load_dataset(data_dir=OUT)) still read each row once, from the shards:
 
-    OUT/.batchgen/merged.parquet  every shard's rows in one file (shard 0's parts first, then
+    OUT/.batchgen/merged.pq  every shard's rows in one Parquet file (shard 0's parts first, then
                          shard 1's, ...: grouped by shard, not in input order), same columns as
                          the parts (the id column under its input name, as in job.json's id_column)
     OUT/.batchgen/stats.json  totals, throughput and a per-shard table; latency percentiles,
                          MFU and MBU over all shards (merge_metrics.py)
-    OUT/.steps.parquet   every shard's step timeline on one clock, for `batchgen report`
+    OUT/.batchgen/steps.pq  every shard's step timeline on one clock, for `batchgen report`
     OUT/.batchgen/SUCCESS  written last
 
 Shards and merges of batchgen 0.1 (_SUCCESS, _stats.json, merged.parquet ... at the top) are moved
@@ -39,17 +39,20 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.data.atomic import TMP_PREFIX
+from batchgen.data.layout import check_meta_dir, holds_unsharded_run
 from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.data.writer import (
     JOB_FILE,
     MERGED_FILE,
     META_DIR,
     STATS_FILE,
+    STEPS_FILE,
     SUCCESS_FILE,
     migrate_old_layout,
     write_file,
 )
 from batchgen.errors import InputError, MergeError
+from batchgen.runner.split import shard_counts
 from batchgen.scaleout.merge_metrics import job_rates, merge_steps, merged_metrics
 from batchgen.scaleout.shard_report import (
     IncompleteOutput,
@@ -61,6 +64,7 @@ from batchgen.scaleout.shard_report import (
 
 # write_atomic's temp names of a merge's files: left behind by a merge killed mid-write.
 _MERGE_FILES = (MERGED_FILE, STATS_FILE, SUCCESS_FILE, "merged.parquet", "_stats.json", "_SUCCESS")
+_MERGE_FILES += (STEPS_FILE,)
 _TEMP_NAMES = "|".join(re.escape(Path(f).name) for f in _MERGE_FILES)  # today's and 0.1's
 _TMP_RE = re.compile(rf"{re.escape(TMP_PREFIX)}({_TEMP_NAMES})\.\w+")
 
@@ -113,6 +117,12 @@ def merge(out: str | os.PathLike[str], write_data: bool = True) -> MergeSummary:
     if not root.is_dir():
         what = "is not a directory" if root.exists() else "no such directory"
         raise InputError(f"{root}: {what}; pass the output directory of a sharded job")
+    check_meta_dir(root)  # merge writes there: never through a link
+    if holds_unsharded_run(root) and shard_counts(root):  # before anything in it moves
+        raise MergeError(
+            f"{root} holds the results of a run without --shard beside shard folders: two jobs "
+            "(a reader of the directory sees both); move one of them to another directory"
+        )
     _migrate_old_layout(root)
     reports = scan(root)
     (root / SUCCESS_FILE).unlink(missing_ok=True)  # a new merge makes an old one stale
@@ -230,10 +240,10 @@ def _remove_temp_files(root: Path) -> None:
 def _migrate_old_layout(root: Path) -> None:
     """Move batchgen 0.1's files, in the merge and in each complete shard (one still running
     keeps its files until it is opened again), into today's layout."""
-    if not root.is_dir():
-        return  # scan() says what is wrong
+    if not root.is_dir() or not shard_counts(root):
+        return  # scan() says what is wrong, before anything in a folder not ours moves
     for shard in root.glob("shard-*-of-*"):
-        if (shard / "_SUCCESS").exists():
+        if (shard / "_SUCCESS").exists() or (shard / SUCCESS_FILE).exists():
             migrate_old_layout(shard)
     migrate_old_layout(root)
     if (root / "merged.parquet").exists():

@@ -21,8 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.data.atomic import write_atomic
-from batchgen.data.writer import STEPS_FILE
+from batchgen.data.writer import STEPS_FILE, write_file
 from batchgen.scaleout.shard_report import ShardReport
 from batchgen.stats.latency import Latencies
 from batchgen.stats.steps import read_steps
@@ -127,5 +126,5 @@ def merge_steps(reports: list[ShardReport], root: str | os.PathLike[str]) -> int
     if not tables:
         return 0
     merged = pa.concat_tables(tables).sort_by("t_s")
-    write_atomic(root, STEPS_FILE, lambda f: pq.write_table(merged, f))
+    write_file(root, STEPS_FILE, lambda f: pq.write_table(merged, f))
     return merged.num_rows

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchgen.data.verdict import ErrorVerdict
 from batchgen.data.writer import JOB_FILE, STATS_FILE, SUCCESS_FILE
 from batchgen.errors import MergeError
 from batchgen.job.shard import Shard
@@ -79,6 +80,7 @@ class MergeSummary:
     out: Path
     shards: list[ShardReport]
     merged_file: Path | None
+    verdict: ErrorVerdict | None = None  # the job's error rate (--workers: over every shard)
 
     @property
     def rows(self) -> int:

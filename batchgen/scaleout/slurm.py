@@ -1,7 +1,8 @@
 """`batchgen slurm`: an sbatch job array that runs one shard of a job per array task.
 
 Task I of an N-task array runs `batchgen run SOURCE --shard I/N --quiet` with the Python that
-wrote the script, into OUT/shard-IIIII-of-NNNNN/, and logs to OUT/logs/<job>_<task>.out.
+wrote the script, into OUT/shard-IIIII-of-NNNNN/, and logs to OUT/.batchgen/slurm/<job>_<task>.out,
+beside a copy of the script: hidden, so that OUT still reads as the result rows only.
 `batchgen merge OUT` then checks and combines the shards.
 
 Stopping and resuming. batchgen flushes its finished rows and exits 143 on SIGTERM, and a rerun
@@ -28,8 +29,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchgen.data.atomic import write_atomic
-from batchgen.data.layout import SUCCESS_FILE
+from batchgen.data.atomic import os_error, write_atomic
+from batchgen.data.layout import SLURM_DIR, SUCCESS_FILE, check_meta_dir
 from batchgen.engine.compile_cache import default_root
 from batchgen.errors import RuntimeFailure
 from batchgen.job.config import RunConfig
@@ -119,7 +120,7 @@ def sbatch_script(source: str, cfg: RunConfig, run_args: list[str], opts: Sbatch
         _directive("job-name", opts.job_name),
         _directive("array", opts.array),
         "#SBATCH --ntasks=1",
-        _directive("output", f"{out}/logs/%A_%a.out"),
+        _directive("output", f"{out}/{SLURM_DIR}/%A_%a.out"),
         "#SBATCH --open-mode=append",
         "#SBATCH --requeue",
         _directive("signal", f"B:USR1@{opts.grace_s}"),
@@ -224,25 +225,31 @@ def _refuse_control_characters(flag: str, text: str) -> None:
         )
 
 
-def write_script(output: str, script: str) -> Path:
-    """Save the script under OUT/logs/ (which must exist before sbatch opens its logs)."""
-    logs = Path(output) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    # Written whole under a new name and renamed: a link planted there is replaced, not followed.
-    write_atomic(logs, "batchgen.sbatch", lambda f: f.write(script.encode()))
-    return logs / "batchgen.sbatch"
-
-
-def submit(script: Path) -> str:
-    """sbatch the script; returns the job id."""
+def submit(output: str, script: str) -> tuple[str, Path]:
+    """sbatch the script (on its stdin); returns the job id and where a copy of the script is
+    kept, beside the tasks' logs. The log folder must exist before a task starts (Slurm does
+    not make it); a failed submit removes the folders it made, so it leaves nothing behind."""
     if not shutil.which("sbatch"):
         raise SlurmError("sbatch is not on PATH; run on a Slurm login node, or use --dry-run")
+    if Path(output).is_dir():
+        check_meta_dir(output)  # the logs go there: never through a link
+    logs = Path(output) / SLURM_DIR
+    made = [p for p in (logs, *logs.parents) if not p.exists()]
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SbatchFailed(os_error(e, f"cannot create {logs}")) from None
     r = subprocess.run(
-        ["sbatch", "--parsable", str(script)],
+        ["sbatch", "--parsable"],
+        input=script,
         capture_output=True,
         text=True,
         env=without_array_task(),  # an enclosing array task's shard must not leak into the new job
     )
     if r.returncode:
+        for p in made:  # innermost first
+            p.rmdir()
         raise SbatchFailed(f"sbatch failed ({r.returncode}): {(r.stderr or r.stdout).strip()}")
-    return r.stdout.strip().split(";")[0]  # "jobid" or "jobid;cluster"
+    # Written whole under a new name and renamed: a link planted there is replaced, not followed.
+    write_atomic(logs, "batchgen.sbatch", lambda f: f.write(script.encode()))
+    return r.stdout.strip().split(";")[0], logs / "batchgen.sbatch"  # "jobid" or "jobid;cluster"

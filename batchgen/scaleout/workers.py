@@ -26,6 +26,7 @@ import yaml
 
 from batchgen.choices import Choice
 from batchgen.data.layout import JOB_FILE
+from batchgen.data.verdict import record_verdict
 from batchgen.errors import ConfigError, JobInterrupted, WorkersFailed
 from batchgen.job.config import RunConfig
 from batchgen.job.shard import Shard, without_array_task
@@ -103,7 +104,9 @@ def _job_spec(cfg: RunConfig) -> dict:
     """cfg as a job spec for the workers, without the parts each worker sets itself."""
     spec = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     spec = {k: v.value if isinstance(v, Choice) else v for k, v in spec.items()}  # yaml: strings
-    spec.update(quiet=True)
+    # The error rate is the job's, judged once over every shard after the merge (a shard's own
+    # rate over or under the limit says nothing about the job's).
+    spec.update(quiet=True, max_error_rate=1.0)
     for k in ("workers", "shard"):
         del spec[k]
     return spec
@@ -191,4 +194,7 @@ def run_workers(cfg: RunConfig) -> MergeSummary:
             f"worker(s) {', '.join(failed)} failed (their messages are above); the other shards "
             "are kept, and running the same command again redoes only what is missing"
         )
-    return merge(out)
+    summary = merge(out)
+    parts = [str(s.path / p) for s in summary.shards for p in s.parts]
+    summary.verdict = record_verdict(out, parts, cfg.max_error_rate)
+    return summary

@@ -7,7 +7,6 @@ _stats.json, `table` the printed summary."""
 
 from __future__ import annotations
 
-import re
 import resource
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from batchgen.data.verdict import ErrorVerdict, error_reason, reason_lines
 from batchgen.engine.sequence import KVPool, StepReport
 from batchgen.stats.latency import Latencies
 from batchgen.stats.nvml import gpu_rows
@@ -98,6 +98,7 @@ class RunStats:
     timeline: StepRecorder | None = None
     wall_s: float = 0.0  # the job: from its statistics' start (after start-up) to its end
     startup_s: float | None = field(default_factory=process_age_s)  # the process before that
+    verdict: ErrorVerdict | None = None  # the complete job's error rate (data/verdict.py)
 
     def __post_init__(self) -> None:
         self.timeline = StepRecorder(self.started)
@@ -121,30 +122,22 @@ class RunStats:
         self.rows_error += n
 
     def add_error_reasons(self, records: list[dict[str, Any]]) -> None:
-        """The error records among records written, grouped by their reason with its numbers
-        as N ("prompt of N tokens ...")."""
+        """The records written with an error, grouped by their reason with its numbers as N
+        ("prompt of N tokens ..."): failed rows and rows that keep their text with one (a
+        constrained row cut short), the same rows `rows_error` counts."""
         for rec in records:
-            if rec.get("finish_reason") == "error":
-                reason = re.sub(r"\d+(\.\d+)?", "N", str(rec.get("error")))[:200]
+            if rec.get("error") is not None:
+                reason = error_reason(str(rec["error"]))
                 self.error_reasons[reason] = self.error_reasons.get(reason, 0) + 1
 
     @property
     def error_records(self) -> int:
-        """Rows written as errors (finish_reason error; not a constrained row's note)."""
+        """Rows written with an error in this run."""
         return sum(self.error_reasons.values())
-
-    @property
-    def error_rate(self) -> float:
-        return self.error_records / self.rows if self.rows else 0.0
 
     def error_lines(self, most: int = 5) -> list[str]:
         """The commonest error reasons with their counts, for the end of a run."""
-        top = sorted(self.error_reasons.items(), key=lambda kv: -kv[1])
-        lines = [f"  {n:>6} x {reason}" for reason, n in top[:most]]
-        if len(top) > most:
-            rest = sum(n for _, n in top[most:])
-            lines.append(f"  {rest:>6} x {len(top) - most} other reasons (.batchgen/stats.json)")
-        return lines
+        return reason_lines(self.error_reasons, ".batchgen/stats.json", most)
 
     def add_step(self, r: StepReport) -> None:
         """One engine step: the rows it finished and what it ran."""
@@ -218,7 +211,7 @@ class RunStats:
     def to_dict(self) -> dict[str, Any]:
         """_stats.json: the counts, the derived rates, what ran and what it ended with."""
         skip = ("started", "info", "kv_pool", "gpu", "openai_unsupported_fields")
-        skip += ("latencies", "roofline", "peaks", "timeline")
+        skip += ("latencies", "roofline", "peaks", "timeline", "verdict")
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         d.update(self.latencies.summary())  # ttft_s, tpot_s, latency_s: {p50, ..., max}
         d["latency_histograms"] = self.latencies.to_dict()

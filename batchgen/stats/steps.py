@@ -1,8 +1,10 @@
 """The step timeline: one row per engine step, kept in columns of machine numbers and written
-for `batchgen report` as OUTPUT/.batchgen/steps/part-NNNNN.parquet: each flush appends the steps
+for `batchgen report` as OUTPUT/.batchgen/steps/steps-NNNNN.pq (Parquet files named so that no
+reader's `*.parquet` glob takes them for rows, data/layout.py): each flush appends the steps
 since the last as one part (rewriting the whole timeline at every flush was quadratic in a long
-job's length). Outputs of earlier versions hold it in one file, OUTPUT/.steps.parquet, which
-`read_steps` still reads, and which `batchgen merge` writes for a sharded job.
+job's length). A merge writes the shards' on one clock as OUTPUT/.batchgen/steps.pq. Outputs of
+earlier versions held it as .batchgen/steps/part-NNNNN.parquet or OUTPUT/.steps.parquet, which
+`read_steps` still reads (and opening the output renames).
 
 Recording a step appends ten numbers to ten `array`s (8 bytes each, no Python object per
 value): about 1.5 us a step measured (docs/metrics.md), against steps of milliseconds, and
@@ -21,10 +23,17 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.data.layout import META_DIR, PART_RE, STEPS_FILE, part_name, write_file
+from batchgen.data.layout import (
+    OLD_STEPS_PART_RE,
+    STEPS_DIR,
+    STEPS_FILE,
+    STEPS_PART_RE,
+    steps_part_name,
+    write_file,
+)
 from batchgen.engine.sequence import StepReport
 
-STEPS_DIR = f"{META_DIR}/steps"  # the timeline's part files, in the order written
+OLD_STEPS_FILE = ".steps.parquet"  # an earlier batchgen's merged timeline, at the top
 
 # column: (array typecode, arrow type, what it is)
 COLUMNS = {
@@ -79,7 +88,7 @@ class StepRecorder:
         if len(self) == self.written:
             return
         table = self.table(self.written)
-        name = f"{STEPS_DIR}/{part_name(self.parts)}"
+        name = f"{STEPS_DIR}/{steps_part_name(self.parts)}"
         write_file(directory, name, lambda f: pq.write_table(table, f))
         self.written, self.parts = len(self), self.parts + 1
 
@@ -87,8 +96,9 @@ class StepRecorder:
 def clear_steps(directory: str | os.PathLike[str]) -> None:
     """Drop an earlier run's timeline (its parts, or an older batchgen's single file)."""
     shutil.rmtree(os.path.join(directory, STEPS_DIR), ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(directory, STEPS_FILE))
+    for name in (STEPS_FILE, OLD_STEPS_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, name))
 
 
 def steps_files(directory: str | os.PathLike[str]) -> list[Path]:
@@ -98,11 +108,11 @@ def steps_files(directory: str | os.PathLike[str]) -> list[Path]:
     found = {
         int(m.group(1)): p
         for p in (folder.iterdir() if folder.is_dir() else ())
-        if (m := PART_RE.fullmatch(p.name))
+        if (m := STEPS_PART_RE.fullmatch(p.name) or OLD_STEPS_PART_RE.fullmatch(p.name))
     }
     parts = [found[k] for k in sorted(found)]
-    single = Path(directory) / STEPS_FILE
-    return parts or ([single] if single.exists() else [])
+    single = [Path(directory) / n for n in (STEPS_FILE, OLD_STEPS_FILE)]
+    return parts or [p for p in single if p.exists()][:1]
 
 
 def read_steps(directory: str | os.PathLike[str]) -> pa.Table | None:

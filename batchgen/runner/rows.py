@@ -1,0 +1,74 @@
+"""A run's rows from the prepared windows to the written records: the one place where rows are
+written and counted.
+
+Each window's error rows are written as read; its requests go to the engine under indices of
+one stream, and each finished completion comes back to its row here, becomes a record, goes
+into the part buffer (with --n-as-list, a row's record once all its samples are in) and is
+counted in the stats (rows, error reasons) and the progress bar."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from batchgen.data import PartBuffer
+from batchgen.data.records import RecordShape, Row, SampleLists
+from batchgen.engine.constraints import as_written
+from batchgen.engine.sequence import Completion, Constraint, Request
+from batchgen.job.prepare import Window
+from batchgen.stats.run_stats import RunStats
+
+
+class RunRows:
+    def __init__(
+        self,
+        shape: RecordShape,
+        buffer: PartBuffer,
+        stats: RunStats,
+        progress: Any,  # a tqdm bar (disabled when quiet)
+        as_list: bool,
+        timings: Callable[[Completion], dict | None],
+    ) -> None:
+        self.shape, self.buffer, self.stats, self.progress = shape, buffer, stats, progress
+        self.timings = timings
+        self.lists = SampleLists() if as_list else None
+        self._rows: dict[int, Row] = {}  # rows in flight, by request index
+        self._choices: dict[int, Constraint] = {}  # their constraints (a label as written)
+        self._n = 0
+
+    def requests(self, windows: Iterator[tuple[int, Window]]) -> Iterator[Request]:
+        """Every window's requests as one stream; its error rows are written as read."""
+        for _, window in windows:
+            errors = window.errors
+            self.stats.add_error_rows(len(errors))
+            self._write(errors, [self.shape.record(r, None) for r in errors])
+            self.progress.update(window.skipped)
+            for r in window.requests:
+                self._rows[self._n] = window.rows[r.index]
+                if r.params.constraint is not None:
+                    self._choices[self._n] = r.params.constraint
+                yield dataclasses.replace(r, index=self._n)
+                self._n += 1
+
+    def finish(self, completions: list[Completion]) -> None:
+        """The engine finished these requests: their records written and counted."""
+        rows = [self._rows.pop(c.index) for c in completions]
+        for c in completions:
+            c.text = as_written(self._choices.pop(c.index, None), c.text)
+        pairs = zip(rows, completions, strict=True)
+        self._write(rows, [self.shape.record(r, c, self.timings(c)) for r, c in pairs])
+
+    @property
+    def pending_lists(self) -> int:
+        """--n-as-list rows with some but not all samples in."""
+        return self.lists.pending if self.lists is not None else 0
+
+    def _write(self, rows: list[Row], records: list[dict]) -> None:
+        self.stats.add_error_reasons(records)
+        self.progress.update(len(rows))
+        if self.lists is not None:
+            lists, pairs = self.lists, zip(rows, records, strict=True)
+            gathered = (lists.add(r.id, r.num_samples, r.sample_index, rec) for r, rec in pairs)
+            records = [rec for rec in gathered if rec is not None]
+        self.buffer.add(records)
