@@ -127,7 +127,7 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
         d = stats.to_dict()
         rate = (
             f"{d['rows_per_s']:.1f} rows/s"
-            if cfg.task is Task.SCORE
+            if cfg.task is not Task.GENERATE
             else f"{d['output_tokens_per_s']:.1f} output tokens/s"
         )
         errors = f"{stats.rows_error} error{'s' * (stats.rows_error != 1)}"

@@ -24,7 +24,8 @@ Each step is a plan {sequence: tokens this step} under one token budget
 A scored candidate (the score task: `Request.score_from`) samples nothing: its tokens run
 as prefill, the runner hands back the log-probability of each token from `score_from` on,
 and the sequence ends once all of them are computed. Its prefix-cache hit stops before
-the position that predicts its first scored token, which must run.
+the position that predicts its first scored token, which must run: a prompt-logprobs row
+(`params.prompt_logprobs`) is scored from its second token, so it takes no hit (as in vLLM).
 
 The runner hands back one sampled token per sequence whose last known token was computed;
 `update` appends them, ends sequences at EOS, a stop token id or max_new_tokens
@@ -37,7 +38,15 @@ import heapq
 from collections.abc import Sequence as Seq
 
 from batchgen.engine.block_pool import BlockPool, block_hash
-from batchgen.engine.sequence import FinishReason, Request, Scheduled, SeqStatus, Sequence, StepPlan
+from batchgen.engine.sequence import (
+    FinishReason,
+    Request,
+    Scheduled,
+    ScoredChunk,
+    SeqStatus,
+    Sequence,
+    StepPlan,
+)
 from batchgen.engine.stopping import token_finish
 
 
@@ -201,9 +210,9 @@ class Scheduler:
         """Leading full blocks of seq a prefix-cache hit may cover: at least its last token
         must run (to sample from), and for a scored candidate the one before its first
         scored token (whose logits score it)."""
-        last = seq.num_tokens - 1
-        if seq.request.scoring:
-            last = min(last, seq.request.score_from - 1)
+        last, scored = seq.num_tokens - 1, seq.request.scored
+        if scored is not None:  # a prompt-logprobs row's: none (its every position is scored)
+            last = min(last, scored.start - 1)
         return last // self.block_size
 
     def _awaits_prefix(self, seq: Sequence) -> bool:
@@ -236,6 +245,7 @@ class Scheduler:
         self.pool.release(seq.block_table)
         if seq.request.scoring:  # its scored tokens run again
             seq.logprobs = []
+        seq.prompt_logprobs, seq.prompt_top = [], []
         seq.block_table, seq.num_computed, seq.num_registered = [], 0, 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -245,24 +255,28 @@ class Scheduler:
     # ---------------------------------------------------------------- results
 
     def update(
-        self, plan: StepPlan, sampled: Seq[tuple], scored: Seq[Seq[float]] = ()
+        self, plan: StepPlan, sampled: Seq[tuple], scored: Seq[ScoredChunk] = ()
     ) -> list[Sequence]:
         """Apply a step's results: sampled (token, logprob[, top alternatives or None]) per
-        sampling sequence and the scored tokens' log-probabilities per scored candidate's
-        chunk, each in plan order. Returns the sequences that finished."""
+        sampling sequence and the scored tokens per scored chunk (`Request.scored`), each in
+        plan order. Returns the sequences that finished."""
         samplers = [s for s in plan.scheduled if s.samples]
         if len(samplers) != len(sampled):
             raise ValueError(f"{len(sampled)} sampled tokens for {len(samplers)} sequences")
-        scorers = [s.seq for s in plan.prefills if s.seq.request.scoring]
+        scorers = [s.seq for s in plan.prefills if s.seq.request.scored is not None]
         if len(scorers) != len(scored):
             raise ValueError(f"{len(scored)} scored chunks for {len(scorers)} candidates")
         for s in plan.scheduled:
             s.seq.num_computed += s.num_tokens
             self._cache_full_blocks(s.seq)
         finished = []
-        for seq, logprobs in zip(scorers, scored, strict=True):
-            seq.logprobs.extend(logprobs)
-            if seq.num_computed == seq.num_tokens:
+        for seq, chunk in zip(scorers, scored, strict=True):
+            if seq.params.prompt_logprobs is None:  # a candidate's
+                seq.logprobs.extend(chunk.logprobs)
+            else:
+                seq.prompt_logprobs.extend(chunk.logprobs)
+                seq.prompt_top.extend(chunk.top or ())
+            if seq.request.scoring and seq.num_computed == seq.num_tokens:
                 self.finish(seq, FinishReason.STOP)
                 finished.append(seq)
         for s, (tok, logprob, *top) in zip(samplers, sampled, strict=True):

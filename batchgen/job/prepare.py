@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.choices import BOUNDS
+from batchgen.choices import BOUNDS, Task
 from batchgen.data import InputFormat, InputSource, PromptBuilder, default_ids
 from batchgen.data.records import RecordShape, Row
 from batchgen.data.source import DEFAULT_ID_COLUMN, decode_rows
@@ -122,6 +122,8 @@ class Preparer:
         return RecordShape(
             id_column=self.output_id_column,
             score=self.score,
+            prompt_logprobs=self.cfg.task is Task.PROMPT_LOGPROBS,
+            prompt_top=self.cfg.prompt_logprobs > 0,
             samples=self.samples,
             as_list=self.as_list,
             with_token_ids=self.cfg.with_token_ids,
@@ -237,6 +239,10 @@ class Preparer:
                     continue
                 samples[0].prompt_tokens, samples[0].labels = len(ids_), labels
                 requests.append(Request(first, ids_, params[0], candidates=cands))
+                continue
+            if self.cfg.task is Task.PROMPT_LOGPROBS:  # the prompt scored from its 2nd token
+                samples[0].prompt_tokens = len(ids_)
+                requests.append(Request(first, ids_, params[0], score_from=1))
                 continue
             for j, p in enumerate(params):  # the samples share the prompt's cache blocks
                 samples[j].prompt_tokens = len(ids_)

@@ -27,7 +27,8 @@ class SamplingParams(sequence.SamplingParams):
     that end the output (kept in token_ids, out of the text; `.stop_reason` says which);
     min_tokens: nothing but max_tokens ends it sooner; min_p 0 is off; repetition_penalty
     (1 is off), presence_penalty, frequency_penalty (0 is off) and logit_bias ({token id:
-    bias}, clamped to [-100, 100]) as vLLM applies them, to the raw logits."""
+    bias}, clamped to [-100, 100]) as vLLM applies them, to the raw logits; prompt_logprobs:
+    each prompt token's logprob and this many alternatives (`RequestOutput.prompt_logprobs`)."""
 
     n: int = 1
 
@@ -53,6 +54,7 @@ class SamplingParams(sequence.SamplingParams):
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logit_bias: Mapping[int | str, float] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         if max_tokens is not None and max_new_tokens not in (None, max_tokens):
             raise ValueError(
@@ -83,6 +85,7 @@ class SamplingParams(sequence.SamplingParams):
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
             logit_bias=logit_bias,  # made (id, bias) pairs there
+            prompt_logprobs=prompt_logprobs,
         )
         object.__setattr__(self, "n", n)
 
@@ -121,6 +124,14 @@ _COMPLETION_NAMES = frozenset(f.name for f in dataclasses.fields(Completion)) | 
 }
 
 
+@dataclass(slots=True, frozen=True)
+class Logprob:
+    """A token's log-probability at a prompt position, as vLLM's `Logprob` (no decoded text)."""
+
+    logprob: float
+    rank: int | None = None
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One prompt's results, shaped like vLLM's: `outputs` holds its n completions (`text`,
@@ -140,6 +151,24 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return True
+
+    @property
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """With `SamplingParams(prompt_logprobs=k)`, vLLM's shape: per prompt token None for
+        the first, then {token id: Logprob} of the token and its position's k likeliest
+        alternatives (rank: 1 the likeliest; None for a token outside them). None: not asked."""
+        first = self.outputs[0] if self.outputs else None
+        if first is None or first.prompt_logprobs is None:
+            return None
+        tops = first.prompt_top_logprobs or [[]] * len(first.prompt_logprobs)
+        out: list[dict[int, Logprob] | None] = [None]
+        rows = zip(self.prompt_token_ids[1:], first.prompt_logprobs[1:], tops[1:], strict=True)
+        for tok, lp, top in rows:
+            d = {t: Logprob(v, rank) for rank, (t, v) in enumerate(top, 1)}
+            if tok not in d:
+                d[tok] = Logprob(lp, None)
+            out.append(d)
+        return out
 
     def __getattr__(self, name: str) -> Any:
         if name in _COMPLETION_NAMES:
