@@ -6,22 +6,29 @@ their sum negated (`prompt_nll`, nats) and the perplexity, exp of the mean negat
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 
-PROMPT_LOGPROB_COLUMNS = ("prompt_logprobs", "prompt_nll", "perplexity", "prompt_top_logprobs")
+COLUMNS = ("prompt_logprobs", "prompt_nll", "perplexity", "prompt_top_logprobs")
 
 
-def prompt_logprob_schema(top: bool, top_type: pa.DataType) -> list[pa.Field]:
+class PromptScored(Protocol):
+    """What the columns take from a row's result (the engine's Completion)."""
+
+    prompt_logprobs: list[float | None] | None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def schema_fields(top: bool, top_type: pa.DataType) -> list[pa.Field]:
     """The columns' fields (top: with the alternatives, of top_type)."""
     types = (pa.list_(pa.float32()), pa.float64(), pa.float64(), top_type)[: 3 + top]
-    return [pa.field(n, t) for n, t in zip(PROMPT_LOGPROB_COLUMNS, types, strict=False)]
+    return [pa.field(n, t) for n, t in zip(COLUMNS, types, strict=False)]
 
 
-def prompt_logprob_fields(result: Any | None, top: bool) -> dict[str, Any]:
-    """A record's columns from its result (a Completion; None: an error row's nulls)."""
-    names = PROMPT_LOGPROB_COLUMNS[: 3 + top]
+def record_fields(result: PromptScored | None, k: int) -> dict[str, Any]:
+    """A record's columns from its result (None: an error row's nulls); k: alternatives kept."""
+    names = COLUMNS[: 3 + (k > 0)]
     if result is None:
         return dict.fromkeys(names)
     lps = result.prompt_logprobs
@@ -31,7 +38,7 @@ def prompt_logprob_fields(result: Any | None, top: bool) -> dict[str, Any]:
         names[1]: nll,
         names[2]: math.exp(nll / (len(lps) - 1)) if len(lps) > 1 else None,
     }
-    if top:
+    if k:
         tops = result.prompt_top_logprobs
         out[names[3]] = [[{"id": i, "logprob": v} for i, v in t] for t in tops]
     return out

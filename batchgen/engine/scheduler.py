@@ -36,18 +36,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from batchgen.engine.block_pool import BlockPool, block_hash
-from batchgen.engine.sequence import (
-    FinishReason,
-    Request,
-    Scheduled,
-    ScoredChunk,
-    SeqStatus,
-    Sequence,
-    StepPlan,
-)
+from batchgen.engine.sequence import FinishReason, Request, Scheduled, SeqStatus, Sequence, StepPlan
 from batchgen.engine.stopping import token_finish
+
+if TYPE_CHECKING:
+    from batchgen.engine.sequence import ScoredChunk
 
 
 class Scheduler:
@@ -184,7 +180,7 @@ class Scheduler:
         """Take seq's cached prefix and blocks for its first chunk; False (and nothing
         taken) if that would leave fewer free blocks than the watermark while others run
         (reserve_full_rows: than all running rows' growth to full length, and this one's)."""
-        keys = self._keys(seq, self._hittable_blocks(seq))
+        keys = self._keys(seq, seq.hittable_blocks(self.block_size))
         hit = self.pool.take_cached(keys)
         n = min(seq.num_tokens - len(hit) * self.block_size, budget)
         need = self.pool.blocks_for(len(hit) * self.block_size + n) - len(hit)
@@ -206,21 +202,12 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         return True
 
-    def _hittable_blocks(self, seq: Sequence) -> int:
-        """Leading full blocks of seq a prefix-cache hit may cover: at least its last token
-        must run (to sample from), and for a scored candidate the one before its first
-        scored token (whose logits score it)."""
-        last, scored = seq.num_tokens - 1, seq.request.scored
-        if scored is not None:  # a prompt-logprobs row's: none (its every position is scored)
-            last = min(last, scored.start - 1)
-        return last // self.block_size
-
     def _awaits_prefix(self, seq: Sequence) -> bool:
         """Is the first block of seq's prefix not in the cache one a running sequence is
         computing? Then seq should wait and hit it, not compute it too."""
         if not self.pending:
             return False
-        for k in self._keys(seq, self._hittable_blocks(seq)):
+        for k in self._keys(seq, seq.hittable_blocks(self.block_size)):
             if not self.pool.is_cached(k):
                 return k in self.pending
         return False
@@ -243,9 +230,7 @@ class Scheduler:
         self.running.remove(seq)
         self._forget_pending(seq)
         self.pool.release(seq.block_table)
-        if seq.request.scoring:  # its scored tokens run again
-            seq.logprobs = []
-        seq.prompt_logprobs, seq.prompt_top = [], []
+        seq.forget_scored()  # its scored tokens run again
         seq.block_table, seq.num_computed, seq.num_registered = [], 0, 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -271,11 +256,7 @@ class Scheduler:
             self._cache_full_blocks(s.seq)
         finished = []
         for seq, chunk in zip(scorers, scored, strict=True):
-            if seq.params.prompt_logprobs is None:  # a candidate's
-                seq.logprobs.extend(chunk.logprobs)
-            else:
-                seq.prompt_logprobs.extend(chunk.logprobs)
-                seq.prompt_top.extend(chunk.top or ())
+            seq.take_scored(chunk)
             if seq.request.scoring and seq.num_computed == seq.num_tokens:
                 self.finish(seq, FinishReason.STOP)
                 finished.append(seq)

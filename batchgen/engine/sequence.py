@@ -173,6 +173,29 @@ class Sequence:
         eos = frozenset() if self.params.ignore_eos else self.eos_ids
         return eos | frozenset(self.params.stop_token_ids)
 
+    def hittable_blocks(self, block_size: int) -> int:
+        """Leading full blocks a prefix-cache hit may cover: at least its last token must run
+        (to sample from), and where it scores tokens the one before its first (whose logits
+        score it): none for a prompt-logprobs row, which scores from its second token."""
+        last = self.num_tokens - 1
+        if self.request.scored is not None:
+            last = min(last, self.request.scored.start - 1)
+        return last // block_size
+
+    def take_scored(self, chunk: ScoredChunk) -> None:
+        """A step's scored tokens of it: a candidate's logprobs, or its prompt's."""
+        if self.params.prompt_logprobs is None:
+            self.logprobs.extend(chunk.logprobs)
+        else:
+            self.prompt_logprobs.extend(chunk.logprobs)
+            self.prompt_top.extend(chunk.top or ())
+
+    def forget_scored(self) -> None:
+        """Preempted: its scored tokens run again."""
+        if self.request.scoring:
+            self.logprobs = []
+        self.prompt_logprobs, self.prompt_top = [], []
+
     @property
     def below_min_tokens(self) -> bool:
         """Has it generated fewer than min_tokens (its stop tokens are not drawn yet)?"""

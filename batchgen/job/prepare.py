@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.choices import BOUNDS, Task
+from batchgen.choices import BOUNDS
 from batchgen.data import InputFormat, InputSource, PromptBuilder, default_ids
 from batchgen.data.records import RecordShape, Row
 from batchgen.data.source import DEFAULT_ID_COLUMN, decode_rows
@@ -122,8 +122,7 @@ class Preparer:
         return RecordShape(
             id_column=self.output_id_column,
             score=self.score,
-            prompt_logprobs=self.cfg.task is Task.PROMPT_LOGPROBS,
-            prompt_top=self.cfg.prompt_logprobs > 0,
+            prompt_logprobs=self.options.defaults.prompt_logprobs,  # task prompt-logprobs: k
             samples=self.samples,
             as_list=self.as_list,
             with_token_ids=self.cfg.with_token_ids,
@@ -240,7 +239,7 @@ class Preparer:
                 samples[0].prompt_tokens, samples[0].labels = len(ids_), labels
                 requests.append(Request(first, ids_, params[0], candidates=cands))
                 continue
-            if self.cfg.task is Task.PROMPT_LOGPROBS:  # the prompt scored from its 2nd token
+            if params[0].prompt_logprobs is not None:  # the prompt scored from its 2nd token
                 samples[0].prompt_tokens = len(ids_)
                 requests.append(Request(first, ids_, params[0], score_from=1))
                 continue

@@ -13,6 +13,7 @@ from typing import Any
 from batchgen.engine import sequence
 from batchgen.engine.sequence import Completion, Constraint
 from batchgen.job.generation import GenerationDefaults, read_generation_config
+from batchgen.job.prompt_logprobs import Logprob, as_vllm
 from batchgen.job.seeds import row_seed
 
 
@@ -124,14 +125,6 @@ _COMPLETION_NAMES = frozenset(f.name for f in dataclasses.fields(Completion)) | 
 }
 
 
-@dataclass(slots=True, frozen=True)
-class Logprob:
-    """A token's log-probability at a prompt position, as vLLM's `Logprob` (no decoded text)."""
-
-    logprob: float
-    rank: int | None = None
-
-
 @dataclass(slots=True)
 class RequestOutput:
     """One prompt's results, shaped like vLLM's: `outputs` holds its n completions (`text`,
@@ -154,21 +147,8 @@ class RequestOutput:
 
     @property
     def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
-        """With `SamplingParams(prompt_logprobs=k)`, vLLM's shape: per prompt token None for
-        the first, then {token id: Logprob} of the token and its position's k likeliest
-        alternatives (rank: 1 the likeliest; None for a token outside them). None: not asked."""
-        first = self.outputs[0] if self.outputs else None
-        if first is None or first.prompt_logprobs is None:
-            return None
-        tops = first.prompt_top_logprobs or [[]] * len(first.prompt_logprobs)
-        out: list[dict[int, Logprob] | None] = [None]
-        rows = zip(self.prompt_token_ids[1:], first.prompt_logprobs[1:], tops[1:], strict=True)
-        for tok, lp, top in rows:
-            d = {t: Logprob(v, rank) for rank, (t, v) in enumerate(top, 1)}
-            if tok not in d:
-                d[tok] = Logprob(lp, None)
-            out.append(d)
-        return out
+        """With `SamplingParams(prompt_logprobs=k)`: vLLM's shape (job/prompt_logprobs.py)."""
+        return as_vllm(self.prompt_token_ids, self.outputs[0] if self.outputs else None)
 
     def __getattr__(self, name: str) -> Any:
         if name in _COMPLETION_NAMES:

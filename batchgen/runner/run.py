@@ -19,7 +19,8 @@ from batchgen.data import InputSource, OutputDir, PartBuffer
 from batchgen.data.legacy_columns import rename_legacy_parts
 from batchgen.data.openai_output import write_results
 from batchgen.data.reader import OpenAIBatchSource
-from batchgen.data.records import Row, SampleLists
+from batchgen.data.records import Row
+from batchgen.data.sample_lists import SampleLists
 from batchgen.data.writer import RESULTS_FILE
 from batchgen.engine.constraints import as_written
 from batchgen.engine.sequence import Constraint, Request
