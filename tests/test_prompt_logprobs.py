@@ -7,6 +7,8 @@ prompt-logprobs`; and computed chunk by chunk, so a long prompt's peak memory do
 with its length."""
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,9 +174,9 @@ from batchgen.engine.config import EngineConfig
 from batchgen.llm import LLM
 from batchgen.job.sampling import SamplingParams
 
-model, n = sys.argv[1], int(sys.argv[2])
+model, n, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 llm = LLM(model, dtype="float32", device="cpu", compile=False,
-          engine=EngineConfig(max_num_batched_tokens=256, kv_cache_tokens=8448))
+          engine=EngineConfig(max_num_batched_tokens=budget, kv_cache_tokens=n + 256))
 prompt = torch.randint(2, 32000, (n,), generator=torch.Generator().manual_seed(0)).tolist()
 llm.generate([prompt[:300]], SamplingParams(max_tokens=1, prompt_logprobs=1))  # warm
 
@@ -190,12 +192,11 @@ print((hwm() - before) // 1024)
 """
 
 
-def _peak_mib(model: Path, n: int) -> int:
-    import subprocess
-    import sys
-
+def peak_mib(model: Path, n: int, budget: int = 256) -> int:
+    """MiB the peak resident set grows by over prompt logprobs of an n-token prompt, run in a
+    fresh process at `budget` tokens a step (also what docs/benchmarks.md's figure ran)."""
     r = subprocess.run(
-        [sys.executable, "-c", PEAK_SOURCE, str(model), str(n)],
+        [sys.executable, "-c", PEAK_SOURCE, str(model), str(n), str(budget)],
         capture_output=True,
         text=True,
         check=True,
@@ -208,6 +209,6 @@ def test_long_prompt_logprobs_peak_memory_does_not_grow_with_its_length(wide_voc
     the whole prompt's float32 logits would be 250 MiB and 1000 MiB; the peak resident set
     over the call grows by what one step's logits take (256 x 32k x 4 bytes = 32 MiB, a few
     copies of it) plus the host lists, the same for both lengths."""
-    short, long = _peak_mib(wide_vocab_model, 2048), _peak_mib(wide_vocab_model, 8192)
+    short, long = peak_mib(wide_vocab_model, 2048), peak_mib(wide_vocab_model, 8192)
     assert long < 160, (short, long)  # the 8k prompt's logits alone: 1000 MiB
     assert long - short < 48, (short, long)
