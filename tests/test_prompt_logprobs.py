@@ -6,6 +6,7 @@ API (`SamplingParams(prompt_logprobs=k)`, vLLM's shape) and `batchgen run --task
 prompt-logprobs`; and computed chunk by chunk, so a long prompt's peak memory does not grow
 with its length."""
 
+import json
 import math
 import subprocess
 import sys
@@ -15,10 +16,12 @@ import pytest
 import torch
 import transformers
 from helpers import (
+    FAST,
     assert_one_line_error,
     cpu_llm,
     random_prompts,
     rows_by_id,
+    run_cli,
     run_job,
     write_parquet,
 )
@@ -212,3 +215,25 @@ def test_long_prompt_logprobs_peak_memory_does_not_grow_with_its_length(wide_voc
     short, long = peak_mib(wide_vocab_model, 2048), peak_mib(wide_vocab_model, 8192)
     assert long < 160, (short, long)  # the 8k prompt's logits alone: 1000 MiB
     assert long - short < 48, (short, long)
+
+
+def test_job_spec_plan_and_report_of_a_prompt_logprobs_job(tmp_path, model):
+    """`task: prompt-logprobs` in a job spec; `batchgen plan` counts no output tokens and the
+    prompt alone as a row's length; `batchgen report` draws the finished job's page."""
+    texts = ["the quick brown fox", "so the compiler sees one graph"]
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": texts})
+    out = tmp_path / "out"
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        f"input: {src}\noutput: {out}\nmodel: {model}\ntask: prompt-logprobs\nprompt_logprobs: 1\n"
+    )
+    plan = json.loads(run_cli("plan", spec, "--json").stdout)
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    lens = [len(tok(t)["input_ids"]) for t in texts]
+    assert plan["max_output_tokens"] == 0 and plan["longest_row_tokens"] == max(lens)
+    run_cli("run", spec, *FAST)
+    rows = rows_by_id(out)
+    assert [len(rows[i]["prompt_top_logprobs"][1]) for i in (0, 1)] == [1, 1]
+    assert [rows[i]["prompt_tokens"] for i in (0, 1)] == lens
+    run_cli("report", out)
+    assert (out / ".batchgen" / "report.html").stat().st_size > 0
