@@ -94,6 +94,20 @@ def test_prompt_logprobs_equal_transformers(model, engine, dirs, prompts, refere
         assert_equal_reference(p, c.prompt_logprobs, c.prompt_top_logprobs, ref, TOP)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_prompt_logprobs_on_the_transformers_backend(model_type, hf_dirs, prompts):
+    """`model_impl="transformers"`: the scored rows reach transformers' own LM head
+    (`logits_to_keep`), Gemma 2's final soft-cap included."""
+    d = hf_dirs(model_type)
+    llm = cpu_llm(d, engine=ENGINES["chunked"], model_impl="transformers")
+    reqs = [
+        Request(i, p, EngineParams(prompt_logprobs=TOP), score_from=1)
+        for i, p in enumerate(prompts)
+    ]
+    for p, c, ref in zip(prompts, llm._run(reqs), hf_logprobs(d, prompts), strict=True):
+        assert_equal_reference(p, c.prompt_logprobs, c.prompt_top_logprobs, ref, TOP)
+
+
 def test_generate_with_prompt_logprobs_keeps_its_tokens_under_preemption(
     dirs,  # noqa: F811
     prompts,
