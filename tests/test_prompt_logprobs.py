@@ -33,6 +33,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import Request
 from batchgen.engine.sequence import SamplingParams as EngineParams
 from batchgen.job.sampling import SamplingParams
+from batchgen.llm import LLM
 
 LENS = [9, 3, 17, 1, 12, 25]
 TOP = 3
@@ -106,6 +107,16 @@ def test_prompt_logprobs_on_the_transformers_backend(model_type, hf_dirs, prompt
     ]
     for p, c, ref in zip(prompts, llm._run(reqs), hf_logprobs(d, prompts), strict=True):
         assert_equal_reference(p, c.prompt_logprobs, c.prompt_top_logprobs, ref, TOP)
+
+
+def test_prompt_logprobs_at_two_tensor_parallel_ranks(model, prompts):
+    """Two ranks over gloo (this process rank 0): rank 0 scores from the reduced logits."""
+    engine = EngineConfig(block_size=4, max_num_batched_tokens=8, kv_cache_tokens=1024)
+    with LLM(model, device="cpu", engine=engine, tensor_parallel_size=2) as llm:
+        out = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    for p, o, ref in zip(prompts, out, hf_logprobs(model, prompts), strict=True):
+        c = o.outputs[0]
+        assert_equal_reference(p, c.prompt_logprobs, c.prompt_top_logprobs, ref, 1)
 
 
 def test_generate_with_prompt_logprobs_keeps_its_tokens_under_preemption(
@@ -190,6 +201,7 @@ import sys, torch
 from batchgen.engine.config import EngineConfig
 from batchgen.llm import LLM
 from batchgen.job.sampling import SamplingParams
+from batchgen.llm import LLM
 
 model, n, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 llm = LLM(model, dtype="float32", device="cpu", compile=False,
