@@ -55,6 +55,7 @@ class QuantBackend(Choice):
 class Task(Choice):
     GENERATE = "generate"  # sample a completion per row (and sample)
     SCORE = "score"  # the probability of each --choice label given the prompt; nothing sampled
+    PROMPT_LOGPROBS = "prompt-logprobs"  # each prompt token's logprob, perplexity; no sampling
 
 
 class OutputFormat(Choice):

@@ -16,8 +16,9 @@ caching), every precision forced to f32 (weights, compute and KV: its CPU defaul
 compute and a u8 KV cache, whose ids differ from fp32 greedy). Rows go in pre-tokenized by
 transformers' tokenizer, as every engine of the benchmark gets them, one `GenerationConfig`
 per row: exactly max_new_tokens greedy tokens (`ignore_eos`, and no `min_new_tokens`, which
-bans EOS rather than ignoring it), the same computation as batchgen's --ignore-eos. `--batched-tokens` is `max_num_batched_tokens`, the one knob that
-matters (its default 256 starves prefill beside ~200 decodes); bench.py tries several.
+bans EOS rather than ignoring it), the same computation as batchgen's --ignore-eos.
+`--batched-tokens` is `max_num_batched_tokens`, the one knob that matters (its default 256
+starves prefill beside ~200 decodes); bench.py tries several.
 Writes id, token_ids, text as hf_baseline.py does.
 """
 

@@ -138,3 +138,11 @@ def long_context_model(tmp_path_factory) -> Path:
     a KV cache sized from the job beyond any memory."""
     root = tmp_path_factory.mktemp("long-context") / "llama"
     return save_tiny_model("llama", root, max_position_embeddings=2**24)
+
+
+@pytest.fixture(scope="session")
+def wide_vocab_model(tmp_path_factory) -> Path:
+    """A tiny Llama with a 32k vocabulary and 32k positions: a long prompt's full logits would
+    be gigabytes (the prompt-logprobs memory test)."""
+    root = tmp_path_factory.mktemp("wide-vocab") / "llama"
+    return save_tiny_model("llama", root, vocab_size=32000, max_position_embeddings=32768)

@@ -102,7 +102,7 @@ def test_n_as_list_gives_one_row_with_the_samples_in_order(tmp_path, model):
 
 
 def test_sample_lists_hold_a_row_until_its_last_sample():
-    from batchgen.data.records import SampleLists
+    from batchgen.data.sample_lists import SampleLists
 
     lists = SampleLists()
     rec = lambda k, err=None: {"id": 7, "sample_index": k, "generated_text": f"t{k}", "error": err}  # noqa: E731

@@ -23,6 +23,7 @@ from batchgen.engine.sequence import (
     Request,
     SamplingParams,
     Scheduled,
+    ScoredChunk,
     SeqStatus,
     Sequence,
     StepPlan,
@@ -85,7 +86,9 @@ class Harness:
         check_plan(sched, plan, running_before)
         self._transitions()
         sampled = [(self.model.token(s.seq), -0.5) for s in plan.scheduled if s.samples]
-        scored = [[-0.25] * len(_scored(s)) for s in plan.prefills if s.seq.request.scoring]
+        scored = [
+            ScoredChunk([-0.25] * len(_scored(s))) for s in plan.prefills if s.seq.request.scoring
+        ]
         done = sched.update(plan, sampled, scored)
         for seq in done:
             assert seq.status is F and seq.block_table == []

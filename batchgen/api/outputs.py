@@ -12,16 +12,7 @@ from typing import Any
 from batchgen.api.sampling import SamplingParams
 from batchgen.engine.params import DecodeParams
 from batchgen.engine.sequence import Completion, FinishReason
-
-
-@dataclass(slots=True)
-class Logprob:
-    """vLLM's: a token's logprob, its rank in the vocabulary (1: the likeliest; None where
-    not known: a sampled token outside the k alternatives kept) and its text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+from batchgen.job.prompt_logprobs import Logprob, as_vllm
 
 
 @dataclass(slots=True)
@@ -129,6 +120,13 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return True
+
+    @property
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """With `SamplingParams(prompt_logprobs=k)`: vLLM's shape (job/prompt_logprobs.py)."""
+        first = self.outputs[0] if self.outputs else None
+        c = first.completion if isinstance(first, CompletionOutput) else first
+        return as_vllm(self.prompt_token_ids, c)
 
     def __getattr__(self, name: str) -> Any:
         if name in _OUTPUT_NAMES:

@@ -38,7 +38,9 @@ class SamplingParams(DecodeParams):
     off; repetition_penalty (1 is off), presence_penalty, frequency_penalty (0 is off) and
     logit_bias ({token id: bias}, clamped to [-100, 100]) as vLLM applies them, to the raw
     logits; skip_special_tokens: leave special tokens out of the text;
-    include_stop_str_in_output: keep the stop string that ended the output in its text."""
+    include_stop_str_in_output: keep the stop string that ended the output in its text;
+    prompt_logprobs k: each prompt token's logprob and its k likeliest alternatives
+    (`RequestOutput.prompt_logprobs`)."""
 
     n: int = 1
     logprobs: int | None = None
@@ -69,6 +71,7 @@ class SamplingParams(DecodeParams):
         logit_bias: Mapping[int | str, float] | None = None,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        prompt_logprobs: int | None = None,
     ) -> None:
         if max_tokens is not None and max_new_tokens not in (None, max_tokens):
             raise ValueError(
@@ -101,6 +104,7 @@ class SamplingParams(DecodeParams):
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
             logit_bias=logit_bias,  # made (id, bias) pairs there
+            prompt_logprobs=prompt_logprobs,
         )
         for name, v in (
             ("n", n),

@@ -65,6 +65,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "n_as_list",
         "ignore_eos",
         "task",
+        "prompt_logprobs",
     ),
     "Constraints": ("choice", "regex", "json_schema", "json_any_whitespace"),
     "Engine": (

@@ -130,8 +130,11 @@ def run_cmd(ctx: click.Context, source: str, dry_run: bool, **flags) -> None:
         click.echo(f"plots and metrics: batchgen report {cfg.output_dir}")
     else:
         d = stats.to_dict()
-        unit = "rows" if cfg.task is Task.SCORE else "output_tokens"
-        rate = f"{d[unit + '_per_s']:.1f} {unit.replace('_', ' ')}/s"
+        rate = (
+            f"{d['rows_per_s']:.1f} rows/s"
+            if cfg.task is not Task.GENERATE
+            else f"{d['output_tokens_per_s']:.1f} output tokens/s"
+        )
         errors = f"{stats.rows_error} error{'s' * (stats.rows_error != 1)}"
         click.echo(f"wrote {wrote}: {stats.rows} rows ({errors}), {rate}")
         if stats.error_reasons:

@@ -79,7 +79,13 @@ HELP: dict[str, str] = {
     "task": (
         "generate: sample a completion per row. score: the probability of each --choice "
         "label (or choice column) given the prompt, in `scores` and `label` columns; nothing "
-        "is sampled."
+        "is sampled. prompt-logprobs: each prompt token's log-probability given the tokens "
+        "before it, in `prompt_logprobs`, `prompt_nll` and `perplexity` columns; nothing is "
+        "sampled."
+    ),
+    "prompt_logprobs": (
+        "With --task prompt-logprobs: also keep each prompt position's K likeliest tokens, "
+        "in a `prompt_top_logprobs` column (0-20; 0 = none)."
     ),
     "n": (
         "Sampled completions per row (an n column overrides per row): one output row each, "

@@ -113,6 +113,7 @@ def run_options(f):
             _opt("--logit-bias", metavar="JSON"),
             _opt("--ignore-eos", is_flag=True, help="Generate max_new_tokens even past EOS."),
             _opt("--task"),
+            _opt("--prompt-logprobs", type=int, metavar="K"),
             _opt("--n", type=int),
             _opt("--n-as-list", is_flag=True),
             _opt("--choice"),

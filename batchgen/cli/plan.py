@@ -34,11 +34,9 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
             if not window.rows[r.index].sample_index:  # a prompt once, not once a sample
                 hist[_edge(r.prompt_len)] += 1
             prompt_tokens += r.prompt_len
-            if r.candidates:  # a score row: its labels are scored, nothing generated
-                longest = max(longest, r.prompt_len + max(map(len, r.candidates)))
-                continue
-            output_tokens += r.params.max_new_tokens
-            longest = max(longest, r.prompt_len + r.params.max_new_tokens)
+            longest = max(longest, r.longest_tokens)
+            if not (r.candidates or r.scoring):  # score, prompt-logprobs rows: none generated
+                output_tokens += r.params.max_new_tokens
     tp = spec.tensor_parallel_size
     # each rank holds its own KV heads: the pool's blocks are the same on every rank
     kv_per_token = local_config(spec.model_cfg, TPShard(0, tp)).kv_bytes_per_token(

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
+from batchgen.data import prompt_logprob_columns as prompt_lp
 from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.data.writer import OutputDir
 from batchgen.errors import InputError
@@ -78,6 +79,7 @@ class RecordShape:
 
     id_column: str = DEFAULT_ID_COLUMN
     score: bool = False  # the labels' probabilities (`label`, `scores`) in place of the text
+    prompt_logprobs: int | None = None  # the prompt's logprobs, k alternatives each (no text)
     samples: bool = False  # a record per sample, keyed by (id, sample_index)
     as_list: bool = False  # a record per row, its samples' fields as lists
     with_token_ids: bool = False
@@ -95,6 +97,7 @@ class RecordShape:
             samples=self.samples,
             id_column=self.id_column,
             score=self.score,
+            prompt_logprobs=self.prompt_logprobs,
             as_list=self.as_list,
             with_timings=self.with_timings,
             with_top_logprobs=self.with_top_logprobs,
@@ -115,6 +118,8 @@ class RecordShape:
             probs = normalise(result.scores) if ok else None
             rec["label"] = row.labels[probs.index(max(probs))] if ok else None
             rec["scores"] = list(zip(row.labels, probs, strict=True)) if ok else None
+        elif self.prompt_logprobs is not None:
+            rec.update(prompt_lp.record_fields(result if ok else None, self.prompt_logprobs))
         else:
             rec[TEXT_COLUMN] = result.text if ok else None
         rec.update(
@@ -146,8 +151,10 @@ def normalise(logprobs: list[float]) -> list[float]:
     return [w / total for w in weights]
 
 
-def reserved_columns(score: bool = False) -> frozenset[str]:
+def reserved_columns(score: bool = False, prompt_logprobs: bool = False) -> frozenset[str]:
     """Output columns of a job (besides its id): an input column cannot keep their names."""
+    if prompt_logprobs:
+        return (RESERVED_COLUMNS - {TEXT_COLUMN}) | set(prompt_lp.COLUMNS)
     return (RESERVED_COLUMNS - {TEXT_COLUMN}) | SCORE_COLUMNS if score else RESERVED_COLUMNS
 
 
@@ -163,12 +170,14 @@ def output_schema(
     with_timings: bool = False,
     with_top_logprobs: bool = False,
     with_stop_reason: bool = False,
+    prompt_logprobs: int | None = None,
 ) -> pa.Schema:
     """The one definition of a result row: the id under its input column's name (and
     sample_index, for n samples a row), passthrough input columns, generation fields (a
-    score job: the most likely label and each label's probability, in place of text).
+    score job: the most likely label and each label's probability, in place of text; a
+    prompt-logprobs job (prompt_logprobs: its alternatives per token) its prompt's logprobs).
     as_list: a row's n samples in one record, their generation fields as lists."""
-    reserved = reserved_columns(score)
+    reserved = reserved_columns(score, prompt_logprobs is not None)
     if id_column in reserved:
         raise InputError(
             f"id column {id_column!r} has the name of an output column, and the output keeps "
@@ -185,6 +194,8 @@ def output_schema(
         if score
         else [pa.field(TEXT_COLUMN, pa.string())]
     )
+    if prompt_logprobs is not None:
+        result = prompt_lp.schema_fields(prompt_logprobs > 0, TOP_LOGPROBS_TYPE)
     fields = [
         pa.field(id_column, id_type),
         *([pa.field("sample_index", pa.int32())] if samples and not as_list else []),
@@ -223,35 +234,6 @@ LIST_FIELDS = (
     "top_logprobs",
     "stop_reason",
 )
-
-
-class SampleLists:
-    """--n-as-list: holds each row's sample records until all n are in, then gives one
-    record with the samples' own fields as lists and the row's fields (id, passthrough,
-    prompt_tokens) once; `error` is the first sample's error, if any."""
-
-    def __init__(self) -> None:
-        self._rows: dict[Any, tuple[int, dict[int, dict[str, Any]]]] = {}  # key -> (n, samples)
-
-    def add(self, key: Any, n: int, sample: int, rec: dict[str, Any]) -> dict[str, Any] | None:
-        """Sample `sample` of the row `key` (of n samples); its row's record once complete."""
-        _, got = self._rows.setdefault(key, (n, {}))
-        got[sample] = rec
-        if len(got) < n:
-            return None
-        del self._rows[key]
-        samples = [got[k] for k in range(n)]
-        out = {k: v for k, v in samples[0].items() if k != "sample_index"}
-        for f in LIST_FIELDS:
-            if f in out:
-                out[f] = [s[f] for s in samples]
-        out["error"] = next((s["error"] for s in samples if s["error"] is not None), None)
-        return out
-
-    @property
-    def pending(self) -> int:
-        """Rows with some but not all samples in."""
-        return len(self._rows)
 
 
 class PartBuffer:

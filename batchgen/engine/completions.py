@@ -1,6 +1,7 @@
 """Finished sequences -> completions: the text (stop strings trimmed), a constrained row's
-final verdict, the timings, and for the score task one completion per request once all its
-candidates are in.
+final verdict, the timings, each prompt token's logprob where a row asks (a prompt-logprobs
+row's, which samples nothing, is its completion), and for the score task one completion per
+request once all its candidates are in.
 
 A scored request (`Request.candidates`) runs as one sequence per candidate, prompt +
 candidate (`expand`); the scheduler has the first compute the prompt and the others hit its
@@ -68,10 +69,23 @@ class Completions:
         return [c for seq in finished if (c := self._one(seq, now)) is not None]
 
     def _one(self, seq: Sequence, now: float) -> Completion | None:
-        if seq.request.scoring:
+        if seq in self._candidates:
             return self._scored(seq, now)
         if seq.finish_reason is FinishReason.ERROR:
             return error_completion(seq.request, seq.error)
+        if seq.request.scoring:  # a prompt-logprobs row: its prompt scored, nothing sampled
+            return _with_prompt_logprobs(
+                Completion(
+                    index=seq.request.index,
+                    token_ids=[],
+                    finish_reason=FinishReason.STOP,
+                    prompt_tokens=seq.prompt_len,
+                    queued_at=seq.queued_at,  # its "first token" is its scores
+                    first_token_at=now,
+                    finished_at=now,
+                ),
+                seq,
+            )
         ids, logprobs, top = seq.output_ids, seq.logprobs, seq.top_logprobs
         if seq.keep is not None:
             ids, logprobs, top = ids[: seq.keep], logprobs[: seq.keep], top[: seq.keep]
@@ -88,7 +102,7 @@ class Completions:
             error = self.constrainer.final_error(seq.params.constraint, text, cut)
             if error is not None and not cut:  # the grammar let it through: not an answer
                 return error_completion(seq.request, error)
-        return Completion(
+        done = Completion(
             index=seq.request.index,
             token_ids=ids,
             finish_reason=reason,
@@ -103,6 +117,7 @@ class Completions:
             first_token_at=seq.first_token_at or now,
             finished_at=now,
         )
+        return _with_prompt_logprobs(done, seq)
 
     def _scored(self, seq: Sequence, now: float) -> Completion | None:
         row, j = self._candidates.pop(seq)
@@ -122,3 +137,13 @@ class Completions:
             first_token_at=now,
             finished_at=now,
         )
+
+
+def _with_prompt_logprobs(c: Completion, seq: Sequence) -> Completion:
+    """c with seq's prompt logprobs where its params ask: one per prompt token, the first's
+    None (it has no context), as vLLM gives them."""
+    k = seq.params.prompt_logprobs
+    if k is not None:
+        c.prompt_logprobs = [None, *seq.prompt_logprobs]
+        c.prompt_top_logprobs = [[], *seq.prompt_top] if k else None
+    return c

@@ -196,6 +196,8 @@ class Engine:
             )
         else:
             return None
+        if r.scoring:  # a prompt-logprobs row: its prompt only
+            return f"prompt ({r.prompt_len} tokens) {why}"
         if r.candidates:
             cand = longest.prompt_len - r.prompt_len
             return f"prompt ({r.prompt_len} tokens) + its longest candidate ({cand}) {why}"

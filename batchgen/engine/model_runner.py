@@ -32,7 +32,8 @@ import torch
 
 from batchgen.engine.penalties import TokenCounts, apply_penalties
 from batchgen.engine.sampler import SamplingColumns
-from batchgen.engine.sequence import StepPlan
+from batchgen.engine.scored_logprobs import score_rows
+from batchgen.engine.sequence import ScoredChunk, StepPlan
 from batchgen.engine.step_inputs import (
     StepInputs,
     WarmUp,
@@ -193,7 +194,7 @@ class ModelRunner:
 
     def execute(
         self, plan: StepPlan, bitmask: torch.Tensor | None = None
-    ) -> tuple[Sampled, list[list[float]], StepTiming]:
+    ) -> tuple[Sampled, list[ScoredChunk], StepTiming]:
         """Run one step; returns (token, logprob) per sampling sequence in plan order, and
         the scored tokens' log-probabilities per scored candidate's chunk in plan order.
         bitmask: (sampling sequences, words) allowed-token masks in plan order, or None."""
@@ -208,7 +209,7 @@ class ModelRunner:
 
     def _execute_eager(
         self, plan: StepPlan, bitmask: torch.Tensor | None
-    ) -> tuple[Sampled, list[list[float]], StepTiming]:
+    ) -> tuple[Sampled, list[ScoredChunk], StepTiming]:
         # Flex reads every row's blocks in place: one group; the gather pads each group's
         # copy to its longest table, so it groups rows by width.
         groups = 1 if self.attention is DecodeBackend.FLEX else 4
@@ -218,16 +219,8 @@ class ModelRunner:
         if self.broadcast is not None:
             self.broadcast(packed.inputs)
         logits = self.forward(packed.inputs)
-        score_lp = []
-        if packed.targets:
-            lp = logits[n:].float().log_softmax(-1)
-            score_lp = lp.gather(-1, torch.tensor(packed.targets, device=dev)[:, None])[
-                :, 0
-            ].tolist()
-        per_chunk, at = [], 0
-        for rows in packed.scored:
-            per_chunk.append(score_lp[at : at + len(rows)])
-            at += len(rows)
+        # the scored positions' rows follow the sampled ones (scored_logprobs.py)
+        per_chunk = score_rows(logits[n:], packed.targets, packed.scored, plan)
         if not n:  # prefill chunks that sample nothing
             _sync(dev)
             return [], per_chunk, StepTiming(time.perf_counter() - t0)
@@ -252,7 +245,7 @@ class ModelRunner:
 
     def _execute_compiled_decode(
         self, plan: StepPlan, bitmask: torch.Tensor | None
-    ) -> tuple[Sampled, list[list[float]], StepTiming]:
+    ) -> tuple[Sampled, list[ScoredChunk], StepTiming]:
         packed = pack_decode(plan, self.block_size, rope=self.rope_rows)
         x, n, pad = packed.inputs, len(plan.decodes), packed.padded_rows
         sampling = SamplingColumns()

@@ -66,6 +66,8 @@ class DecodeParams:
     presence_penalty: float = 0.0  # subtracted from each token's logit once it is in the output
     frequency_penalty: float = 0.0  # x the times a token is in the output, subtracted
     logit_bias: LogitBias = ()  # added to those tokens' logits, each in [-100, 100]
+    # each prompt token's logprob handed back, with this many likeliest alternatives (None: off)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -80,6 +82,8 @@ class DecodeParams:
             raise ValueError(f"seed must be in [0, 2**31), got {self.seed}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be None or in [0, {MAX_TOP_LOGPROBS}]")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens], got {self.min_tokens}")
         if not 0.0 <= self.min_p <= 1.0:

@@ -24,7 +24,8 @@ Each step is a plan {sequence: tokens this step} under one token budget
 A scored candidate (the score task: `Request.score_from`) samples nothing: its tokens run
 as prefill, the runner hands back the log-probability of each token from `score_from` on,
 and the sequence ends once all of them are computed. Its prefix-cache hit stops before
-the position that predicts its first scored token, which must run.
+the position that predicts its first scored token, which must run: a prompt-logprobs row
+(`params.prompt_logprobs`) is scored from its second token, so it takes no hit (as in vLLM).
 
 The runner hands back one sampled token per sequence whose last known token was computed;
 `update` appends them, ends sequences at EOS, a stop token id or max_new_tokens
@@ -35,10 +36,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from batchgen.engine.block_pool import BlockPool, block_hash
 from batchgen.engine.sequence import FinishReason, Request, Scheduled, SeqStatus, Sequence, StepPlan
 from batchgen.engine.stopping import token_finish
+
+if TYPE_CHECKING:
+    from batchgen.engine.sequence import ScoredChunk
 
 
 class Scheduler:
@@ -175,7 +180,7 @@ class Scheduler:
         """Take seq's cached prefix and blocks for its first chunk; False (and nothing
         taken) if that would leave fewer free blocks than the watermark while others run
         (reserve_full_rows: than all running rows' growth to full length, and this one's)."""
-        keys = self._keys(seq, self._hittable_blocks(seq))
+        keys = self._keys(seq, seq.hittable_blocks(self.block_size))
         hit = self.pool.take_cached(keys)
         n = min(seq.num_tokens - len(hit) * self.block_size, budget)
         need = self.pool.blocks_for(len(hit) * self.block_size + n) - len(hit)
@@ -197,21 +202,12 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         return True
 
-    def _hittable_blocks(self, seq: Sequence) -> int:
-        """Leading full blocks of seq a prefix-cache hit may cover: at least its last token
-        must run (to sample from), and for a scored candidate the one before its first
-        scored token (whose logits score it)."""
-        last = seq.num_tokens - 1
-        if seq.request.scoring:
-            last = min(last, seq.request.score_from - 1)
-        return last // self.block_size
-
     def _awaits_prefix(self, seq: Sequence) -> bool:
         """Is the first block of seq's prefix not in the cache one a running sequence is
         computing? Then seq should wait and hit it, not compute it too."""
         if not self.pending:
             return False
-        for k in self._keys(seq, self._hittable_blocks(seq)):
+        for k in self._keys(seq, seq.hittable_blocks(self.block_size)):
             if not self.pool.is_cached(k):
                 return k in self.pending
         return False
@@ -234,8 +230,7 @@ class Scheduler:
         self.running.remove(seq)
         self._forget_pending(seq)
         self.pool.release(seq.block_table)
-        if seq.request.scoring:  # its scored tokens run again
-            seq.logprobs = []
+        seq.forget_scored()  # its scored tokens run again
         seq.block_table, seq.num_computed, seq.num_registered = [], 0, 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -245,24 +240,24 @@ class Scheduler:
     # ---------------------------------------------------------------- results
 
     def update(
-        self, plan: StepPlan, sampled: Seq[tuple], scored: Seq[Seq[float]] = ()
+        self, plan: StepPlan, sampled: Seq[tuple], scored: Seq[ScoredChunk] = ()
     ) -> list[Sequence]:
         """Apply a step's results: sampled (token, logprob[, top alternatives or None]) per
-        sampling sequence and the scored tokens' log-probabilities per scored candidate's
-        chunk, each in plan order. Returns the sequences that finished."""
+        sampling sequence and the scored tokens per scored chunk (`Request.scored`), each in
+        plan order. Returns the sequences that finished."""
         samplers = [s for s in plan.scheduled if s.samples]
         if len(samplers) != len(sampled):
             raise ValueError(f"{len(sampled)} sampled tokens for {len(samplers)} sequences")
-        scorers = [s.seq for s in plan.prefills if s.seq.request.scoring]
+        scorers = [s.seq for s in plan.prefills if s.seq.request.scored is not None]
         if len(scorers) != len(scored):
             raise ValueError(f"{len(scored)} scored chunks for {len(scorers)} candidates")
         for s in plan.scheduled:
             s.seq.num_computed += s.num_tokens
             self._cache_full_blocks(s.seq)
         finished = []
-        for seq, logprobs in zip(scorers, scored, strict=True):
-            seq.logprobs.extend(logprobs)
-            if seq.num_computed == seq.num_tokens:
+        for seq, chunk in zip(scorers, scored, strict=True):
+            seq.take_scored(chunk)
+            if seq.request.scoring and seq.num_computed == seq.num_tokens:
                 self.finish(seq, FinishReason.STOP)
                 finished.append(seq)
         for s, (tok, logprob, *top) in zip(samplers, sampled, strict=True):

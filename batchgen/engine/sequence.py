@@ -53,7 +53,18 @@ class Request:
 
     @property
     def scoring(self) -> bool:
+        """Does it only score (a candidate, or a prompt-logprobs row): nothing sampled."""
         return self.score_from is not None
+
+    @property
+    def scored(self) -> range | None:
+        """The tokens whose log-probabilities the engine hands back (None: none): a
+        candidate's, or with `params.prompt_logprobs` the prompt's from its second token (the
+        first has no context); a row that also generates scores its prompt only."""
+        if self.score_from is None and self.params.prompt_logprobs is None:
+            return None
+        start = 1 if self.score_from is None else self.score_from
+        return range(start, self.prompt_len)
 
     @property
     def max_tokens(self) -> int:
@@ -86,6 +97,10 @@ class Completion:
     finished_at: float = 0.0  # the step that finished it ended
     top_logprobs: list[TopLogprobs] | None = None  # per generated token, where asked for
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # params.prompt_logprobs: each prompt token's logprob (the first's None, as in vLLM) and,
+    # where asked for, its position's likeliest alternatives (the first's empty)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -108,6 +123,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each generated (or scored) token
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # where params ask for them
+    prompt_logprobs: list[float] = field(default_factory=list)  # params.prompt_logprobs: from 1
+    prompt_top: list[TopLogprobs] = field(default_factory=list)  # and their alternatives
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -157,10 +174,45 @@ class Sequence:
         eos = frozenset() if self.params.ignore_eos else self.eos_ids
         return eos | frozenset(self.params.stop_token_ids)
 
+    def hittable_blocks(self, block_size: int) -> int:
+        """Leading full blocks a prefix-cache hit may cover: at least its last token must run
+        (to sample from), and where it scores tokens the one before its first (whose logits
+        score it): none for a prompt-logprobs row, which scores from its second token."""
+        last = self.num_tokens - 1
+        if self.request.scored is not None:
+            last = min(last, self.request.scored.start - 1)
+        return last // block_size
+
+    def take_scored(self, chunk: ScoredChunk) -> None:
+        """A step's scored tokens of it: a candidate's logprobs, or its prompt's."""
+        if self.params.prompt_logprobs is None:
+            self.logprobs.extend(chunk.logprobs)
+        else:
+            self.prompt_logprobs.extend(chunk.logprobs)
+            self.prompt_top.extend(chunk.top or ())
+
+    def forget_scored(self) -> None:
+        """Preempted: its scored tokens run again."""
+        if self.request.scoring:
+            self.logprobs = []
+        self.prompt_logprobs, self.prompt_top = [], []
+
     @property
     def below_min_tokens(self) -> bool:
         """Has it generated fewer than min_tokens (its stop tokens are not drawn yet)?"""
         return self.num_generated < self.params.min_tokens
+
+
+@dataclass(slots=True)
+class ScoredChunk:
+    """A step's scored tokens of one chunk (`Request.scored`): each one's log-probability and,
+    for a prompt-logprobs row that asks, its position's likeliest alternatives."""
+
+    logprobs: list[float]
+    top: list[TopLogprobs] | None = None
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
 
 
 @dataclass(slots=True, frozen=True)

@@ -6,7 +6,7 @@ rows and no padding tokens. Each token carries its position and its cache slot
 block table first, in a few groups of similar width (each group is one attention call over its
 gathered blocks, see model/attention.py); each prefill chunk is a span with the blocks of its
 cached context. `logits_index` names the tokens that reach the LM head: those that sample,
-then the positions of scored label tokens (the score task).
+then the positions of scored tokens (a score task's labels, a row's prompt logprobs).
 
 A compiled decode-only step (`pack_decode`) is padded to a bounded set of shapes instead: the
 batch to the next capture size (2, 4, then steps of 8: vLLM's sizes, with 1 padded to 2, the
@@ -104,11 +104,11 @@ def _add_tokens(
 
 
 def _scored_positions(s: Scheduled) -> range:
-    """Positions of chunk s whose logits score a candidate token (the next one): from the one
-    before the first scored token to the one before the last token."""
-    seq = s.seq
-    lo = max(s.start, seq.request.score_from - 1)
-    return range(lo, min(s.start + s.num_tokens, seq.num_tokens - 1))
+    """Positions of chunk s whose logits score a token (the next one, `Request.scored`): from
+    the one before the first scored token to the one before the last."""
+    scored = s.seq.request.scored
+    lo = max(s.start, scored.start - 1)
+    return range(lo, min(s.start + s.num_tokens, scored.stop - 1))
 
 
 def pack_step(
@@ -135,7 +135,7 @@ def pack_step(
     score_rows: list[int] = []
     for s in plan.prefills:
         q_start = len(inputs.tokens)
-        if s.seq.request.scoring:
+        if s.seq.request.scored is not None:
             rows = _scored_positions(s)
             packed.scored.append([q_start + p - s.start for p in rows])
             packed.targets += [s.seq.token_ids[p + 1] for p in rows]

@@ -21,7 +21,7 @@ from batchgen.choices import (
     Truncate,
 )
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.params import logit_bias_pairs
+from batchgen.engine.params import MAX_TOP_LOGPROBS, logit_bias_pairs
 from batchgen.errors import ConfigError
 from batchgen.job.paths import check_local_paths, names_results_file, resolve_path
 from batchgen.job.shard import Shard, ShardError
@@ -64,6 +64,7 @@ class RunConfig:
     frequency_penalty: float = 0.0  # x each token's count in the output
     logit_bias: dict[int, float] = field(default_factory=dict)  # {token id: bias}; JSON text too
     ignore_eos: bool = False
+    prompt_logprobs: int = 0  # task prompt-logprobs: each prompt token's top alternatives kept
     n: int = 1  # sampled completions per row (an n column overrides), each its own record
     n_as_list: bool = False  # one record per row, its samples' fields as lists
     # structured outputs (one at most; choice/regex/json_schema columns override per row)
@@ -182,6 +183,13 @@ class RunConfig:
             )
         if self.task is Task.SCORE:
             self._check_score()
+        if self.task is Task.PROMPT_LOGPROBS:
+            self._check_prompt_logprobs()
+        elif self.prompt_logprobs:
+            raise ConfigError(
+                "prompt_logprobs keeps each prompt token's alternatives in a prompt-logprobs "
+                "job; add --task prompt-logprobs (or drop --prompt-logprobs)"
+            )
         if self.n_as_list and self.output_format is OutputFormat.OPENAI:
             raise ConfigError(
                 "n_as_list: the OpenAI output already gathers a request's samples as its "
@@ -209,6 +217,20 @@ class RunConfig:
             raise ConfigError(
                 f"task score: --choice {self.choice!r} has an empty label, which would score "
                 'no tokens; give each label some text (" positive" keeps its space)'
+            )
+
+    def _check_prompt_logprobs(self) -> None:
+        """Options that mean nothing when the prompt is scored and nothing is sampled."""
+        what = "task prompt-logprobs scores the prompt and samples nothing"
+        if any(getattr(self, k) is not None for k in ("choice", "regex", "json_schema")):
+            raise ConfigError(f"{what}; drop --choice / --regex / --json-schema")
+        if self.n != 1 or self.n_as_list:
+            raise ConfigError(f"{what}; drop --n / --n-as-list")
+        if self.output_format is OutputFormat.OPENAI:
+            raise ConfigError(f"{what}; drop --output-format openai")
+        if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ConfigError(
+                f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"
             )
 
     @property

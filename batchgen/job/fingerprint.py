@@ -132,6 +132,8 @@ def options_fingerprint(cfg: RunConfig) -> dict[str, Any]:
         del out["n"]
     if cfg.task is Task.GENERATE:  # and generating jobs
         del out["task"]
+    if not cfg.prompt_logprobs:  # and jobs without prompt alternatives
+        del out["prompt_logprobs"]
     if not cfg.n_as_list:  # and jobs of a record per sample
         del out["n_as_list"]
     if not cfg.with_timings:  # and jobs without timing columns

@@ -115,14 +115,16 @@ def open_job(cfg: RunConfig) -> Job:
 def prompt_limits(cfg: RunConfig, positions: int) -> tuple[int, int, str]:
     """(max_model_len, max_prompt_len, what bounds the prompt: named in its rows' errors).
     The prompt gets what --max-model-len (default: the model's positions) leaves after the
-    new tokens (a score job: its labels, checked per row later), or --max-prompt-len if lower."""
+    new tokens (a score job: its labels, checked per row later; a prompt-logprobs job: none), or
+    --max-prompt-len if lower."""
     if cfg.max_model_len is not None and cfg.max_model_len > positions:
         raise ConfigError(
             f"max_model_len {cfg.max_model_len} exceeds the model's {positions} positions "
             "(max_position_embeddings); pass at most that"
         )
     model_len = cfg.max_model_len or positions
-    room = cfg.max_new_tokens if cfg.task is Task.GENERATE else 1
+    # a prompt-logprobs row is its prompt alone
+    room = {Task.GENERATE: cfg.max_new_tokens, Task.SCORE: 1}.get(cfg.task, 0)
     if model_len - room < 1:
         where = (
             f"--max-model-len {model_len}"

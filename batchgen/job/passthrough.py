@@ -28,13 +28,14 @@ def passthrough_columns(
     cfg: RunConfig, source: InputSource, id_column: str | None
 ) -> dict[str, str]:
     """{input column: its name in the output}, in input order, without the id column."""
-    return _names(cfg, source, id_column, reserved_columns(score=cfg.task is Task.SCORE))
+    reserved = reserved_columns(cfg.task is Task.SCORE, cfg.task is Task.PROMPT_LOGPROBS)
+    return _names(cfg, source, id_column, reserved)
 
 
 def legacy_renames(cfg: RunConfig, source: InputSource, id_column: str | None) -> dict[str, str]:
     """{name in a part written before `text` became `generated_text`: name today}: the text
     column, and input columns whose copy was prefixed then because `text` was taken."""
-    if cfg.task is Task.SCORE:
+    if cfg.task is not Task.GENERATE:
         return {}
     reserved = reserved_columns()
     before = _names(cfg, source, id_column, reserved | {LEGACY_TEXT_COLUMN}, warn=False)

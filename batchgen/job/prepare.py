@@ -125,6 +125,7 @@ class Preparer:
         return RecordShape(
             id_column=self.output_id_column,
             score=self.score,
+            prompt_logprobs=self.options.defaults.prompt_logprobs,  # task prompt-logprobs: k
             samples=self.samples,
             as_list=self.as_list,
             with_token_ids=self.cfg.with_token_ids,
@@ -242,6 +243,10 @@ class Preparer:
                     continue
                 samples[0].prompt_tokens, samples[0].labels = len(ids_), labels
                 requests.append(Request(first, ids_, params[0], candidates=cands))
+                continue
+            if params[0].prompt_logprobs is not None:  # the prompt scored from its 2nd token
+                samples[0].prompt_tokens = len(ids_)
+                requests.append(Request(first, ids_, params[0], score_from=1))
                 continue
             for j, p in enumerate(params):  # the samples share the prompt's cache blocks
                 samples[j].prompt_tokens = len(ids_)

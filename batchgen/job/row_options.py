@@ -151,6 +151,7 @@ class RowOptions:
             logit_bias=tuple(cfg.logit_bias.items()),
             ignore_eos=cfg.ignore_eos,
             constraint=job_constraint(cfg),
+            prompt_logprobs=cfg.prompt_logprobs if cfg.task is Task.PROMPT_LOGPROBS else None,
         )
 
     @property

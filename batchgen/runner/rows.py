@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from batchgen.data import PartBuffer
-from batchgen.data.records import RecordShape, Row, SampleLists
+from batchgen.data.records import RecordShape, Row
+from batchgen.data.sample_lists import SampleLists
 from batchgen.engine.constraints import as_written
 from batchgen.engine.sequence import Completion, Constraint, Request
 from batchgen.job.prepare import Window
