@@ -130,8 +130,8 @@ def test_generate_with_prompt_logprobs_keeps_its_tokens_under_preemption(
     rows preempted and recomputed score their prompt once."""
     engine = EngineConfig(block_size=4, kv_cache_tokens=64, max_num_batched_tokens=16)
     llm = cpu_llm(dirs["llama"], engine=engine)
-    plain = llm.generate(prompts, SamplingParams(max_tokens=8))
-    outs = llm.generate(prompts, SamplingParams(max_tokens=8, prompt_logprobs=2))
+    plain = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=2))
     assert preempted, "the pool was meant to preempt rows"
     for p, o, base, ref in zip(prompts, outs, plain, references["llama"], strict=True):
         assert o.outputs[0].token_ids == base.outputs[0].token_ids
