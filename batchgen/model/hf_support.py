@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from batchgen.choices import ModelImpl
+from batchgen.errors import ModelLoadError
 from batchgen.model.config import ModelConfig
-from batchgen.model.hf_config import SUPPORTED_FAMILIES, UnsupportedModelError
+from batchgen.model.hf_config import SUPPORTED_FAMILIES, UnsupportedModelError, read_hf_config
 from batchgen.model.multimodal import KEY_MAPPING, TEXT_MODEL_WRAPPERS
 from batchgen.model.quiet_import import quiet_torchao
 
@@ -109,11 +110,10 @@ class LoadPlan:
 def load_plan(path: Path) -> LoadPlan:
     """The LoadPlan of the model in path; UnsupportedModelError if transformers has no causal LM
     for its config.json, or the backend cannot serve that model exactly."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    config = _auto_config(path)
     try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         options: dict[str, Any] = {}
         model_type = config.model_type
         if config.model_type in TEXT_MODEL_WRAPPERS:
@@ -127,6 +127,9 @@ def load_plan(path: Path) -> LoadPlan:
         raise UnsupportedModelError(
             f"{path}: transformers has no causal LM for this config.json ({e})"
         ) from None
+    encoder = _encoder(config)
+    if encoder is not None:
+        raise UnsupportedModelError(encoder)
     why = _refusal(config, cls)
     if why is not None:
         raise UnsupportedModelError(
@@ -138,6 +141,39 @@ def load_plan(path: Path) -> LoadPlan:
         # without dequantize, transformers fetches a Triton kernel from the Hub
         options["quantization_config"] = Mxfp4Config(dequantize=True)
     return LoadPlan(cls, config, options, model_type)
+
+
+def _auto_config(path: Path):
+    """transformers' config of path's config.json, the checkpoint's own code never run;
+    ModelLoadError for one transformers refuses (a LongRoPE factor list of the wrong length
+    fails its class's validation) or that needs code of the checkpoint's own (`auto_map`)."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except (StrictDataclassError, ValueError, TypeError, KeyError, OSError) as e:
+        why = " ".join(str(e).split())
+    if "auto_map" in read_hf_config(path, native=False):
+        why = "it names a class of the checkpoint's own code (auto_map), which batchgen never runs"
+    raise ModelLoadError(f"{path / 'config.json'}: transformers cannot build its config ({why})")
+
+
+def _encoder(config) -> str | None:
+    """Why config is not a causal LM, where it is an encoder (BERT, RoBERTa, ...): such a
+    family's causal-LM class exists, but runs its bidirectional encoder as a decoder only when
+    config.json says `is_decoder`, and the checkpoint was not trained for that."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(
+        config, "is_decoder", False
+    ):
+        return (
+            f"model_type {config.model_type!r} is not a causal LM: an encoder (masked LM) "
+            "checkpoint, which cannot generate text; pass --model a decoder-only causal LM "
+            "(GPT-2, Llama, Qwen, Mistral, Gemma, Phi-3, ...)"
+        )
+    return None
 
 
 def _get(config, name: str):
