@@ -196,7 +196,7 @@ class Engine:
         return f"prompt ({r.prompt_len} tokens) + max_new_tokens ({r.params.max_new_tokens}) {why}"
 
     def _check_bias(self, r: Request) -> str | None:
-        vocab = self.runner.model.cfg.vocab_size
+        vocab = self.runner.vocab_size
         bad = [t for t, _ in r.params.logit_bias if t >= vocab]
         if bad:
             return (
