@@ -3,7 +3,6 @@ job's command and options from job.json, and how the rows ended (outcomes.py).""
 
 from __future__ import annotations
 
-import shlex
 from datetime import UTC, datetime
 from typing import Any
 
@@ -98,13 +97,6 @@ def time_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     if s.get("compile_s") and s.get("steps"):
         rows.append(("note", "a compile after the warm-up is also in its step's time"))
     return rows
-
-
-def command(job: dict[str, Any]) -> str:
-    """The `batchgen run` command job.json describes (options as their flags; defaults too)."""
-    words = ["batchgen", "run", str(job.get("input", "?")), "-o", str(job.get("output", "?"))]
-    words += ["--model", str(job.get("model", "?"))]
-    return shlex.join(words)
 
 
 def option_rows(job: dict[str, Any]) -> list[tuple[str, str]]:
