@@ -1,13 +1,16 @@
 """The shipped job specs, their documentation, and the Makefile pipeline that runs them."""
 
 import dataclasses
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
 from click.testing import CliRunner
+from helpers import prompts, run_cli, run_job, write_parquet
 
 from batchgen.cli import main
 from batchgen.job.config import RunConfig
@@ -94,3 +97,36 @@ def test_pipeline_makefile_parses():
     assert r.returncode == 0, r.stderr
     assert "batchgen merge out/label/run" in r.stdout
     assert "pipeline.py report label out/label/run" in r.stdout
+
+
+def test_pipeline_report_gives_rates_over_the_time_it_prints(model, tmp_path):
+    """`make label`'s last step: rows/s is rows over the seconds printed beside it (it printed
+    the slowest shard's wall time beside rates over both shards' intervals)."""
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(8), "label": ["a"] * 8})
+    out = tmp_path / "run"
+    for i in range(2):  # one after the other: their intervals add up
+        run_job(src, out, model, "--shard", f"{i}/2", "--max-new-tokens", 2)
+    run_cli("merge", out)
+    r = subprocess.run(
+        [sys.executable, ROOT / "scripts" / "pipeline.py", "report", "label", out],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    seconds, rate = re.search(r"in ([\d.]+) s .*: ([\d.]+) rows/s", r.stdout).groups()
+    assert float(rate) == pytest.approx(8 / float(seconds), rel=0.05, abs=0.1), r.stdout
+
+
+def test_docs_say_what_the_makefile_and_the_openai_reader_do():
+    """docs/jobs.md: `make label`'s spec is the one mk/pipeline.mk runs, PIPELINE_FLAGS is not
+    said to hold a flag the Makefile leaves out, and the OpenAI body fields it calls unmapped
+    are not ones the reader maps."""
+    from batchgen.data.openai_batch import MAPPED_FIELDS
+
+    docs, mk = (ROOT / "docs" / "jobs.md").read_text(), (ROOT / "mk" / "pipeline.mk").read_text()
+    spec = re.search(r"\$\(BIN\)/batchgen run (jobs/\S+)", mk)[1]
+    bullet = re.search(r"- `make label`:(.*?)\n- ", docs, re.S)[1]
+    assert re.findall(r"jobs/[\w.]+\.yaml", bullet) == [spec]
+    assert "--no-compile" not in mk and "pipelines pass `--no-compile`" not in docs
+    unmapped = re.search(r"Body fields with no mapping \((.*?)\)", docs)[1]
+    assert not set(re.findall(r"`(\w+)`", unmapped)) & MAPPED_FIELDS
