@@ -27,7 +27,7 @@ def _check_page(path) -> str:
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     # self-contained: every image inline, nothing fetched
     assert not re.search(r"""(src|href)=["']?(https?:|//)""", page)
-    assert len(re.findall(r'<img alt="" src="data:image/png;base64,', page)) == 4
+    assert len(re.findall(r'<img alt="" src="data:image/png;base64,', page)) == 5
     for words in ("TTFT p50 / p90 / p99 / max", "MFU", "Roofline", "Batch and KV cache"):
         assert words in page, words
     return page

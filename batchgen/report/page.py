@@ -133,7 +133,7 @@ def render(data: RunData) -> str:
         parts += ["<h2>Roofline</h2>", _png(plots.roofline(data.steps, s))]
     else:
         parts.append('<p class="note">No step timeline here: no timeline to plot.</p>')
-        parts += ["<h2>Rows over time</h2>", _figure(charts.rows_over_time(s), "No rows timed.")]
+    parts += ["<h2>Rows over time</h2>", _figure(charts.rows_over_time(s), "No rows timed.")]
     parts += _job(data)
     body = "\n".join(parts)
     return (
