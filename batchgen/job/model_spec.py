@@ -136,14 +136,21 @@ def load_tokenizer(model_dir: Path, model_type: str | None = None):
         if generic:
             from transformers import PreTrainedTokenizerFast
 
-            return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
-        from transformers import AutoTokenizer
+            tok = PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+        else:
+            from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(
-            str(model_dir), local_files_only=True, trust_remote_code=False
-        )
+            tok = AutoTokenizer.from_pretrained(
+                str(model_dir), local_files_only=True, trust_remote_code=False
+            )
     except Exception as e:  # transformers raises any kind for a missing or damaged tokenizer
         why = " ".join(str(e).split())[:300]
+    else:
+        # Prompts are bounded by the model's positions (job/tokenization.py, with its own one
+        # warning); the tokenizer's model_max_length only printed transformers' "Token indices
+        # sequence length is longer than ..." into the job's output. 1e30: transformers' "none".
+        tok.model_max_length = int(1e30)
+        return tok
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         raise ModelLoadError(
             f"{model_dir} has no tokenizer (no {', '.join(TOKENIZER_FILES)}); save the model's "
