@@ -44,6 +44,21 @@ ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_at
 # The attention-interface kwargs and mask hooks the backend uses are transformers 5's.
 TESTED_MAJOR, TESTED_ON = 5, "5.25"
 DEQUANTIZED = frozenset({"mxfp4"})  # pre-quantized formats transformers dequantizes at load
+# Decoder-only softmax-attention families whose transformers 5 classes compute attention in their
+# own code (no `_supports_attention_backend`) and that have no native decoder here: refused by
+# name. The other classes without the interface are hybrids, encoders or encoder-decoders.
+OWN_ATTENTION = {
+    "stablelm": "StableLM",
+    "falcon": "Falcon",
+    "bloom": "BLOOM",
+    "mpt": "MPT",
+    "gpt_neo": "GPT-Neo",
+    "biogpt": "BioGPT",
+    "xglm": "XGLM",
+    "openai-gpt": "GPT-1",
+    "gpt_neox_japanese": "GPT-NeoX-Japanese",
+    "cpmant": "CPM-Ant",
+}
 
 
 def resolve_impl(choice: ModelImpl | str, model_type: str | None) -> ModelImpl:
@@ -70,7 +85,17 @@ def _refusal(config, cls) -> str | None:
             f"its checkpoint is pre-quantized ({method}); the backend loads float weights "
             f"(and dequantizes {', '.join(sorted(DEQUANTIZED))} at load)"
         )
-    if not getattr(cls, "_supports_attention_backend", False):
+    interface = getattr(cls, "_supports_attention_backend", False)
+    if not interface and config.model_type in OWN_ATTENTION:
+        name = OWN_ATTENTION[config.model_type]
+        others = ", ".join(v for k, v in OWN_ATTENTION.items() if k != config.model_type)
+        return (
+            f"{name} ({cls.__name__}) computes its attention in its own code, not through "
+            "transformers' attention interface, so the backend cannot put batchgen's paged KV "
+            f"cache under it, and batchgen has no native {name} decoder (excluded alike: "
+            f"{others}; README, Models)"
+        )
+    if not interface:
         return (
             f"{cls.__name__}'s layers do not call transformers' attention interface (recurrent "
             "or linear-attention layers, or attention written into the model)"
