@@ -22,6 +22,11 @@ def _ms(d: dict[str, Any] | None) -> str:
 def utilisation(s: dict[str, Any], key: str) -> str:
     """MFU or MBU, or why there is none: no peak known, or nothing to measure against it."""
     value, peak = s.get(key), s.get("peak_flops" if key == "mfu" else "peak_bandwidth")
+    if value is not None and s.get("peak_under_load"):
+        return (
+            "- (the CPU peaks were probed under load, so it would read high: pass "
+            "--peak-tflops / --peak-bandwidth-gbs)"
+        )
     if value is not None:
         return f"{value:.2%}"
     if not peak:

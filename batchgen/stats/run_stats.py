@@ -285,7 +285,11 @@ class RunStats:
                 p = d[key]
                 ms = " / ".join(f"{p[q] * 1e3:.1f}" for q in ("p50", "p90", "p99"))
                 rows.append((f"{name} p50/p90/p99", f"{ms} ms"))
-        if d["mfu"] is not None or d["mbu"] is not None:
+        if d["peak_under_load"] and (d["mfu"] is not None or d["mbu"] is not None):
+            why = "the CPU peaks were probed under load, so these would read high"
+            fix = "pass --peak-tflops and --peak-bandwidth-gbs"
+            rows.append(("MFU / MBU", f"- / - ({why}; {fix})"))
+        elif d["mfu"] is not None or d["mbu"] is not None:
             pct = [f"{d[k]:.2%}" if d[k] is not None else "-" for k in ("mfu", "mbu")]
             rows.append(("MFU / MBU", f"{pct[0]} / {pct[1]} (peaks: {d['peak_source']})"))
         rows += gpu_rows(d)
