@@ -278,18 +278,28 @@ def test_broken_model_directory_is_a_one_line_error(tmp_path, model, make):
     assert_one_line_error(r, *words)
 
 
-def test_a_tokenizer_of_the_checkpoints_own_code_is_refused_never_run(tmp_path, model):
-    """auto_map in tokenizer_config.json names a class of a .py file in the model directory:
-    refused in one line (not transformers' "run the custom code? [y/N]"), the file never run."""
+OWN_CODE = {
+    "tokenizer_config.json": {
+        "tokenizer_class": "OwnTokenizer",
+        "auto_map": {"AutoTokenizer": ["own.OwnTokenizer", None]},
+    },
+    "config.json": {
+        "model_type": "own",
+        "auto_map": {"AutoConfig": "own.OwnConfig", "AutoModelForCausalLM": "own.OwnModel"},
+    },
+}
+
+
+@pytest.mark.parametrize("file", sorted(OWN_CODE))
+def test_a_checkpoints_own_code_is_refused_never_run(tmp_path, model, file):
+    """auto_map names a class of a .py file in the model directory: refused in one line (not
+    transformers' interactive "run the custom code? [y/N]"), the file never run."""
     d = shutil.copytree(model, tmp_path / "model")
-    tok = json.loads((d / "tokenizer_config.json").read_text())
-    tok.update(
-        tokenizer_class="OwnTokenizer", auto_map={"AutoTokenizer": ["own.OwnTokenizer", None]}
-    )
-    (d / "tokenizer_config.json").write_text(json.dumps(tok))
+    values = json.loads((d / file).read_text())
+    (d / file).write_text(json.dumps({**values, **OWN_CODE[file]}))
     (d / "own.py").write_text(f"open({str(d / 'ran')!r}, 'w').close()\n")
     r = run_job(prompt_file(tmp_path, 2), tmp_path / "out", d, exit_code=2)
-    assert_one_line_error(r, "tokenizer", "auto_map", "never runs")
+    assert_one_line_error(r, file, "auto_map", "never runs")
     assert not (d / "ran").exists()
 
 
