@@ -86,6 +86,18 @@ class Peaks:
         }
 
 
+def utilisation_text(stats: dict) -> str:
+    """MFU / MBU of a run's stats.json values as the run's table prints them: none over peaks
+    probed under load (they read low, so MFU would read high), only why."""
+    if stats.get("peak_under_load"):
+        return (
+            "- / - (the CPU peaks were probed under load, so these would read high; pass "
+            "--peak-tflops and --peak-bandwidth-gbs)"
+        )
+    pct = [f"{stats[k]:.2%}" if stats.get(k) is not None else "-" for k in ("mfu", "mbu")]
+    return f"{pct[0]} / {pct[1]} (peaks: {stats['peak_source']})"
+
+
 def gpu_peaks(name: str) -> tuple[float, float, str] | None:
     """(FLOP/s, bytes/s, label) of a GPU by its device name, or None if not in the table."""
     upper = name.upper()

@@ -18,7 +18,7 @@ import torch
 from batchgen.engine.sequence import KVPool, StepReport
 from batchgen.stats.latency import Latencies
 from batchgen.stats.nvml import gpu_rows
-from batchgen.stats.peaks import Peaks
+from batchgen.stats.peaks import Peaks, utilisation_text
 from batchgen.stats.roofline import ModelCost, Roofline
 from batchgen.stats.startup import process_age_s
 from batchgen.stats.steps import StepRecorder
@@ -285,13 +285,8 @@ class RunStats:
                 p = d[key]
                 ms = " / ".join(f"{p[q] * 1e3:.1f}" for q in ("p50", "p90", "p99"))
                 rows.append((f"{name} p50/p90/p99", f"{ms} ms"))
-        if d["peak_under_load"] and (d["mfu"] is not None or d["mbu"] is not None):
-            why = "the CPU peaks were probed under load, so these would read high"
-            fix = "pass --peak-tflops and --peak-bandwidth-gbs"
-            rows.append(("MFU / MBU", f"- / - ({why}; {fix})"))
-        elif d["mfu"] is not None or d["mbu"] is not None:
-            pct = [f"{d[k]:.2%}" if d[k] is not None else "-" for k in ("mfu", "mbu")]
-            rows.append(("MFU / MBU", f"{pct[0]} / {pct[1]} (peaks: {d['peak_source']})"))
+        if d["mfu"] is not None or d["mbu"] is not None:
+            rows.append(("MFU / MBU", utilisation_text(d)))
         rows += gpu_rows(d)
         width = max(len(k) for k, _ in rows)
         table = "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
