@@ -9,7 +9,13 @@ from batchgen import RunConfig, run   # what `batchgen run` does
 run(RunConfig(input="prompts.parquet", output="out/"))
 """
 
+import os
 from typing import Any
+
+# OpenMP's threads wait for work passively, not spinning: a core busy with another process
+# otherwise stalls every parallel region (job/threads.py has the figures). Read by OpenMP when
+# torch loads it, so set before anything imports torch; a value the user set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from batchgen.api.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.api.sampling import SamplingParams

@@ -8,8 +8,8 @@
 #
 # Each step is a file target, so an interrupted pipeline picks up where it stopped, and a shard
 # that was stopped midway resumes its own rows. On a cluster the run step is
-# `batchgen slurm jobs/label_sentiment.yaml --shards N ...` instead; prepare, merge and report
-# stay the same.
+# `batchgen slurm jobs/label_sentiment_choice.yaml --shards N ...` instead; prepare, merge and
+# report stay the same.
 
 # The run step's shards, as batchgen names their directories (shard I of N: shard-IIIII-of-NNNNN).
 SHARD_NAMES     := shard-00000-of-00002 shard-00001-of-00002

@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))
 import bench_models  # noqa: E402
 
 BATCH = 64
-LABELS = (" positive", " negative", " neutral")  # jobs/label_sentiment_choice.yaml's
+LABELS = (" positive", " negative", " neutral")  # the words the model writes after "Sentiment:"
 SCHEMA = json.dumps(
     {
         "type": "object",

@@ -39,10 +39,12 @@ def _load(run_dir: Path) -> tuple[list[dict], dict]:
 
 
 def _throughput(stats: dict) -> str:
+    """The rates over the time they are rates of: the union of the shards' run intervals
+    (merge's wall_s; shards run one after the other add up, side by side overlap once)."""
     return (
-        f"{stats['rows']} rows over {stats['shards']} shard(s) in {stats['max_wall_s']:.1f} s "
-        f"(slowest shard): {stats['rows_per_s']:.1f} rows/s, "
-        f"{stats['output_tokens_per_s']:.1f} output tokens/s"
+        f"{stats['rows']} rows over {stats['shards']} shard(s) in {stats['wall_s']:.2f} s "
+        f"(the shards' run intervals; the slowest shard {stats['max_wall_s']:.2f} s): "
+        f"{stats['rows_per_s']:.1f} rows/s, {stats['output_tokens_per_s']:.1f} output tokens/s"
     )
 
 

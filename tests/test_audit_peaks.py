@@ -5,10 +5,10 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from helpers import prompts, run_job, write_parquet
+from helpers import EAGER, prompts, run_cli, run_job, write_parquet
 
 import batchgen.stats.probe
-from batchgen.data.writer import STATS_FILE
+from batchgen.data.writer import REPORT_FILE, STATS_FILE
 from batchgen.stats.peaks import NO_PROBE_ENV
 from batchgen.stats.probe import Ceilings
 
@@ -108,3 +108,27 @@ def test_given_peaks_never_read_the_cache(cache, job, model, tmp_path):
     stats = read_stats(tmp_path / "out")
     assert (stats["peak_flops"], stats["peak_bandwidth"]) == (2e12, 10e9)
     assert cache.calls == [] and cache.path.read_text() == "[1, 2]"
+
+
+@pytest.mark.parametrize("load", [10.0, 0.1])
+def test_peaks_probed_under_load_give_no_mfu_figure(cache, job, model, tmp_path, monkeypatch, load):
+    """A probe taken with the load average above half the CPUs reads low, so an MFU over it
+    reads high (76% was printed as a figure): the table and the report say why there is none;
+    stats.json keeps the numbers and `peak_under_load`. A quiet probe's MFU is printed."""
+    import re
+
+    import batchgen.stats.peaks
+
+    monkeypatch.setattr(batchgen.stats.peaks, "_load", lambda: (load, 2))
+    out = tmp_path / "out"
+    r = run_cli("run", job, "-o", out, "--model", model, *EAGER, "--max-new-tokens", 2)
+    row = next(line for line in r.stdout.splitlines() if "MFU / MBU" in line)
+    run_cli("report", out)
+    page = (out / REPORT_FILE).read_text()
+    mfu = re.search(r"<th>MFU</th><td class=v>([^<]*)</td>", page)[1]
+    assert read_stats(out)["peak_under_load"] is (load > 1)
+    if load > 1:
+        assert "- / - (the CPU peaks were probed under load" in row and "%" not in row
+        assert mfu.startswith("- (the CPU peaks were probed under load") and "%" not in mfu
+    else:
+        assert re.search(r"MFU / MBU\s+[\d.]+% / [\d.]+%", row) and mfu.endswith("%")

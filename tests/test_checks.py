@@ -11,6 +11,7 @@ import torch
 import yaml
 from helpers import (
     assert_one_line_error,
+    decoder_config,
     prompt_file,
     prompts,
     read_stats,
@@ -219,15 +220,100 @@ def _pickle_with_objects(tmp_path, model):
     return d, ["pytorch_model.bin", "more than tensors", "Weights only load failed"]
 
 
+def _deeply_nested_config(tmp_path, model):
+    d = shutil.copytree(model, tmp_path / "model")
+    text = (d / "config.json").read_text().rstrip().removesuffix("}")
+    (d / "config.json").write_text(text + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    return d, ["config.json", "nested too deeply"]
+
+
+def _no_tokenizer(tmp_path, model):
+    d = shutil.copytree(model, tmp_path / "model")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / f).unlink()
+    return d, ["has no tokenizer", "tokenizer.json", "save_pretrained"]
+
+
+def _extra_layer(tmp_path, model):
+    """A third layer's tensors in the weights of a 2-layer config.json."""
+    from safetensors.torch import load_file, save_file
+
+    d = shutil.copytree(model, tmp_path / "model")
+    weights = load_file(d / "model.safetensors")
+    extra = {k.replace(".1.", ".2."): v.clone() for k, v in weights.items() if ".1." in k}
+    save_file({**weights, **extra}, d / "model.safetensors", metadata={"format": "pt"})
+    return d, ["layers.2.", "2-layer model", "same model"]
+
+
+def _encoder(tmp_path, model):
+    """A BERT checkpoint's config.json (no weights: refused before any would load)."""
+    import transformers
+
+    d = shutil.copytree(model, tmp_path / "model")
+    (d / "config.json").unlink()
+    transformers.BertConfig(vocab_size=512, hidden_size=32, num_attention_heads=2).save_pretrained(
+        d
+    )
+    return d, ["'bert' is not a causal LM", "decoder-only"]
+
+
 @pytest.mark.parametrize(
     "make",
-    [_broken_config, _incomplete_config, _bad_size_config, _size_mismatch, _pickle_with_objects],
+    [
+        _broken_config,
+        _incomplete_config,
+        _bad_size_config,
+        _size_mismatch,
+        _pickle_with_objects,
+        _deeply_nested_config,
+        _no_tokenizer,
+        _extra_layer,
+        _encoder,
+    ],
 )
 def test_broken_model_directory_is_a_one_line_error(tmp_path, model, make):
     d, words = make(tmp_path, model)
     src = prompt_file(tmp_path, 2)
     r = run_job(src, tmp_path / "out", d, "--allow-pickle", exit_code=2)
     assert_one_line_error(r, *words)
+
+
+OWN_CODE = {
+    "tokenizer_config.json": {
+        "tokenizer_class": "OwnTokenizer",
+        "auto_map": {"AutoTokenizer": ["own.OwnTokenizer", None]},
+    },
+    "config.json": {
+        "model_type": "own",
+        "auto_map": {"AutoConfig": "own.OwnConfig", "AutoModelForCausalLM": "own.OwnModel"},
+    },
+}
+
+
+@pytest.mark.parametrize("file", sorted(OWN_CODE))
+def test_a_checkpoints_own_code_is_refused_never_run(tmp_path, model, file):
+    """auto_map names a class of a .py file in the model directory: refused in one line (not
+    transformers' interactive "run the custom code? [y/N]"), the file never run."""
+    d = shutil.copytree(model, tmp_path / "model")
+    values = json.loads((d / file).read_text())
+    (d / file).write_text(json.dumps({**values, **OWN_CODE[file]}))
+    (d / "own.py").write_text(f"open({str(d / 'ran')!r}, 'w').close()\n")
+    r = run_job(prompt_file(tmp_path, 2), tmp_path / "out", d, exit_code=2)
+    assert_one_line_error(r, file, "auto_map", "never runs")
+    assert not (d / "ran").exists()
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_a_longrope_factor_list_of_the_wrong_length_is_a_one_line_error(tmp_path, impl):
+    """Phi-3's short_factor needs head_dim / 2 values (8 here): 5 is refused by either
+    implementation before anything else is read (transformers' own config class refuses it)."""
+    rope = dict(rope_type="longrope", short_factor=[1.0] * 5, long_factor=[2.0] * 8)
+    hf = decoder_config("phi3", 512, 64, 128, 2, 4, original_max_position_embeddings=64)
+    d = tmp_path / "phi3"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**hf, "rope_parameters": rope}))
+    r = run_job(prompt_file(tmp_path, 2), tmp_path / "out", d, "--model-impl", impl, exit_code=2)
+    assert_one_line_error(r, "config.json", "short_factor", "8")
 
 
 # --- 14. int4 group sizes ---

@@ -139,6 +139,16 @@ def test_hybrids_are_refused_before_loading(model_type, hf_dirs):
         LLM(hf_dirs(model_type), device="cpu")
 
 
+@pytest.mark.parametrize(("model_type", "name"), [("stablelm", "StableLM"), ("falcon", "Falcon")])
+def test_families_with_attention_of_their_own_are_refused_naming_why(model_type, name, hf_dirs):
+    """README's "any causal LM whose layers are all softmax attention" excludes, by name, the
+    families whose transformers classes compute attention in their own code (issue 38)."""
+    with pytest.raises(UsageError) as e:
+        LLM(hf_dirs(model_type), device="cpu")
+    for words in (name, "computes its attention in its own code", "no native", "README"):
+        assert words in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize(
     "options, words",
     [

@@ -167,3 +167,23 @@ def test_the_tokenizer_is_the_one_autotokenizer_gives(tiny_dirs, family):
         ids = auto(text, add_special_tokens=False)["input_ids"]
         assert ours.decode(ids) == auto.decode(ids)
     assert (ours.eos_token_id, ours.chat_template) == (auto.eos_token_id, auto.chat_template)
+
+
+def test_a_tokenizers_own_length_limit_prints_nothing(model, tmp_path):
+    """A tokenizer_config.json model_max_length below the prompts' lengths: batchgen bounds the
+    prompts itself, and transformers' "Token indices sequence length is longer ..." warning no
+    longer reaches the job's output (a process's stderr: transformers' handler is its own)."""
+    import json
+    import shutil
+    import subprocess
+
+    from helpers import cli_command
+
+    d = shutil.copytree(model, tmp_path / "model")
+    tok = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tok, "model_max_length": 4}))
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3)})
+    cmd = cli_command("run", src, "-o", tmp_path / "out", "--model", d, "--max-new-tokens", 2)
+    r = subprocess.run([*cmd, "--device", "cpu", "-q"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "Token indices" not in r.stderr and "wrote" in r.stdout

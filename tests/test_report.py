@@ -1,11 +1,14 @@
 """`batchgen report OUT`: a self-contained page from a run's or a merged job's metrics; merge
 combines the shards' latency histograms, MFU/MBU and step timelines."""
 
+import html
 import re
+import shlex
 
 import pyarrow.parquet as pq
 from helpers import (
     EAGER,
+    FAST,
     assert_one_line_error,
     prompts,
     read_stats,
@@ -24,7 +27,7 @@ def _check_page(path) -> str:
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     # self-contained: every image inline, nothing fetched
     assert not re.search(r"""(src|href)=["']?(https?:|//)""", page)
-    assert len(re.findall(r'<img alt="" src="data:image/png;base64,', page)) == 4
+    assert len(re.findall(r'<img alt="" src="data:image/png;base64,', page)) == 5
     for words in ("TTFT p50 / p90 / p99 / max", "MFU", "Roofline", "Batch and KV cache"):
         assert words in page, words
     return page
@@ -79,3 +82,25 @@ def test_merged_shards_report_as_one_job(model, tmp_path):
     run_cli("report", out)
     page = _check_page(out / REPORT_FILE)
     assert "2 shards merged" in page
+    # the Job line: one run per shard, then the merge
+    assert "--shard I/2" in page and f"I = 0 to 1, then: batchgen merge {out}" in page
+
+
+def test_the_job_line_is_a_command_that_reruns_the_job(model, tmp_path):
+    """The page's "Job" command, run as printed, is the same job (every row done before): no
+    `--model None`, no option dropped, a template's and a stop string's newline kept."""
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(6), "key": list("abcdef")})
+    out = tmp_path / "out"
+    options = ("--template", "Q: {{ prompt }}\\nA:", "--stop", "\\n", "--stop", "x y")
+    options += ("--id-column", "key", "--passthrough", "prompt,key", "--limit", 5, "--n", 2)
+    options += ("--temperature", 0.8, "--seed", 3, "--top-p", 0.9, "--max-new-tokens", 5)
+    options += ("--logit-bias", '{"5": 2.5}', "--presence-penalty", 0.5, "--with-token-ids")
+    run_job(src, out, model, *options)
+    run_cli("report", out)
+    page = (out / REPORT_FILE).read_text()
+    line = html.unescape(re.search(r"<h2>Job</h2>\s*<pre>(.*?)</pre>", page, re.S)[1])
+    words = shlex.split(line)
+    assert words[:2] == ["batchgen", "run"] and "None" not in words
+    assert words.count("--stop") == 2 and "--logit-bias" in words and "--model" in words
+    r = run_cli(*words[1:], *FAST)
+    assert "all 10 rows were done before" in r.stdout  # 5 rows, 2 samples each

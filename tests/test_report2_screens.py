@@ -14,7 +14,7 @@ from matplotlib.patches import StepPatch
 from PIL import Image
 
 from batchgen.data.layout import REPORT_FILE
-from batchgen.report import plots
+from batchgen.report import charts, plots
 from batchgen.report.load import load
 
 UNIT = ("(", "/ s", "rows")  # a unit in brackets, a rate, or a count of rows
@@ -59,6 +59,7 @@ def test_every_plot_has_data_axes_and_units(outputs, which):
         ("occupancy", plots.occupancy(data.steps)),
         ("distributions", plots.distributions(data.stats)),
         ("roofline", plots.roofline(data.steps, data.stats)),
+        ("rows", charts.rows_over_time(data.stats)),
     ):
         _check_axes(fig, f"{which} {name}")
     if which == "big":  # bins of time, not of 8 steps: far more than 4 points
@@ -109,3 +110,15 @@ def test_the_page_renders_in_chromium(outputs, which, tmp_path):
     assert pixels.std() > 20  # not blank: text and plots on white
     # the plots reach far down the page: its lower half is not empty either
     assert pixels[1500:].std() > 20
+
+
+def test_phases_have_their_own_colours_and_a_figure_one_clock(outputs):
+    """Warm-up and "other" were one colour in the time bar; the throughput figure put job
+    time above time since the rows were queued, two origins on one page column."""
+    every = {key: 1.0 for key, _, _ in charts.PHASES}
+    parts = charts.phases({**every, "total_wall_s": 10.0})
+    assert parts[-1][0].startswith("other") and len({c for _, _, c in parts}) == len(parts)
+    data = load(outputs["five"])
+    for fig in (plots.throughput(data.steps, data.stats), plots.occupancy(data.steps)):
+        clocks = {ax.get_xlabel() for ax in fig.axes if ax.get_xlabel()}
+        assert clocks == {"seconds since the job started (s)"}, clocks

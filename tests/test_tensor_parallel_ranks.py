@@ -121,3 +121,23 @@ def test_constraints_scores_samples_and_row_seeds(model, pair):
         torch.testing.assert_close(
             torch.tensor(b.scores), torch.tensor(a.scores), atol=1e-4, rtol=0
         )
+
+
+def test_penalties_and_a_bias_past_the_first_ranks_vocabulary(model, pair):
+    """Each rank holds half the vocabulary, the sampling row all of it (issue 38, item 20): a
+    logit_bias on the last token id is taken, and the penalties count tokens of either half."""
+    vocab = pair[0].spec.model_cfg.vocab_size
+    forced = SamplingParams(max_new_tokens=3, ignore_eos=True, logit_bias={vocab - 1: 100})
+    penalized = SamplingParams(
+        max_new_tokens=12,
+        ignore_eos=True,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        logit_bias={vocab - 2: 5},  # a token of the second half in most rows' output
+    )
+    runs = [(llm.generate(PROMPTS[:6], forced), llm.generate(PROMPTS, penalized)) for llm in pair]
+    (f1, p1), (f2, p2) = runs
+    assert all(c.token_ids == [vocab - 1] * 3 for c in f1 + f2)
+    assert sum(any(t >= vocab // 2 for t in c.token_ids) for c in p1) >= len(PROMPTS) // 2
+    _assert_tp_matches(model, [c.token_ids for c in p1], [c.token_ids for c in p2])

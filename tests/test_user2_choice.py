@@ -1,7 +1,7 @@
 """--choice labels at a word boundary (issue 31, item 2): a label written with no leading space
 also matches " label" where the prompt ends in a word, and the output is the label as written.
-On the embedded model the README's command labels the sample reviews as the YAML job's
-" positive" labels do."""
+On the embedded model the README's command labels the sample reviews right, as the shipped
+specs (jobs/label_sentiment_choice.yaml, whose labels are bare too) do."""
 
 from __future__ import annotations
 

@@ -166,7 +166,8 @@ HELP: dict[str, str] = {
     ),
     "allow_pickle": ("Allow loading pytorch_model.bin pickle checkpoints (can run code)."),
     "threads": (
-        "CPU threads for torch. Default: torch's (all cores); 1 is faster on a busy machine."
+        "CPU threads for torch. Default: the CPUs this process may use (its affinity mask, "
+        "capped by a cgroup CPU quota); the threads wait passively, so a busy core costs little."
     ),
     "shard": (
         "Run only shard I/N of the rows (by id hash), into OUTPUT/shard-IIIII-of-NNNNN/. "

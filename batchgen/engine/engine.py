@@ -67,7 +67,7 @@ class Engine:
         self.kv_pool: KVPool | None = None  # the KV cache as allocated, at the first request
         self.completions = Completions(detokenize, self.constrainer)
         self._window = runner.model.cfg.sliding_window  # attention's reach, for step_cost
-        self._vocab = runner.model.cfg.vocab_size
+        self._vocab = runner.vocab_size  # the whole model's, not a tensor-parallel rank's share
         self.job_longest = 0  # the caller's whole job's longest row (CPU pool sizing), if known
 
     def reserve(self, longest: int) -> None:

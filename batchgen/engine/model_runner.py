@@ -82,6 +82,7 @@ class ModelRunner:
         broadcast: Callable[[StepInputs], None] | None = None,
         clock: CollectiveClock | None = None,
         compile_cache: CompileCache | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         """broadcast: rank 0 of a tensor-parallel group hands it each step's inputs; clock:
         where the model's collectives add up their time; compile_cache: where compiled graphs
@@ -97,7 +98,9 @@ class ModelRunner:
         self.broadcast, self.clock = broadcast, clock
         self.shapes: set[tuple[int, bool]] = set()  # (padded batch, greedy-only) decodes run
         self.decode: CompiledDecode | None = None
-        self.counts = TokenCounts(model.cfg.vocab_size, self.device)  # no memory until used
+        # the logits' width: the whole model's (a tensor-parallel rank's cfg has its share)
+        self.vocab_size = vocab_size or model.cfg.vocab_size
+        self.counts = TokenCounts(self.vocab_size, self.device)  # no memory until used
         if compile:
             # imported here: torch._dynamo takes ~1 s to import, a tenth of a small eager job
             from batchgen.engine.compiled_decode import CompiledDecode

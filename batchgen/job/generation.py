@@ -45,7 +45,7 @@ def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "generation_config.json"
     try:
         gen = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply
         return {}
     return gen if isinstance(gen, dict) else {}
 

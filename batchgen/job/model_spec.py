@@ -10,10 +10,8 @@ before the model loads; `LLM.from_spec` then builds the model and the engine fro
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,7 +29,7 @@ from batchgen.job.backend_options import check_backend_options
 from batchgen.job.generation import read_generation_config
 from batchgen.model.attention import DECODE_ATTENTION_ENV
 from batchgen.model.config import ModelConfig
-from batchgen.model.hf_config import native_config, read_hf_config
+from batchgen.model.hf_config import native_config, read_hf_config, read_json_object
 from batchgen.model.hf_lora import check_hf_adapter
 from batchgen.model.hf_support import backend_config, resolve_impl
 from batchgen.model.lora import LoraAdapter, check_adapter
@@ -126,21 +124,50 @@ GENERIC_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 GENERIC_MODEL_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen3"})
 
 
+# The files a tokenizer is saved as (its config, a fast tokenizer, sentencepiece, BPE, WordPiece)
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(model_dir: Path, model_type: str | None = None):
-    generic = False
-    config = model_dir / "tokenizer_config.json"
-    if (
+    """The tokenizer saved with the model, the checkpoint's own code never run; ModelLoadError
+    (one line) for none, one that needs its own code (`auto_map`) or one that does not load."""
+    config_file = model_dir / "tokenizer_config.json"
+    config = read_json_object(config_file) if config_file.is_file() else {}
+    generic = (
         model_type in GENERIC_MODEL_TYPES
-        and config.is_file()
+        and config.get("tokenizer_class") in GENERIC_TOKENIZERS
         and (model_dir / "tokenizer.json").is_file()
-    ):
-        with contextlib.suppress(ValueError, OSError):  # unreadable: AutoTokenizer reports it
-            generic = json.loads(config.read_text()).get("tokenizer_class") in GENERIC_TOKENIZERS
-    if generic:
-        from transformers import PreTrainedTokenizerFast as Tokenizer
+    )
+    try:
+        if generic:
+            from transformers import PreTrainedTokenizerFast
+
+            tok = PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+        else:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(
+                str(model_dir), local_files_only=True, trust_remote_code=False
+            )
+    except Exception as e:  # transformers raises any kind for a missing or damaged tokenizer
+        why = " ".join(str(e).split())[:300]
     else:
-        from transformers import AutoTokenizer as Tokenizer
-    return Tokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        # Prompts are bounded by the model's positions (job/tokenization.py, with its own one
+        # warning); the tokenizer's model_max_length only printed transformers' "Token indices
+        # sequence length is longer than ..." into the job's output. 1e30: transformers' "none".
+        tok.model_max_length = int(1e30)
+        return tok
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{model_dir} has no tokenizer (no {', '.join(TOKENIZER_FILES)}); save the model's "
+            "tokenizer into it (tokenizer.save_pretrained(DIR))"
+        )
+    if "auto_map" in config:
+        why = "it names a class of the checkpoint's own code (auto_map), which batchgen never runs"
+    raise ModelLoadError(
+        f"{model_dir}: the tokenizer does not load ({why}); restore tokenizer_config.json and the "
+        "tokenizer's files from the model's source"
+    )
 
 
 def check_vocab(model_dir: Path, tokenizer_size: int, vocab_size: int) -> None:

@@ -38,20 +38,30 @@ def require_model_dir(path: Path) -> Path:
     return cfg_file
 
 
+def read_json_object(path: Path) -> dict:
+    """A checkpoint's JSON file (config.json, tokenizer_config.json) as a dict; ModelLoadError
+    for one that is not JSON, too deeply nested for the parser, or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, OSError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ModelLoadError(
+            f"{path} is not readable JSON ({e}); restore it from the model's source"
+        ) from None
+    except RecursionError:
+        raise ModelLoadError(
+            f"{path} is not readable JSON (nested too deeply to parse); restore it from the "
+            "model's source"
+        ) from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object; restore it from the model's source")
+    return value
+
+
 def read_hf_config(path: Path, native: bool = True) -> dict:
     """config.json as a dict; native: checked to describe a model batchgen's own decoder
     builds (config_from_hf; the transformers backend checks its own, hf_support.py)."""
     cfg_file = require_model_dir(path)
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except (ValueError, OSError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ModelLoadError(
-            f"{cfg_file} is not readable JSON ({e}); restore it from the model's source"
-        ) from None
-    if not isinstance(hf, dict):
-        raise ModelLoadError(
-            f"{cfg_file} must hold a JSON object; restore it from the model's source"
-        )
+    hf = read_json_object(cfg_file)
     if native:
         native_config(path, hf)
     return hf

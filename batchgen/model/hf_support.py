@@ -34,15 +34,15 @@ import torch
 from torch import nn
 
 from batchgen.choices import ModelImpl
+from batchgen.errors import ModelLoadError
 from batchgen.model.config import ModelConfig
-from batchgen.model.hf_config import SUPPORTED_FAMILIES, UnsupportedModelError
+from batchgen.model.hf_config import SUPPORTED_FAMILIES, UnsupportedModelError, read_hf_config
+from batchgen.model.hf_refusal import encoder_refusal, quant_method, refusal
 from batchgen.model.multimodal import KEY_MAPPING, TEXT_MODEL_WRAPPERS
 from batchgen.model.quiet_import import quiet_torchao
 
-ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # The attention-interface kwargs and mask hooks the backend uses are transformers 5's.
 TESTED_MAJOR, TESTED_ON = 5, "5.25"
-DEQUANTIZED = frozenset({"mxfp4"})  # pre-quantized formats transformers dequantizes at load
 
 
 def resolve_impl(choice: ModelImpl | str, model_type: str | None) -> ModelImpl:
@@ -59,42 +59,6 @@ def resolve_impl(choice: ModelImpl | str, model_type: str | None) -> ModelImpl:
     return choice
 
 
-def _refusal(config, cls) -> str | None:
-    """Why the backend cannot serve this model exactly; None if it can."""
-    if getattr(config, "is_encoder_decoder", False):
-        return "it is an encoder-decoder; the backend runs decoder-only causal LMs"
-    method = quant_method(config)
-    if method is not None and method not in DEQUANTIZED:
-        return (
-            f"its checkpoint is pre-quantized ({method}); the backend loads float weights "
-            f"(and dequantizes {', '.join(sorted(DEQUANTIZED))} at load)"
-        )
-    if not getattr(cls, "_supports_attention_backend", False):
-        return (
-            f"{cls.__name__}'s layers do not call transformers' attention interface (recurrent "
-            "or linear-attention layers, or attention written into the model)"
-        )
-    text = config.get_text_config()
-    if getattr(text, "num_kv_shared_layers", 0):
-        return "some of its layers reuse another layer's keys and values (KV sharing)"
-    other = sorted(set(getattr(text, "layer_types", None) or ()) - ATTENTION_LAYERS)
-    if other:
-        return (
-            f"it has {', '.join(other)} layers; the backend's paged cache holds softmax "
-            "attention's keys and values only (full or sliding-window layers)"
-        )
-    return None
-
-
-def quant_method(config) -> str | None:
-    """The pre-quantized checkpoint's quant_method (None: float weights)."""
-    q = getattr(config, "quantization_config", None)
-    if not q:
-        return None
-    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
-    return str(getattr(method, "value", method))
-
-
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
     """How transformers loads the model in a directory: from_pretrained's class, config and
@@ -109,11 +73,10 @@ class LoadPlan:
 def load_plan(path: Path) -> LoadPlan:
     """The LoadPlan of the model in path; UnsupportedModelError if transformers has no causal LM
     for its config.json, or the backend cannot serve that model exactly."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    config = _auto_config(path)
     try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         options: dict[str, Any] = {}
         model_type = config.model_type
         if config.model_type in TEXT_MODEL_WRAPPERS:
@@ -127,7 +90,10 @@ def load_plan(path: Path) -> LoadPlan:
         raise UnsupportedModelError(
             f"{path}: transformers has no causal LM for this config.json ({e})"
         ) from None
-    why = _refusal(config, cls)
+    encoder = encoder_refusal(config)
+    if encoder is not None:
+        raise UnsupportedModelError(encoder)
+    why = refusal(config, cls)
     if why is not None:
         raise UnsupportedModelError(
             f"model_type {config.model_type!r} cannot run on the transformers backend: {why}"
@@ -138,6 +104,22 @@ def load_plan(path: Path) -> LoadPlan:
         # without dequantize, transformers fetches a Triton kernel from the Hub
         options["quantization_config"] = Mxfp4Config(dequantize=True)
     return LoadPlan(cls, config, options, model_type)
+
+
+def _auto_config(path: Path):
+    """transformers' config of path's config.json, the checkpoint's own code never run;
+    ModelLoadError for one transformers refuses (a LongRoPE factor list of the wrong length
+    fails its class's validation) or that needs code of the checkpoint's own (`auto_map`)."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except (StrictDataclassError, ValueError, TypeError, KeyError, OSError) as e:
+        why = " ".join(str(e).split())
+    if "auto_map" in read_hf_config(path, native=False):
+        why = "it names a class of the checkpoint's own code (auto_map), which batchgen never runs"
+    raise ModelLoadError(f"{path / 'config.json'}: transformers cannot build its config ({why})")
 
 
 def _get(config, name: str):

@@ -114,6 +114,11 @@ def load_state_dict(
         slot = weight_slot(cfg, name, tp)
         if slot is None:
             continue
+        if shapes is not None and slot.name not in shapes:  # a layer past n_layers, ...
+            raise ModelLoadError(
+                f"the checkpoint's {name} has no place in the {cfg.n_layers}-layer model its "
+                "config.json describes; the weights and config.json must come from the same model"
+            )
         for c in slot.copies:
             if c.zero:
                 out[slot.name] = torch.zeros(shapes[slot.name], device=device, dtype=dtype)

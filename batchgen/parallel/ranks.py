@@ -74,6 +74,7 @@ class Ranks:
         calls `loaded`). threads: CPU threads per rank. resumable: a failure's advice is a
         job's (run the same command again), else the Python API's (a new LLM)."""
         size = spec.tensor_parallel_size
+        self.vocab_size = spec.model_cfg.vocab_size  # the whole model's, as every rank's logits
         if dist.is_initialized():  # torch keeps one default process group per process
             raise RuntimeError(
                 "another tensor-parallel LLM is open in this process; close() it first"
@@ -263,7 +264,12 @@ class RankedRunner(ModelRunner):
         clock: CollectiveClock | None = None,
     ) -> None:
         super().__init__(
-            model, block_size=block_size, compile=compile, broadcast=self._send_step, clock=clock
+            model,
+            block_size=block_size,
+            compile=compile,
+            broadcast=self._send_step,
+            clock=clock,
+            vocab_size=ranks.vocab_size,  # model is rank 0's part: half the vocabulary at 2
         )
         self.ranks = ranks
         if self.device.type == "cpu":

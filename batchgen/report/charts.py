@@ -86,5 +86,5 @@ def phases(stats: dict[str, Any]) -> list[tuple[str, float, str]]:
     )
     rest = total - sum(s for _, s, _ in got)
     if rest > 0:
-        got.append(("other (input, output, scheduling)", rest, "tab:olive"))
+        got.append(("other (input, output, scheduling)", rest, "tab:cyan"))
     return got

@@ -17,6 +17,7 @@ from batchgen.data.writer import REPORT_FILE, write_file
 from batchgen.errors import InputError
 from batchgen.report import charts, plots, tables
 from batchgen.report.load import RunData, load
+from batchgen.report.rerun import rerun_command
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def _job(data: RunData) -> list[str]:
         return []
     return [
         "<h2>Job</h2>",
-        f"<pre>{html.escape(tables.command(data.job))}</pre>",
+        f"<pre>{html.escape(rerun_command(data.job, data.merged))}</pre>",
         "<details><summary>every option (job.json)</summary>",
         _table(tables.option_rows(data.job)),
         "</details>",
@@ -132,7 +133,7 @@ def render(data: RunData) -> str:
         parts += ["<h2>Roofline</h2>", _png(plots.roofline(data.steps, s))]
     else:
         parts.append('<p class="note">No step timeline here: no timeline to plot.</p>')
-        parts += ["<h2>Rows over time</h2>", _figure(charts.rows_over_time(s), "No rows timed.")]
+    parts += ["<h2>Rows over time</h2>", _figure(charts.rows_over_time(s), "No rows timed.")]
     parts += _job(data)
     body = "\n".join(parts)
     return (

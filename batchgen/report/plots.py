@@ -18,7 +18,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from batchgen.report import charts, timebins
+from batchgen.report import timebins
 from batchgen.stats.latency import LOW, RATIO, LogHistogram
 from batchgen.stats.roofline import compute_ceiling_s
 
@@ -37,11 +37,10 @@ def _figure(width: float = 9.0, height: float = 3.6) -> Figure:
 
 
 def throughput(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
-    """Tokens/s over time and, below, rows done and rows/s (charts.py)."""
-    fig = _figure(9.0, 6.6)
-    ax, rows = fig.subplots(2, 1)
-    if not charts.draw_rows(rows, stats):
-        rows.text(0.5, 0.5, "no rows timed", ha="center", transform=rows.transAxes)
+    """Tokens/s over the job's time. Rows done over time (charts.py) is a figure of its own:
+    its clock starts when the rows were queued, not when the job started."""
+    fig = _figure()
+    ax = fig.add_subplot()
     t, rates = timebins.rates(
         steps,
         {

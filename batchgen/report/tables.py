@@ -3,7 +3,6 @@ job's command and options from job.json, and how the rows ended (outcomes.py).""
 
 from __future__ import annotations
 
-import shlex
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,6 +22,11 @@ def _ms(d: dict[str, Any] | None) -> str:
 def utilisation(s: dict[str, Any], key: str) -> str:
     """MFU or MBU, or why there is none: no peak known, or nothing to measure against it."""
     value, peak = s.get(key), s.get("peak_flops" if key == "mfu" else "peak_bandwidth")
+    if value is not None and s.get("peak_under_load"):
+        return (
+            "- (the CPU peaks were probed under load, so it would read high: pass "
+            "--peak-tflops / --peak-bandwidth-gbs)"
+        )
     if value is not None:
         return f"{value:.2%}"
     if not peak:
@@ -98,13 +102,6 @@ def time_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     if s.get("compile_s") and s.get("steps"):
         rows.append(("note", "a compile after the warm-up is also in its step's time"))
     return rows
-
-
-def command(job: dict[str, Any]) -> str:
-    """The `batchgen run` command job.json describes (options as their flags; defaults too)."""
-    words = ["batchgen", "run", str(job.get("input", "?")), "-o", str(job.get("output", "?"))]
-    words += ["--model", str(job.get("model", "?"))]
-    return shlex.join(words)
 
 
 def option_rows(job: dict[str, Any]) -> list[tuple[str, str]]:

@@ -23,6 +23,7 @@ from batchgen.job.config import RunConfig
 from batchgen.job.fingerprint import check_weights, job_fingerprint
 from batchgen.job.open import Job, open_job
 from batchgen.job.passthrough import legacy_renames
+from batchgen.job.threads import cpu_threads
 from batchgen.llm import LLM
 from batchgen.runner.deadline import Watchdog, deadlines
 from batchgen.runner.progress import ProgressLine, postfix, progress_bar
@@ -72,8 +73,7 @@ def run(cfg: RunConfig) -> RunStats:
 
 
 def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.threads or cpu_threads())  # cpu_threads: affinity, cgroup quota
     job = open_job(cfg)
     cfg, spec, source, prep = job.cfg, job.spec, job.source, job.prep
     unsupported = getattr(source, "unsupported_fields", None) or None

@@ -61,6 +61,7 @@ NO_PROBE_ENV = "BATCHGEN_NO_PEAK_PROBE"
 CPU_FLOPS_RANGE = (1e7, 1e16)
 CPU_BANDWIDTH_RANGE = (1e7, 1e14)
 MAX_AGE_DAYS = 30  # a cached probe older than this is measured again
+UNDER_LOAD = "measured under load"  # in a probe's source: its peaks are not figures
 RETRY_LOADED_S = 3600  # a probe taken under load is retried after this, on a quiet machine
 
 
@@ -70,12 +71,31 @@ class Peaks:
     bandwidth: float | None  # bytes/s of their memory together
     source: str  # where each came from, for stats.json
 
+    @property
+    def under_load(self) -> bool:
+        """A CPU probe taken while other processes held the cores: its peaks read low, so an
+        MFU or MBU over them reads high (a guess, not a figure)."""
+        return UNDER_LOAD in self.source
+
     def to_dict(self) -> dict:
         return {
             "peak_flops": self.flops,
             "peak_bandwidth": self.bandwidth,
             "peak_source": self.source,
+            "peak_under_load": self.under_load,
         }
+
+
+def utilisation_text(stats: dict) -> str:
+    """MFU / MBU of a run's stats.json values as the run's table prints them: none over peaks
+    probed under load (they read low, so MFU would read high), only why."""
+    if stats.get("peak_under_load"):
+        return (
+            "- / - (the CPU peaks were probed under load, so these would read high; pass "
+            "--peak-tflops and --peak-bandwidth-gbs)"
+        )
+    pct = [f"{stats[k]:.2%}" if stats.get(k) is not None else "-" for k in ("mfu", "mbu")]
+    return f"{pct[0]} / {pct[1]} (peaks: {stats['peak_source']})"
 
 
 def gpu_peaks(name: str) -> tuple[float, float, str] | None:
@@ -134,7 +154,7 @@ def _load_text(load: object, cpus: object) -> str:
         return ""
     text = f", load average {load:.2f} on {cpus} CPUs"
     if _loaded(load, cpus):
-        text += ": measured under load, may read low (delete the cache or pass the peaks)"
+        text += f": {UNDER_LOAD}, may read low (delete the cache or pass the peaks)"
     return text
 
 

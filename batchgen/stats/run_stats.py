@@ -18,7 +18,7 @@ from batchgen.data.verdict import ErrorVerdict, error_reason, reason_lines
 from batchgen.engine.sequence import KVPool, StepReport
 from batchgen.stats.latency import Latencies
 from batchgen.stats.nvml import gpu_rows
-from batchgen.stats.peaks import Peaks
+from batchgen.stats.peaks import Peaks, utilisation_text
 from batchgen.stats.roofline import ModelCost, Roofline
 from batchgen.stats.startup import process_age_s
 from batchgen.stats.steps import StepRecorder
@@ -279,8 +279,7 @@ class RunStats:
                 ms = " / ".join(f"{p[q] * 1e3:.1f}" for q in ("p50", "p90", "p99"))
                 rows.append((f"{name} p50/p90/p99", f"{ms} ms"))
         if d["mfu"] is not None or d["mbu"] is not None:
-            pct = [f"{d[k]:.2%}" if d[k] is not None else "-" for k in ("mfu", "mbu")]
-            rows.append(("MFU / MBU", f"{pct[0]} / {pct[1]} (peaks: {d['peak_source']})"))
+            rows.append(("MFU / MBU", utilisation_text(d)))
         rows += gpu_rows(d)
         width = max(len(k) for k, _ in rows)
         table = "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
