@@ -177,7 +177,7 @@ def test_slurm_quotes_paths_and_refuses_newlines(tmp_path, model):
     out = tmp_path / "out dir"
     args = ("slurm", src, "--shards", 2, "--dry-run", "--", "-o", out, "--model", model)
     script = run_cli(*args[:5], "--job-name", "my job", *args[5:]).stdout
-    assert f'#SBATCH --output="{out}/logs/%A_%a.out"' in script
+    assert f'#SBATCH --output="{out}/.batchgen/slurm/%A_%a.out"' in script
     assert '#SBATCH --job-name="my job"' in script
     syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
