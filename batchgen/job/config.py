@@ -21,8 +21,9 @@ from batchgen.choices import (
     Truncate,
 )
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.params import MAX_TOP_LOGPROBS, logit_bias_pairs
+from batchgen.engine.params import logit_bias_pairs
 from batchgen.errors import ConfigError
+from batchgen.job.option_rules import check_combinations
 from batchgen.job.paths import check_local_paths, names_results_file, resolve_path
 from batchgen.job.shard import Shard, ShardError
 from batchgen.job.typecheck import check_types
@@ -176,62 +177,7 @@ class RunConfig:
             raise ConfigError(
                 "use either shard or workers, not both (workers shard the input itself)"
             )
-        given = [k for k in ("choice", "regex", "json_schema") if getattr(self, k) is not None]
-        if len(given) > 1:
-            raise ConfigError(
-                f"use one of choice, regex and json_schema, not {' and '.join(given)}"
-            )
-        if self.task is Task.SCORE:
-            self._check_score()
-        if self.task is Task.PROMPT_LOGPROBS:
-            self._check_prompt_logprobs()
-        elif self.prompt_logprobs:
-            raise ConfigError(
-                "prompt_logprobs keeps each prompt token's alternatives in a prompt-logprobs "
-                "job; add --task prompt-logprobs (or drop --prompt-logprobs)"
-            )
-        if self.n_as_list and self.output_format is OutputFormat.OPENAI:
-            raise ConfigError(
-                "n_as_list: the OpenAI output already gathers a request's samples as its "
-                "choices; drop --n-as-list"
-            )
-        if self.messages_column and self.template:
-            raise ConfigError("use either messages_column or template, not both")
-        if self.output_format is OutputFormat.OPENAI and (self.shard or self.workers != 1):
-            raise ConfigError(
-                "output_format openai writes one .batchgen/results.jsonl per job; run it without "
-                "shard and workers"
-            )
-
-    def _check_score(self) -> None:
-        """Options that mean nothing when labels are scored, not sampled."""
-        if self.regex is not None or self.json_schema is not None:
-            raise ConfigError("task score scores --choice labels; drop --regex / --json-schema")
-        if self.n != 1 or self.n_as_list:
-            raise ConfigError("task score samples nothing; drop --n / --n-as-list")
-        if self.output_format is OutputFormat.OPENAI:
-            raise ConfigError(
-                "task score writes scores, not OpenAI completions; drop --output-format openai"
-            )
-        if self.choice is not None and any(not str(c).strip() for c in self.choice):
-            raise ConfigError(
-                f"task score: --choice {self.choice!r} has an empty label, which would score "
-                'no tokens; give each label some text (" positive" keeps its space)'
-            )
-
-    def _check_prompt_logprobs(self) -> None:
-        """Options that mean nothing when the prompt is scored and nothing is sampled."""
-        what = "task prompt-logprobs scores the prompt and samples nothing"
-        if any(getattr(self, k) is not None for k in ("choice", "regex", "json_schema")):
-            raise ConfigError(f"{what}; drop --choice / --regex / --json-schema")
-        if self.n != 1 or self.n_as_list:
-            raise ConfigError(f"{what}; drop --n / --n-as-list")
-        if self.output_format is OutputFormat.OPENAI:
-            raise ConfigError(f"{what}; drop --output-format openai")
-        if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise ConfigError(
-                f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"
-            )
+        check_combinations(self)
 
     @property
     def results_path(self) -> str | None:

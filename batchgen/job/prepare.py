@@ -24,6 +24,7 @@ from batchgen.job.bias_column import compact_bias_column, compact_field
 from batchgen.job.config import RunConfig
 from batchgen.job.ids import ROW_NUMBERS_FIX, check_id_type
 from batchgen.job.passthrough import passthrough_columns
+from batchgen.job.prompt_builders import make_prompt_builder, openai_prompt_builders
 from batchgen.job.row_options import RowOptions, row_number, warn_option_columns
 from batchgen.job.tokenization import fit_length, tokenize_prompts, warn_cut
 
@@ -39,40 +40,6 @@ class Window:
     @property
     def errors(self) -> list[Row]:
         return [r for r in self.rows if r.error is not None]
-
-
-def make_prompt_builder(cfg: RunConfig, tokenizer) -> PromptBuilder:
-    chat_fn = None
-    if cfg.messages_column:
-        if not getattr(tokenizer, "chat_template", None):
-            raise InputError(
-                f"--messages-column {cfg.messages_column} needs a chat template, and this "
-                "model's tokenizer has none; render prompts with --template instead"
-            )
-
-        def chat_fn(messages: list[dict]) -> str:
-            return tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-
-    plain = cfg.prompt_column if not (cfg.template or cfg.messages_column) else None
-    return PromptBuilder(plain, cfg.messages_column, cfg.template, chat_fn)
-
-
-def openai_prompt_builders(cfg: RunConfig, tokenizer) -> tuple[PromptBuilder, PromptBuilder]:
-    """(completions, chat) builders of an OpenAI batch file, whose lines may mix both kinds."""
-    if cfg.template or cfg.messages_column or cfg.id_column:
-        raise InputError(
-            "an OpenAI batch file carries its own prompts and ids (custom_id); "
-            "drop --template, --messages-column and --id-column"
-        )
-
-    def chat_fn(messages: list[dict]) -> str:
-        if not getattr(tokenizer, "chat_template", None):
-            raise RowError("a /v1/chat/completions line needs a chat template; this model has none")
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    return PromptBuilder("prompt"), PromptBuilder(None, "messages", None, chat_fn)
 
 
 class Preparer:
