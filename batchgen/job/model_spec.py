@@ -33,11 +33,12 @@ from batchgen.model.attention import DECODE_ATTENTION_ENV
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import native_config, read_hf_config
 from batchgen.model.hf_lora import check_hf_adapter
-from batchgen.model.hf_support import backend_config, resolve_impl
+from batchgen.model.hf_support import DEQUANTIZED, backend_config, resolve_impl
 from batchgen.model.lora import LoraAdapter, check_adapter
 from batchgen.model.multimodal import language_config
 from batchgen.model.tensor_parallel import check_sizes
 from batchgen.quant import QuantScheme, make_scheme
+from batchgen.quant.checkpoint_format import check_float_checkpoint
 
 DEFAULT_MODEL = Path(__file__).parents[1] / "assets" / "default-model"
 DTYPES = {
@@ -240,6 +241,7 @@ class ModelSpec:
         except ValueError as e:  # e.g. --device cuda on a machine without one
             raise ConfigError(str(e)) from None
         quant = make_scheme(quantize, quant_backend, dev, dt, group_size=quant_group_size)
+        check_float_checkpoint(model_dir, hf, DEQUANTIZED if impl is ModelImpl.TRANSFORMERS else ())
         tokenizer = load_tokenizer(model_dir, hf.get("model_type"))
         check_vocab(model_dir, len(tokenizer), model_cfg.vocab_size)
         gen = read_generation_config(model_dir)

@@ -28,6 +28,7 @@ from batchgen.model.hf_config import config_from_hf, read_hf_config
 from batchgen.model.memory import check_allocation
 from batchgen.model.tensor_parallel import SINGLE, Copy, TPShard, local_config
 from batchgen.model.transformer import Transformer
+from batchgen.quant.checkpoint_format import check_float_checkpoint
 
 
 def _checkpoint_files(path: Path, allow_pickle: bool) -> list[Path]:
@@ -156,7 +157,9 @@ def load_model(
             f"model directory {path} does not exist. Pass --model a local directory saved with "
             "save_pretrained; batchgen never downloads from a hub."
         )
-    cfg = cfg or config_from_hf(read_hf_config(path))
+    hf = read_hf_config(path, native=False)
+    cfg = cfg or config_from_hf(hf)
+    check_float_checkpoint(path, hf)  # never read quantized weights as if they were float
     device = torch.device(device)
     # The one table built from config.json alone, not read from the checkpoint: 10**9
     # positions would be a 16 GB allocation before any weight is read.
