@@ -1,11 +1,12 @@
 """Pre-quantized checkpoints written from a saved float one, for the tests of
 batchgen/quant/checkpoint_format.py and the formats batchgen loads.
 
-`declare_format(src, dst, family)` writes, for each format family users download, the
+`declare_format(src, dst, family)` writes, for each format family batchgen does not load, the
 checkpoint's declaration (config.json's quantization_config, or ModelOpt's
 hf_quant_config.json) and its quantized tensors' names and dtypes as that format stores them.
 The values are not a real quantization of src: these checkpoints exist to be refused before
-any weight is read.
+any weight is read. `compress(src, dst, scheme)` writes real compressed-tensors checkpoints
+with compressed-tensors itself, for the formats batchgen loads.
 """
 
 from __future__ import annotations
@@ -25,16 +26,23 @@ def _ct(fmt: str, bits: int, kind: str, strategy: str, group: int | None = None)
     weights = {"num_bits": bits, "type": kind, "strategy": strategy, "symmetric": True}
     if group:
         weights["group_size"] = group
+    scheme = {"targets": ["Linear"], "weights": weights, "format": fmt}
+    if fmt == "float-quantized":  # static activation scales (input_scale): not loaded yet
+        scheme["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "tensor"}
     return {
         "quant_method": "compressed-tensors",
         "format": fmt,
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "format": fmt}},
+        "config_groups": {"group_0": scheme},
         "ignore": ["lm_head"],
     }
 
 
 def _fp8(w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
     return {f"{name}.weight": w.to(FP8), f"{name}.weight_scale": torch.ones(w.shape[0], 1)}
+
+
+def _static_fp8(w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+    return {**_fp8(w, name), f"{name}.input_scale": torch.ones(1)}
 
 
 def _int8(w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
@@ -49,15 +57,6 @@ def _packed(w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
         f"{name}.weight_scale": torch.ones(out, n_in // 32),
         f"{name}.weight_shape": torch.tensor([out, n_in]),
     }
-
-
-def _block_fp8(w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
-    blocks = (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
-    return {f"{name}.weight": w.to(FP8), f"{name}.weight_scale_inv": torch.ones(blocks)}
-
-
-def _modelopt(w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
-    return {**_fp8(w, name), f"{name}.input_scale": torch.ones(())}
 
 
 def _gptq(w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
@@ -77,18 +76,12 @@ def _bnb(w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
 # family -> (quantization_config in config.json, or None; hf_quant_config.json, or None;
 # how one linear's weight is stored)
 FORMATS = {
-    "ct-fp8": (_ct("float-quantized", 8, "float", "channel"), None, _fp8),
-    "ct-int8": (_ct("int-quantized", 8, "int", "channel"), None, _int8),
+    "ct-fp8-static": (_ct("float-quantized", 8, "float", "channel"), None, _static_fp8),
     "ct-w4a16": (_ct("pack-quantized", 4, "int", "group", 32), None, _packed),
-    "block-fp8": (
-        {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
-        None,
-        _block_fp8,
-    ),
     "modelopt-fp8": (
         None,
         {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8"}},
-        _modelopt,
+        _static_fp8,
     ),
     "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}, None, _gptq),
     "awq": ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}, None, _gptq),
@@ -111,4 +104,68 @@ def declare_format(src: Path, dst: Path, family: str) -> Path:
         (dst / "config.json").write_text(json.dumps({**hf, "quantization_config": config}))
     if modelopt is not None:
         (dst / "hf_quant_config.json").write_text(json.dumps(modelopt))
+    return dst
+
+
+# compressed-tensors schemes as llm-compressor's presets write them (FP8_DYNAMIC, W8A8, W8A16),
+# with groups of 16 where a preset has 128 (the tiny models are 32 and 64 wide)
+FLOAT, INT = dict(num_bits=8, type="float"), dict(num_bits=8, type="int")
+TOKEN = dict(strategy="token", dynamic=True)
+# compressed-tensors would pack W8A16's int8 weights four to an int32 (pack-quantized, refused),
+# so that one is written as int-quantized (int8 tensors); per-tensor FP8 is naive-quantized.
+CT_SCHEMES = {
+    "fp8-dynamic": dict(
+        weights={**FLOAT, "strategy": "channel"}, input_activations={**FLOAT, **TOKEN}
+    ),
+    "fp8-tensor": dict(weights={**FLOAT, "strategy": "tensor"}),
+    "w8a8": dict(weights={**INT, "strategy": "channel"}, input_activations={**INT, **TOKEN}),
+    "w8a16-group": dict(weights={**INT, "strategy": "group", "group_size": 16}),
+}
+
+
+def _minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The observed range of w that args' scales cover (llm-compressor's min-max observer)."""
+    if args.strategy == "tensor":
+        return w.min().reshape(1), w.max().reshape(1)
+    if args.strategy == "channel":
+        return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    groups = w.view(w.shape[0], -1, args.group_size)
+    return groups.amin(-1), groups.amax(-1)
+
+
+def compress(src: Path, dst: Path, scheme: str) -> Path:
+    """dst: src's checkpoint quantized and saved by compressed-tensors as `scheme` of
+    CT_SCHEMES (weights' scales from their min and max, as llm-compressor's default observer
+    sets them; lm_head left in float), loadable by transformers."""
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    group = QuantizationScheme(targets=["Linear"], **CT_SCHEMES[scheme])
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": group}, ignore=["lm_head"])
+    )
+    with torch.no_grad():
+        for m in model.modules():
+            args = getattr(getattr(m, "quantization_scheme", None), "weights", None)
+            if args is None:
+                continue
+            scale, zero = calculate_qparams(*_minmax(m.weight, args), args)
+            m.weight_scale.copy_(scale.reshape(m.weight_scale.shape))
+            if hasattr(m, "weight_zero_point"):
+                m.weight_zero_point.copy_(zero.reshape(m.weight_zero_point.shape))
+    fmt = "int-quantized" if scheme == "w8a16-group" else None  # None: compressed-tensors' pick
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(dst)
+    compressor.update_config(dst)
+    for f in src.iterdir():  # tokenizer and generation config
+        if not (dst / f.name).exists():
+            shutil.copy(f, dst / f.name)
     return dst

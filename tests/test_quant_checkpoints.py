@@ -1,7 +1,7 @@
-"""Pre-quantized checkpoints: each format family users download is either loaded as its format
-says or refused before any weight is read, in one line naming the format and the fix (exit 2);
-never run as a wrong model (issue 39: compressed-tensors FP8 weights read without their scales
-ran and exited 0)."""
+"""Pre-quantized checkpoints batchgen does not load: each format family users download that is
+not loaded as its format says (test_quant_compressed_tensors.py) is refused before any weight
+is read, in one line naming the format and the fix (exit 2); never run as a wrong model (issue
+39: compressed-tensors FP8 weights read without their scales ran and exited 0)."""
 
 import pytest
 from helpers import assert_one_line_error, prompt_file, run_cli, run_job, run_plan
@@ -12,10 +12,8 @@ from batchgen.model.loader import load_model
 
 # family -> words the refusal names
 REFUSED = {
-    "ct-fp8": ("compressed-tensors float-quantized", "8-bit float"),
-    "ct-int8": ("compressed-tensors int-quantized", "8-bit int"),
+    "ct-fp8-static": ("compressed-tensors float-quantized", "8-bit float"),
     "ct-w4a16": ("compressed-tensors pack-quantized", "4-bit int", "per group"),
-    "block-fp8": ("fp8", "[128, 128]"),
     "modelopt-fp8": ("modelopt", "FP8"),
     "gptq": ("gptq", "4-bit"),
     "awq": ("awq", "4-bit"),

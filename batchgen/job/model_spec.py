@@ -38,7 +38,7 @@ from batchgen.model.lora import LoraAdapter, check_adapter
 from batchgen.model.multimodal import language_config
 from batchgen.model.tensor_parallel import check_sizes
 from batchgen.quant import QuantScheme, make_scheme
-from batchgen.quant.checkpoint_format import check_float_checkpoint
+from batchgen.quant.checkpoint_format import checkpoint_scheme
 
 DEFAULT_MODEL = Path(__file__).parents[1] / "assets" / "default-model"
 DTYPES = {
@@ -241,7 +241,10 @@ class ModelSpec:
         except ValueError as e:  # e.g. --device cuda on a machine without one
             raise ConfigError(str(e)) from None
         quant = make_scheme(quantize, quant_backend, dev, dt, group_size=quant_group_size)
-        check_float_checkpoint(model_dir, hf, DEQUANTIZED if impl is ModelImpl.TRANSFORMERS else ())
+        native = impl is ModelImpl.NATIVE  # a pre-quantized checkpoint's scheme, or refused:
+        dequantized = () if native else DEQUANTIZED
+        stored = checkpoint_scheme(model_dir, hf, dequantized, native, quantize, lora is not None)
+        quant = stored.quant_scheme() if stored is not None else quant
         tokenizer = load_tokenizer(model_dir, hf.get("model_type"))
         check_vocab(model_dir, len(tokenizer), model_cfg.vocab_size)
         gen = read_generation_config(model_dir)

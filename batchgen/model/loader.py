@@ -28,7 +28,15 @@ from batchgen.model.hf_config import config_from_hf, read_hf_config
 from batchgen.model.memory import check_allocation
 from batchgen.model.tensor_parallel import SINGLE, Copy, TPShard, local_config
 from batchgen.model.transformer import Transformer
-from batchgen.quant.checkpoint_format import check_float_checkpoint
+from batchgen.quant.activation_quant import quantize_inputs
+from batchgen.quant.checkpoint_format import checkpoint_scheme
+from batchgen.quant.prequantized import (
+    SCALE,
+    StoredScheme,
+    attach_scales,
+    scale_copy,
+    scale_rows,
+)
 
 
 def _checkpoint_files(path: Path, allow_pickle: bool) -> list[Path]:
@@ -98,6 +106,16 @@ def _take(tensor: Any, copy: Copy, transposed: bool) -> torch.Tensor:
     return t.t().contiguous() if transposed else t
 
 
+_STORED_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8}
+
+
+def _stored_dtype(tensor: Any) -> torch.dtype | None:
+    """A checkpoint tensor's dtype if it is one a pre-quantized weight is stored in."""
+    if hasattr(tensor, "get_dtype"):
+        return _STORED_DTYPES.get(tensor.get_dtype())
+    return tensor.dtype if tensor.dtype in _STORED_DTYPES.values() else None
+
+
 def load_state_dict(
     cfg: ModelConfig,
     files: list[Path],
@@ -105,40 +123,83 @@ def load_state_dict(
     device: torch.device,
     tp: TPShard = SINGLE,
     shapes: dict[str, torch.Size] | None = None,
+    stored: StoredScheme | None = None,
 ) -> dict[str, torch.Tensor]:
     """Rank tp's parameters, read from the checkpoint files slice by slice and moved straight
     to device/dtype. shapes: the local parameters' shapes (needed for fused matrices and
-    zero biases)."""
+    zero biases). stored: a pre-quantized checkpoint's scheme (quant/prequantized.py): its
+    stored weights keep their dtype, and each one's scale rows come as `<weight>.scale`."""
     out: dict[str, torch.Tensor] = {}
+    shapes = dict(shapes or {})
     filled: dict[str, int] = {}  # elements written into each fused matrix so far
+    scales: list[tuple[str, Any, Path]] = []  # (its weight's checkpoint name, scale, file)
+    stored_shapes: dict[str, tuple[int, int]] = {}  # checkpoint shapes of stored weights
     for name, tensor, file in _iter_tensors(files):
+        if stored is not None and name.endswith(f".{stored.scale_suffix}"):
+            scales.append((name.removesuffix(stored.scale_suffix) + "weight", tensor, file))
+            continue
         slot = weight_slot(cfg, name, tp)
         if slot is None:
             continue
+        keep = _stored_dtype(tensor) if stored is not None else None
+        if keep is not None:
+            stored_shapes[name] = tuple(_shape(tensor))
         for c in slot.copies:
             if c.zero:
                 out[slot.name] = torch.zeros(shapes[slot.name], device=device, dtype=dtype)
                 continue
             with _reading(file):
-                t = _take(tensor, c, slot.transposed).to(device=device, dtype=dtype)
-            if c.dst is None:
-                out[slot.name] = t
-                continue
-            if slot.name not in out:
-                out[slot.name] = torch.empty(shapes[slot.name], device=device, dtype=dtype)
-            want = out[slot.name][c.dst].shape
-            if t.shape != want:
-                raise ModelLoadError(
-                    f"the checkpoint's {name} does not match its config.json (size mismatch: "
-                    f"{tuple(t.shape)} read, {tuple(want)} expected for {slot.name}); the "
-                    "weights and config.json must come from the same model"
-                )
-            out[slot.name][c.dst].copy_(t)
-            filled[slot.name] = filled.get(slot.name, 0) + t.numel()
+                t = _take(tensor, c, slot.transposed).to(device=device, dtype=keep or dtype)
+            _put(out, filled, shapes, name, slot.name, c, t)
+    for name, tensor, file in scales:
+        slot = weight_slot(cfg, name, tp)
+        if slot is None:
+            continue
+        if name not in stored_shapes:
+            raise ModelLoadError(
+                f"the checkpoint has a scale for {name}, which is not stored as {stored.source} "
+                "weights are; the checkpoint and its quantization_config disagree"
+            )
+        with _reading(file):
+            rows = scale_rows(tensor[:], stored_shapes[name], stored).to(device)
+        key = slot.name + SCALE
+        shapes[key] = torch.Size((shapes[slot.name][0], rows.shape[1]))
+        for c in slot.copies:
+            _put(out, filled, shapes, name, key, c, _take(rows, scale_copy(c, stored), False))
     missing = sorted(k for k, n in filled.items() if n != shapes[k].numel())
     if missing:
         raise ModelLoadError(f"checkpoint is missing pieces of {missing}")
     return out
+
+
+def _shape(tensor: Any) -> list[int]:
+    return tensor.get_shape() if hasattr(tensor, "get_shape") else list(tensor.shape)
+
+
+def _put(
+    out: dict[str, torch.Tensor],
+    filled: dict[str, int],
+    shapes: dict[str, torch.Size],
+    name: str,
+    key: str,
+    c: Copy,
+    t: torch.Tensor,
+) -> None:
+    """t (checkpoint tensor name's slice c) into out[key], whole or into rows c.dst."""
+    if c.dst is None:
+        out[key] = t
+        return
+    if key not in out:
+        out[key] = torch.empty(shapes[key], device=t.device, dtype=t.dtype)
+    want = out[key][c.dst].shape
+    if t.shape != want or t.dtype != out[key].dtype:
+        raise ModelLoadError(
+            f"the checkpoint's {name} does not match its config.json (size mismatch: "
+            f"{tuple(t.shape)} {t.dtype} read, {tuple(want)} {out[key].dtype} expected for "
+            f"{key}); the weights and config.json must come from the same model"
+        )
+    out[key][c.dst].copy_(t)
+    filled[key] = filled.get(key, 0) + t.numel()
 
 
 def load_model(
@@ -159,7 +220,8 @@ def load_model(
         )
     hf = read_hf_config(path, native=False)
     cfg = cfg or config_from_hf(hf)
-    check_float_checkpoint(path, hf)  # never read quantized weights as if they were float
+    # never read quantized weights as if they were float: loaded as stored, or refused
+    stored = checkpoint_scheme(path, hf)
     device = torch.device(device)
     # The one table built from config.json alone, not read from the checkpoint: 10**9
     # positions would be a 16 GB allocation before any weight is read.
@@ -183,7 +245,11 @@ def load_model(
     who = f"rank {tp.rank}'s share of the weights" if tp.size > 1 else "the weights"
     fix = "--tensor-parallel-size (more ranks), --quantize or --dtype"
     check_allocation(nbytes, f"{who} ({path})", fix, device)
-    sd = load_state_dict(cfg, _checkpoint_files(path, allow_pickle), dtype, device, tp, shapes)
+    files = _checkpoint_files(path, allow_pickle)
+    sd = load_state_dict(cfg, files, dtype, device, tp, shapes, stored)
+    quantized: set[str] = set()
+    if stored is not None:  # each stored weight and its scale rows as one torchao tensor
+        quantized = attach_scales(sd, dtype, stored)
     head = sd.get("lm_head.weight")
     if cfg.tie_embeddings and head is not None and not torch.equal(head, sd["embed.weight"]):
         # As transformers does: a checkpoint's own head that differs from the embedding is
@@ -214,4 +280,6 @@ def load_model(
         ) from None
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
+    if stored is not None and stored.act_quant:  # W8A8: inputs quantized as the format does
+        quantize_inputs(model, sorted(k.removesuffix(".weight") for k in quantized), stored.weights)
     return model.eval().requires_grad_(False)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.errors import ModelLoadError
+from batchgen.quant.prequantized import StoredScheme, stored_scheme
 
 FIX = (
     "use the model's unquantized (bf16/fp16/fp32) release, with --quantize int8|int4|fp8 to "
@@ -133,22 +134,45 @@ def quantized_tensors(path: Path) -> list[str]:
     return found
 
 
-def check_float_checkpoint(path: Path, hf: dict, dequantized: Collection[str] = ()) -> None:
-    """ModelLoadError, one line, unless path holds float weights (or a format in dequantized,
-    which the implementation that runs it dequantizes at load: MXFP4 on the transformers
-    backend)."""
+def checkpoint_scheme(
+    path: Path,
+    hf: dict,
+    dequantized: Collection[str] = (),
+    native: bool = True,
+    quantize: str = "none",
+    lora: bool = False,
+) -> StoredScheme | None:
+    """The stored scheme of path's pre-quantized checkpoint that batchgen loads as it is (None:
+    float weights, or a format in dequantized, which the implementation that runs it
+    dequantizes at load: MXFP4 on the transformers backend). ModelLoadError, one line, for any
+    other quantized checkpoint; native: the implementation is batchgen's own decoder (the
+    transformers backend loads float weights only); quantize, lora: what is asked on top."""
     quant = read_checkpoint_quant(path, hf)
     if quant is not None and quant.method in dequantized:
-        return
-    if quant is not None:
+        return None
+    if quant is None:
+        found = quantized_tensors(path)
+        if found:
+            shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if found[3:] else "")
+            raise ModelLoadError(
+                f"{path} holds quantized tensors ({shown}) but its config.json declares no "
+                f"quantization_config, so their scheme is unknown; {FIX}"
+            )
+        return None
+    stored = stored_scheme(quant.config) if native else None
+    if stored is None:
+        where = "" if native else " on --model-impl transformers (use native)"
         raise ModelLoadError(
             f"{path} holds a pre-quantized checkpoint ({quant.description}), which batchgen "
-            f"does not load; {FIX}"
+            f"does not load{where}; {FIX}"
         )
-    found = quantized_tensors(path)
-    if found:
-        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    if quantize != "none":
         raise ModelLoadError(
-            f"{path} holds quantized tensors ({shown}) but its config.json declares no "
-            f"quantization_config, so their scheme is unknown; {FIX}"
+            f"{path} is already quantized ({quant.description}); drop --quantize {quantize}"
         )
+    if lora:
+        raise ModelLoadError(
+            f"a LoRA adapter cannot be merged into {path}'s quantized weights "
+            f"({quant.description}); use the model's unquantized release with the adapter"
+        )
+    return stored

@@ -92,6 +92,9 @@ class QuantScheme:
     unquantized: tuple[str, ...] = ()
     # the quantized layers where they are not TARGETS (the transformers backend's own names)
     modules: tuple[str, ...] = ()
+    # a pre-quantized checkpoint's own scheme, loaded as stored (quant/prequantized.py), e.g.
+    # "compressed-tensors float-quantized, per channel; ...": nothing is quantized at load
+    checkpoint: str | None = None
 
     def __post_init__(self) -> None:
         # Accept the plain strings the CLI and config files carry.
@@ -104,7 +107,7 @@ class QuantScheme:
             return
         if self.backend in (None, QuantBackend.AUTO):
             raise ValueError(f"quantize={self.method.value} needs a backend (torchao or quanto)")
-        if self.method is QuantMethod.INT4:
+        if self.method is QuantMethod.INT4 and self.checkpoint is None:
             if self.group_size not in INT4_GROUP_SIZES:
                 raise ValueError(
                     f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {self.group_size}"
@@ -160,4 +163,6 @@ class QuantScheme:
             out["int8_layers"] = {f"layers.*.{t}": f"{k} input features" for t, k in int8.items()}
         if self.unquantized:
             out["unquantized"] = list(self.unquantized)
+        if self.checkpoint:
+            out["checkpoint"] = self.checkpoint
         return out
