@@ -222,6 +222,11 @@ def load_model(
     cfg = cfg or config_from_hf(hf)
     # never read quantized weights as if they were float: loaded as stored, or refused
     stored = checkpoint_scheme(path, hf)
+    if stored is not None and cfg.n_experts:
+        raise ModelLoadError(
+            f"{path}: a MoE model's experts stored as {stored.source} are not loaded yet; use "
+            "the model's bf16 release (with --quantize for its attention)"
+        )
     device = torch.device(device)
     # The one table built from config.json alone, not read from the checkpoint: 10**9
     # positions would be a 16 GB allocation before any weight is read.

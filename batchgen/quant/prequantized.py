@@ -11,8 +11,10 @@ scale rows of its weight rows (a row-parallel layer, split along its input, keep
 or its blocks' columns). Scales are kept per row (`scale_rows`: a per-tensor scale repeated,
 a block's repeated over its rows), which is what makes fusing and splitting plain row copies.
 
-Activations: a checkpoint's dynamic per-token input quantization (W8A8) is applied as its
-format computes it (activation_quant.py); static input scales are not loaded yet (refused).
+Activations: a compressed-tensors checkpoint's dynamic per-token input quantization (W8A8) is
+applied as its format computes it (activation_quant.py); static input scales are not loaded
+yet (refused). Block FP8's activations stay in the model dtype, as transformers runs such a
+checkpoint without a GPU.
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ def _block_fp8(q: dict) -> StoredScheme | None:
         f"blocks of {block[0]}x{block[1]}",
         "weight_scale_inv",
         block=(block[0], block[1]),
-        activations="8-bit float, dynamic per block of a token",
+        # as transformers runs it without a GPU (it dequantizes); GPU kernels (DeepGEMM,
+        # vLLM) quantize them to fp8 per token and 128 features
+        activations="not quantized",
     )
 
 

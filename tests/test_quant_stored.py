@@ -1,9 +1,10 @@
-"""compressed-tensors checkpoints (FP8 per channel with dynamic fp8 activations, FP8 per
-tensor, W8A8 int8, W8A16 int8 in groups) written by compressed-tensors itself from the
-sharpened tiny Llama, loaded as stored (torchao Float8Tensor / Int8Tensor weights) and compared
-with transformers on the same checkpoint: greedy tokens, and logits to float32 rounding; one
-altered scale changes the tokens, and leaving out the activations' quantization moves the
-logits (negative controls)."""
+"""Pre-quantized checkpoints batchgen loads as stored (torchao Float8Tensor / Int8Tensor
+weights), made from the sharpened tiny Llama: compressed-tensors' (FP8 per channel with
+dynamic fp8 activations, FP8 per tensor, W8A8 int8, W8A16 int8 in groups), written by
+compressed-tensors itself, and fine-grained block FP8 (`weight_scale_inv`), written as
+DeepSeek's and Qwen3's are. Compared with transformers on the same checkpoint: greedy tokens,
+and logits to float32 rounding; one altered scale changes the tokens, and leaving out the
+activations' quantization moves the logits (negative controls)."""
 
 from types import SimpleNamespace
 
@@ -22,7 +23,7 @@ from helpers import (
     run_job,
 )
 from paged import all_logits
-from quant_checkpoints import CT_SCHEMES, compress
+from quant_checkpoints import CT_SCHEMES, block_fp8, compress
 from safetensors.torch import load_file, save_file
 from test_tensor_parallel import _whole_from_shards
 
@@ -36,12 +37,22 @@ PROMPTS = random_prompts([3, 11, 6, 17, 1])
 MAX_NEW = 12
 
 
+FORMATS = (*CT_SCHEMES, "block-fp8")
+
+
 @pytest.fixture(scope="module")
 def ct_dirs(hf_dirs, tmp_path_factory):
-    """scheme of CT_SCHEMES -> the sharpened tiny Llama (hidden 64) compressed as it."""
-    pytest.importorskip("compressed_tensors")
-    root = tmp_path_factory.mktemp("compressed")
-    return cached(lambda scheme: compress(hf_dirs("llama"), root / scheme, scheme))
+    """a scheme of CT_SCHEMES, or "block-fp8" -> the sharpened tiny Llama (hidden 64) stored
+    as it."""
+    root = tmp_path_factory.mktemp("stored")
+
+    def make(name: str):
+        if name == "block-fp8":
+            return block_fp8(hf_dirs("llama"), root / name)
+        pytest.importorskip("compressed_tensors")
+        return compress(hf_dirs("llama"), root / name, name)
+
+    return cached(make)
 
 
 def _tokens(model_dir, **kw) -> list[list[int]]:
@@ -55,7 +66,7 @@ def _hf_logits(model_dir, row: list[int]) -> torch.Tensor:
         return hf.eval()(torch.tensor([row])).logits[0]
 
 
-@pytest.mark.parametrize("scheme", sorted(CT_SCHEMES))
+@pytest.mark.parametrize("scheme", FORMATS)
 def test_greedy_tokens_and_logits_equal_transformers(scheme, ct_dirs, hf_dirs):
     d = ct_dirs(scheme)
     assert _tokens(d) == hf_greedy(d, PROMPTS, MAX_NEW)
@@ -68,9 +79,9 @@ def test_greedy_tokens_and_logits_equal_transformers(scheme, ct_dirs, hf_dirs):
     torch.testing.assert_close(all_logits(model, row), _hf_logits(d, row), rtol=0, atol=atol)
     llm = cpu_llm(d)
     q = llm.quant.to_dict()
-    assert q["method"] == ("fp8" if scheme.startswith("fp8") else "int8")
-    assert q["checkpoint"].startswith("compressed-tensors")
-    assert q["weight_format"] == ("Float8Tensor" if scheme.startswith("fp8") else "Int8Tensor")
+    assert q["method"] == ("int8" if scheme.startswith("w8") else "fp8")
+    assert q["checkpoint"].startswith("fp8 (block" if scheme == "block-fp8" else "compressed")
+    assert q["weight_format"] == ("Int8Tensor" if scheme.startswith("w8") else "Float8Tensor")
     # the decoder linears at a byte a weight (and their float32 scales), the rest float32
     linears = [b.get_submodule(t).weight for b in llm.model.layers for t in LINEAR_LAYERS]
     n = sum(w.qdata.numel() for w in linears)
@@ -90,7 +101,7 @@ def test_without_the_activations_quantization_the_logits_move(ct_dirs):
     assert (all_logits(model, row) - _hf_logits(d, row)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("scheme", ["fp8-dynamic", "w8a16-group"])
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "w8a16-group", "block-fp8"])
 def test_one_altered_scale_changes_the_tokens(scheme, ct_dirs, tmp_path):
     d = ct_dirs(scheme)
     want = hf_greedy(d, PROMPTS, MAX_NEW)
@@ -99,15 +110,17 @@ def test_one_altered_scale_changes_the_tokens(scheme, ct_dirs, tmp_path):
     for f in d.iterdir():
         (altered / f.name).write_bytes(f.read_bytes())
     tensors = load_file(altered / "model.safetensors")
-    tensors["model.layers.0.self_attn.k_proj.weight_scale"] *= 2
+    suffix = "weight_scale_inv" if scheme == "block-fp8" else "weight_scale"
+    tensors[f"model.layers.0.self_attn.k_proj.{suffix}"] *= 2
     save_file(tensors, altered / "model.safetensors", metadata={"format": "pt"})
     assert _tokens(altered) != want
 
 
-@pytest.mark.parametrize("scheme", ["fp8-tensor", "w8a16-group"])
+@pytest.mark.parametrize("scheme", ["fp8-tensor", "w8a16-group", "block-fp8"])
 def test_each_rank_loads_its_slices_of_weights_and_scales(scheme, ct_dirs):
     """Two ranks' quantized weights, dequantized and put together, are the one rank's: the
-    per-tensor scales of q, k, v follow their rows, the group scales the split columns."""
+    per-tensor scales of q, k, v follow their rows, the group and block scales the split
+    columns."""
     d = ct_dirs(scheme)
 
     def dequantized(model):
@@ -139,9 +152,17 @@ def test_token_quantization_is_compressed_tensors_own(kind):
     assert not torch.equal(got, x)
 
 
-def test_compiled_tokens_equal_transformers(ct_dirs):
-    d = ct_dirs("fp8-dynamic")
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "block-fp8"])
+def test_compiled_tokens_equal_transformers(scheme, ct_dirs):
+    d = ct_dirs(scheme)
     assert _tokens(d, compile=True) == hf_greedy(d, PROMPTS, MAX_NEW)
+
+
+def test_blocks_that_do_not_tile_a_weight_are_refused(hf_dirs, tmp_path):
+    d = block_fp8(hf_dirs("llama"), tmp_path / "b", block=(16, 48))  # 48 divides no width
+    src = prompt_file(tmp_path, 2)
+    r = run_job(src, tmp_path / "out", d, exit_code=2)
+    assert_one_line_error(r, "blocks of 16x48", "not a whole number of blocks")
 
 
 def test_run_records_the_checkpoints_scheme_and_bytes(ct_dirs, hf_dirs, tmp_path):
@@ -164,3 +185,9 @@ def test_quantize_lora_and_the_transformers_backend_are_refused(ct_dirs, hf_dirs
     make_adapter(hf_dirs("llama"), adapter, peft.LoraConfig(r=2, target_modules=["q_proj"]))
     r = run_job(src, tmp_path / "o3", d, "--lora", adapter, exit_code=2)
     assert_one_line_error(r, "LoRA adapter cannot be merged", "unquantized release")
+
+
+def test_a_moe_models_stored_checkpoint_is_refused(hf_dirs, tmp_path):
+    d = block_fp8(hf_dirs("qwen3_moe"), tmp_path / "moe")
+    r = run_job(prompt_file(tmp_path, 2), tmp_path / "out", d, exit_code=2)
+    assert_one_line_error(r, "MoE model's experts", "bf16 release")
