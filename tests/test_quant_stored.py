@@ -6,6 +6,7 @@ DeepSeek's and Qwen3's are. Compared with transformers on the same checkpoint: g
 and logits to float32 rounding; one altered scale changes the tokens, and leaving out the
 activations' quantization moves the logits (negative controls)."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,7 @@ from helpers import (
     random_prompts,
     read_stats,
     run_job,
+    run_plan,
 )
 from paged import all_logits
 from quant_checkpoints import CT_SCHEMES, block_fp8, compress
@@ -171,6 +173,13 @@ def test_run_records_the_checkpoints_scheme_and_bytes(ct_dirs, hf_dirs, tmp_path
     stats = read_stats(tmp_path / "out")
     assert "int-quantized" in stats["quantization"]["checkpoint"]
     assert stats["weights_bytes_per_rank"] == cpu_llm(ct_dirs("w8a8")).weights_bytes_per_rank
+    # plan counts the linears at a byte a weight (their scales and the norms aside)
+    plan = json.loads(run_plan(src, ct_dirs("w8a8"), "--json").stdout)
+    model = load_model(ct_dirs("w8a8"))
+    scales = sum(p.scale.numel() * 4 for p in model.parameters() if hasattr(p, "scale"))
+    norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
+    assert plan["weights_bytes_per_rank"] == stats["weights_bytes_per_rank"] - scales - norms
+    assert "int-quantized" in plan["weights_stored_as"]
 
 
 def test_quantize_lora_and_the_transformers_backend_are_refused(ct_dirs, hf_dirs, tmp_path):

@@ -36,6 +36,7 @@ from batchgen.quant.prequantized import (
     attach_scales,
     scale_copy,
     scale_rows,
+    stored_bytes,
 )
 
 
@@ -247,6 +248,8 @@ def load_model(
         )
         * dtype.itemsize
     )
+    if stored is not None:  # the decoder linears at a byte a weight
+        nbytes = stored_bytes(local_config(cfg, tp), dtype.itemsize)
     who = f"rank {tp.rank}'s share of the weights" if tp.size > 1 else "the weights"
     fix = "--tensor-parallel-size (more ranks), --quantize or --dtype"
     check_allocation(nbytes, f"{who} ({path})", fix, device)

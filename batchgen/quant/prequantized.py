@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.errors import ModelLoadError
+from batchgen.model.config import ModelConfig
 from batchgen.model.quiet_import import quiet_torchao
 from batchgen.model.tensor_parallel import Copy
 from batchgen.quant.scheme import QuantBackend, QuantMethod, QuantScheme
@@ -191,3 +192,13 @@ def attach_scales(sd: dict[str, torch.Tensor], dtype: torch.dtype, s: StoredSche
     for k in stored:
         sd[k] = quantized_weight(sd[k], scales[k], dtype, s)
     return stored
+
+
+def stored_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes of cfg's parameters (one rank's config) with the decoder linears stored at a byte
+    a weight and the rest at dtype_bytes; the scales (4 bytes a row, or a row's block) are
+    left out, under 1% for layers 256 or more wide."""
+    d, hd = cfg.dim, cfg.head_dim
+    attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * hd * d
+    mlp = (3 if cfg.gated_mlp else 2) * cfg.intermediate_size * d
+    return cfg.num_params * dtype_bytes - cfg.n_layers * (attn + mlp) * (dtype_bytes - 1)
