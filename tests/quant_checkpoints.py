@@ -27,14 +27,15 @@ def _ct(fmt: str, bits: int, kind: str, strategy: str, group: int | None = None)
     if group:
         weights["group_size"] = group
     scheme = {"targets": ["Linear"], "weights": weights, "format": fmt}
-    if fmt == "float-quantized":  # static activation scales (input_scale): not loaded yet
-        scheme["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "tensor"}
-    return {
+    config = {
         "quant_method": "compressed-tensors",
         "format": fmt,
         "config_groups": {"group_0": scheme},
         "ignore": ["lm_head"],
     }
+    if fmt == "float-quantized":  # an fp8 KV cache: not loaded yet
+        config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor"}
+    return config
 
 
 def _fp8(w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
@@ -76,11 +77,11 @@ def _bnb(w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
 # family -> (quantization_config in config.json, or None; hf_quant_config.json, or None;
 # how one linear's weight is stored)
 FORMATS = {
-    "ct-fp8-static": (_ct("float-quantized", 8, "float", "channel"), None, _static_fp8),
+    "ct-fp8-kv-cache": (_ct("float-quantized", 8, "float", "channel"), None, _static_fp8),
     "ct-w4a16": (_ct("pack-quantized", 4, "int", "group", 32), None, _packed),
-    "modelopt-fp8": (
+    "modelopt-nvfp4": (
         None,
-        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8"}},
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4"}},
         _static_fp8,
     ),
     "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}, None, _gptq),
@@ -118,6 +119,11 @@ CT_SCHEMES = {
         weights={**FLOAT, "strategy": "channel"}, input_activations={**FLOAT, **TOKEN}
     ),
     "fp8-tensor": dict(weights={**FLOAT, "strategy": "tensor"}),
+    # the FP8 preset: per-tensor weights, a static per-tensor scale for each layer's input
+    "fp8-static": dict(
+        weights={**FLOAT, "strategy": "tensor"},
+        input_activations={**FLOAT, "strategy": "tensor", "dynamic": False},
+    ),
     "w8a8": dict(weights={**INT, "strategy": "channel"}, input_activations={**INT, **TOKEN}),
     "w8a16-group": dict(weights={**INT, "strategy": "group", "group_size": 16}),
 }
@@ -131,6 +137,32 @@ def _minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
         return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
     groups = w.view(w.shape[0], -1, args.group_size)
     return groups.amin(-1), groups.amax(-1)
+
+
+def calibration_amax(model: torch.nn.Module, layers: list[torch.nn.Module]) -> dict:
+    """Each layer's largest input magnitude over 4 rows of 16 random tokens of the float model
+    (a min-max observer's range for a static input scale)."""
+    amax = {}
+
+    def observe(m, args):
+        amax[m] = max(amax.get(m, 0.0), args[0].abs().max().item())
+
+    hooks = [m.register_forward_pre_hook(observe) for m in layers]
+    with torch.no_grad():
+        model(torch.randint(2, 500, (4, 16), generator=torch.Generator().manual_seed(0)))
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+def _calibrate_inputs(model, args, calculate_qparams) -> None:
+    layers = [m for m in model.modules() if hasattr(m, "input_scale")]
+    for m in layers:  # observed on the float model, as llm-compressor's calibration does
+        m.quantization_enabled = False
+    for m, amax in calibration_amax(model, layers).items():
+        scale, _ = calculate_qparams(torch.tensor([-amax]), torch.tensor([amax]), args)
+        m.input_scale.data.copy_(scale.reshape(m.input_scale.shape))
+        m.quantization_enabled = True
 
 
 def compress(src: Path, dst: Path, scheme: str) -> Path:
@@ -161,6 +193,8 @@ def compress(src: Path, dst: Path, scheme: str) -> Path:
             if hasattr(m, "weight_zero_point"):
                 m.weight_zero_point.copy_(zero.reshape(m.weight_zero_point.shape))
     fmt = "int-quantized" if scheme == "w8a16-group" else None  # None: compressed-tensors' pick
+    if group.input_activations is not None and not group.input_activations.dynamic:
+        _calibrate_inputs(model, group.input_activations, calculate_qparams)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(dst)
@@ -200,3 +234,54 @@ def block_fp8(src: Path, dst: Path, block: tuple[int, int] = (16, 32)) -> Path:
     }
     (dst / "config.json").write_text(json.dumps(hf))
     return dst
+
+
+def modelopt_fp8(src: Path, dst: Path) -> Path:
+    """dst: src's checkpoint as NVIDIA ModelOpt exports FP8 (`hf_quant_config.json`,
+    quant_algo FP8): each decoder linear's weight in fp8 e4m3 with a per-tensor `weight_scale`
+    (its largest magnitude / 448) and a static per-tensor `input_scale` (its input's largest
+    magnitude over a calibration batch / 448)."""
+    import transformers
+
+    shutil.copytree(src, dst)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    layers = {n: m for n, m in model.named_modules() if n.endswith(LINEARS)}
+    amax = calibration_amax(model, list(layers.values()))
+    tensors = load_file(dst / "model.safetensors")
+    fp8_max = torch.finfo(FP8).max
+    for name, m in layers.items():
+        w = tensors.pop(f"{name}.weight")
+        scale = w.abs().max() / fp8_max
+        tensors[f"{name}.weight"] = (w / scale).to(FP8)
+        tensors[f"{name}.weight_scale"] = scale.reshape(())
+        tensors[f"{name}.input_scale"] = torch.tensor(amax[m] / fp8_max)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    quant = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+    (dst / "hf_quant_config.json").write_text(
+        json.dumps({"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": quant})
+    )
+    return dst
+
+
+def modelopt_reference(src: Path, checkpoint: Path):
+    """transformers' float model of src with checkpoint's ModelOpt FP8 weights dequantized
+    and each linear's input quantized to fp8 with its static input_scale and back: the model
+    the checkpoint describes (transformers does not load ModelOpt checkpoints on the CPU)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tensors = load_file(checkpoint / "model.safetensors")
+    fp8_max = torch.finfo(FP8).max
+
+    def quantize_input(scale):
+        return lambda _m, args: (
+            (args[0] / scale).clamp(-fp8_max, fp8_max).to(FP8).float() * scale,
+        )
+
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if name.endswith(LINEARS):
+                w, s = tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"]
+                m.weight.copy_(w.float() * s)
+                m.register_forward_pre_hook(quantize_input(tensors[f"{name}.input_scale"]))
+    return model.eval()

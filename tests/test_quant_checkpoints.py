@@ -12,9 +12,9 @@ from batchgen.model.loader import load_model
 
 # family -> words the refusal names
 REFUSED = {
-    "ct-fp8-static": ("compressed-tensors float-quantized", "8-bit float"),
+    "ct-fp8-kv-cache": ("compressed-tensors float-quantized", "8-bit float"),
     "ct-w4a16": ("compressed-tensors pack-quantized", "4-bit int", "per group"),
-    "modelopt-fp8": ("modelopt", "FP8"),
+    "modelopt-nvfp4": ("modelopt", "NVFP4"),
     "gptq": ("gptq", "4-bit"),
     "awq": ("awq", "4-bit"),
     "bitsandbytes": ("bitsandbytes",),
@@ -40,7 +40,7 @@ def test_unsupported_formats_are_refused_in_one_line_before_loading(family, quan
         load_model(quantized[family])
 
 
-@pytest.mark.parametrize("family", ["undeclared-fp8", "modelopt-fp8"])
+@pytest.mark.parametrize("family", ["undeclared-fp8", "modelopt-nvfp4"])
 def test_the_transformers_backend_refuses_them_too(family, quantized, tmp_path):
     """A format transformers' config check does not see (no quantization_config)."""
     src = prompt_file(tmp_path, 2)

@@ -16,6 +16,7 @@ from helpers import (
     assert_one_line_error,
     cached,
     cpu_llm,
+    hf_generate,
     hf_greedy,
     make_adapter,
     prompt_file,
@@ -25,7 +26,7 @@ from helpers import (
     run_plan,
 )
 from paged import all_logits
-from quant_checkpoints import CT_SCHEMES, block_fp8, compress
+from quant_checkpoints import CT_SCHEMES, block_fp8, compress, modelopt_fp8, modelopt_reference
 from safetensors.torch import load_file, save_file
 from test_tensor_parallel import _whole_from_shards
 
@@ -39,7 +40,7 @@ PROMPTS = random_prompts([3, 11, 6, 17, 1])
 MAX_NEW = 12
 
 
-FORMATS = (*CT_SCHEMES, "block-fp8")
+FORMATS = (*CT_SCHEMES, "block-fp8")  # those transformers loads on the CPU
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,8 @@ def ct_dirs(hf_dirs, tmp_path_factory):
     def make(name: str):
         if name == "block-fp8":
             return block_fp8(hf_dirs("llama"), root / name)
+        if name == "modelopt-fp8":
+            return modelopt_fp8(hf_dirs("llama"), root / name)
         pytest.importorskip("compressed_tensors")
         return compress(hf_dirs("llama"), root / name, name)
 
@@ -92,10 +95,11 @@ def test_greedy_tokens_and_logits_equal_transformers(scheme, ct_dirs, hf_dirs):
     assert llm.weights_bytes_per_rank == float_bytes - 3 * n + scales
 
 
-def test_without_the_activations_quantization_the_logits_move(ct_dirs):
-    """The per-token input quantization is what the checkpoint computes: left out, the logits
-    are 1e-3 and more away from transformers' (with it, 1e-5 above)."""
-    d, row = ct_dirs("fp8-dynamic"), PROMPTS[3]
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "fp8-static"])
+def test_without_the_activations_quantization_the_logits_move(scheme, ct_dirs):
+    """The input quantization (per token, or static) is what the checkpoint computes: left
+    out, the logits are 1e-3 and more away from transformers' (with it, 1e-5 above)."""
+    d, row = ct_dirs(scheme), PROMPTS[3]
     model = load_model(d)
     for m in model.modules():
         if hasattr(m, "input_quant"):
@@ -103,10 +107,10 @@ def test_without_the_activations_quantization_the_logits_move(ct_dirs):
     assert (all_logits(model, row) - _hf_logits(d, row)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("scheme", ["fp8-dynamic", "w8a16-group", "block-fp8"])
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "w8a16-group", "block-fp8", "modelopt-fp8"])
 def test_one_altered_scale_changes_the_tokens(scheme, ct_dirs, tmp_path):
     d = ct_dirs(scheme)
-    want = hf_greedy(d, PROMPTS, MAX_NEW)
+    want = _tokens(d)
     altered = tmp_path / "altered"
     altered.mkdir()
     for f in d.iterdir():
@@ -158,6 +162,19 @@ def test_token_quantization_is_compressed_tensors_own(kind):
 def test_compiled_tokens_equal_transformers(scheme, ct_dirs):
     d = ct_dirs(scheme)
     assert _tokens(d, compile=True) == hf_greedy(d, PROMPTS, MAX_NEW)
+
+
+def test_modelopt_fp8_equals_the_dequantized_reference(ct_dirs, hf_dirs):
+    """ModelOpt's FP8 (hf_quant_config.json; static input scales), which transformers does not
+    load on the CPU, against the model it describes built in transformers by hand."""
+    d, row = ct_dirs("modelopt-fp8"), PROMPTS[3]
+    ref = modelopt_reference(hf_dirs("llama"), d)
+    want = [r[: r.index(1) + 1] if 1 in r else r for r in hf_generate(ref, PROMPTS, MAX_NEW, 1)]
+    assert _tokens(d) == want
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([row])).logits[0]
+    torch.testing.assert_close(all_logits(load_model(d), row), ref_logits, rtol=0, atol=1e-5)
+    assert "modelopt FP8" in cpu_llm(d).quant.to_dict()["checkpoint"]
 
 
 def test_blocks_that_do_not_tile_a_weight_are_refused(hf_dirs, tmp_path):

@@ -31,6 +31,7 @@ from batchgen.model.transformer import Transformer
 from batchgen.quant.activation_quant import quantize_inputs
 from batchgen.quant.checkpoint_format import checkpoint_scheme
 from batchgen.quant.prequantized import (
+    INPUT_SCALE,
     SCALE,
     StoredScheme,
     attach_scales,
@@ -135,9 +136,16 @@ def load_state_dict(
     filled: dict[str, int] = {}  # elements written into each fused matrix so far
     scales: list[tuple[str, Any, Path]] = []  # (its weight's checkpoint name, scale, file)
     stored_shapes: dict[str, tuple[int, int]] = {}  # checkpoint shapes of stored weights
+    inputs: dict[str, list[torch.Tensor]] = {}  # static input scales, by our weight's name
     for name, tensor, file in _iter_tensors(files):
         if stored is not None and name.endswith(f".{stored.scale_suffix}"):
             scales.append((name.removesuffix(stored.scale_suffix) + "weight", tensor, file))
+            continue
+        if stored is not None and stored.act == "static" and name.endswith(".input_scale"):
+            slot = weight_slot(cfg, name.removesuffix("input_scale") + "weight", tp)
+            if slot is not None:
+                with _reading(file):
+                    inputs.setdefault(slot.name, []).append(tensor[...].float().reshape(()))
             continue
         slot = weight_slot(cfg, name, tp)
         if slot is None:
@@ -162,11 +170,19 @@ def load_state_dict(
                 "weights are; the checkpoint and its quantization_config disagree"
             )
         with _reading(file):
-            rows = scale_rows(tensor[:], stored_shapes[name], stored).to(device)
+            rows = scale_rows(tensor[...], stored_shapes[name], stored).to(device)
         key = slot.name + SCALE
         shapes[key] = torch.Size((shapes[slot.name][0], rows.shape[1]))
         for c in slot.copies:
             _put(out, filled, shapes, name, key, c, _take(rows, scale_copy(c, stored), False))
+    for key, pieces in inputs.items():  # q, k, v (gate, up) share one input, so one scale
+        if any(not torch.equal(p, pieces[0]) for p in pieces):
+            raise ModelLoadError(
+                f"the checkpoint's static input scales of the layers fused into {key} differ "
+                f"({', '.join(f'{p.item():g}' for p in pieces)}); batchgen runs them as one "
+                "layer with one input scale; use the model's bf16 release"
+            )
+        out[key.removesuffix(".weight") + INPUT_SCALE] = pieces[0].to(device)
     missing = sorted(k for k, n in filled.items() if n != shapes[k].numel())
     if missing:
         raise ModelLoadError(f"checkpoint is missing pieces of {missing}")
@@ -256,6 +272,7 @@ def load_model(
     files = _checkpoint_files(path, allow_pickle)
     sd = load_state_dict(cfg, files, dtype, device, tp, shapes, stored)
     quantized: set[str] = set()
+    static = {k.removesuffix(INPUT_SCALE): sd.pop(k) for k in list(sd) if k.endswith(INPUT_SCALE)}
     if stored is not None:  # each stored weight and its scale rows as one torchao tensor
         quantized = attach_scales(sd, dtype, stored)
     head = sd.get("lm_head.weight")
@@ -288,6 +305,10 @@ def load_model(
         ) from None
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    if stored is not None and stored.act_quant:  # W8A8: inputs quantized as the format does
-        quantize_inputs(model, sorted(k.removesuffix(".weight") for k in quantized), stored.weights)
+    if stored is not None and stored.act:  # W8A8: inputs quantized as the format does
+        layers = sorted(k.removesuffix(".weight") for k in quantized)
+        missing = sorted(set(layers) - set(static)) if stored.act == "static" else []
+        if missing:
+            raise ModelLoadError(f"the checkpoint has no input_scale for {missing[0]}")
+        quantize_inputs(model, layers, stored.weights, static if stored.act == "static" else None)
     return model.eval().requires_grad_(False)

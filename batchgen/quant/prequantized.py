@@ -11,10 +11,11 @@ scale rows of its weight rows (a row-parallel layer, split along its input, keep
 or its blocks' columns). Scales are kept per row (`scale_rows`: a per-tensor scale repeated,
 a block's repeated over its rows), which is what makes fusing and splitting plain row copies.
 
-Activations: a compressed-tensors checkpoint's dynamic per-token input quantization (W8A8) is
-applied as its format computes it (activation_quant.py); static input scales are not loaded
-yet (refused). Block FP8's activations stay in the model dtype, as transformers runs such a
-checkpoint without a GPU.
+Activations: a checkpoint's input quantization (W8A8: dynamic per token, or a static
+per-tensor `input_scale` per layer) is applied as its format computes it (activation_quant.py);
+the layers fused into one (q, k, v; gate, up) take one input, so their static scales must be
+equal (calibrated on that one input, they are), else the checkpoint is refused. Block FP8's
+activations stay in the model dtype, as transformers runs such a checkpoint without a GPU.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from batchgen.model.tensor_parallel import Copy
 from batchgen.quant.scheme import QuantBackend, QuantMethod, QuantScheme
 
 SCALE = ".scale"  # our key of a weight's scale rows: "layers.0.attn.wqkv.weight.scale"
+INPUT_SCALE = ".input_scale"  # our key of a layer's static input scale, by its weight's
 _DTYPES = {"fp8": (torch.float8_e4m3fn,), "int8": (torch.int8,)}
 
 
@@ -43,7 +45,9 @@ class StoredScheme:
     scale_suffix: str  # the checkpoint's scale name after the module's: "weight_scale"
     block: tuple[int, int] | None = None  # (rows, columns) a block (or group) scale covers
     activations: str = "not quantized"  # what the checkpoint does to them
-    act_quant: bool = False  # inputs quantized per token as stored weights are (activation_quant)
+    # the layers' inputs quantized as the checkpoint does (activation_quant.py): "dynamic"
+    # (a scale per token) or "static" (the checkpoint's input_scale per layer); None: not
+    act: str | None = None
 
     def quant_scheme(self) -> QuantScheme:
         """The run's QuantScheme: the checkpoint's, recorded as such (stats, compile cache)."""
@@ -75,14 +79,16 @@ def _compressed_tensors(q: dict) -> StoredScheme | None:
         return None
     if group.get("output_activations") or group.get("targets") != ["Linear"]:
         return None
-    acts, act_quant = "not quantized", False
+    acts, how = "not quantized", None
     if act:
-        dynamic_token = act.get("dynamic") is True and act.get("strategy") == "token"
-        if act.get("type") != w.get("type") or act.get("num_bits") != 8 or not dynamic_token:
-            return None  # static input scales: not yet
+        how = {("token", True): "dynamic", ("tensor", False): "static"}.get(
+            (act.get("strategy"), bool(act.get("dynamic")))
+        )
+        if act.get("type") != w.get("type") or act.get("num_bits") != 8 or how is None:
+            return None
         if not act.get("symmetric", True):
             return None
-        acts, act_quant = f"8-bit {act['type']}, dynamic per token", True
+        acts = f"8-bit {act['type']}, {how} per {act['strategy']}"
     return StoredScheme(
         f"compressed-tensors {next(iter(fmt))}",
         kind,
@@ -90,7 +96,7 @@ def _compressed_tensors(q: dict) -> StoredScheme | None:
         "weight_scale",
         block=(1, size) if size else None,
         activations=acts,
-        act_quant=act_quant,
+        act=how,
     )
 
 
@@ -112,6 +118,15 @@ def _block_fp8(q: dict) -> StoredScheme | None:
     )
 
 
+def _modelopt(q: dict) -> StoredScheme | None:
+    """NVIDIA ModelOpt's FP8: fp8 weights with a per-tensor weight_scale, and a static
+    per-tensor input_scale for each layer's input."""
+    if q.get("quant_algo") != "FP8" or q.get("kv_cache_quant_algo"):
+        return None
+    static = "8-bit float, static per tensor"
+    return StoredScheme("modelopt FP8", "fp8", "per tensor", "weight_scale", None, static, "static")
+
+
 def stored_scheme(q: dict) -> StoredScheme | None:
     """The scheme a quantization_config declares, if batchgen loads it; None otherwise."""
     method = q.get("quant_method")
@@ -119,6 +134,8 @@ def stored_scheme(q: dict) -> StoredScheme | None:
         return _compressed_tensors(q)
     if method == "fp8":
         return _block_fp8(q)
+    if method == "modelopt":
+        return _modelopt(q)
     return None
 
 
