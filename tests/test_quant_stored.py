@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from test_tensor_parallel import _whole_from_shards
 
 from batchgen.engine.sequence import SamplingParams
+from batchgen.llm import LLM
 from batchgen.model.loader import load_model
 from batchgen.model.tensor_parallel import TPShard
 from batchgen.model.transformer import LINEAR_LAYERS
@@ -156,6 +157,15 @@ def test_token_quantization_is_compressed_tensors_own(kind):
     got = TokenQuant("fp8" if kind == "float" else "int8")(x.reshape(-1, 64)).reshape(x.shape)
     assert torch.equal(got, want)
     assert not torch.equal(got, x)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-static", "w8a16-group"])
+def test_two_ranks_give_transformers_tokens(scheme, ct_dirs):
+    """Rank processes, each with its slices, its scales and its static input scales."""
+    d = ct_dirs(scheme)
+    with LLM(d, device="cpu", dtype="float32", compile=False, tensor_parallel_size=2) as llm:
+        got = [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))]
+    assert got == hf_greedy(d, PROMPTS, MAX_NEW)
 
 
 @pytest.mark.parametrize("scheme", ["fp8-dynamic", "block-fp8"])
