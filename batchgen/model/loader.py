@@ -150,7 +150,12 @@ def load_state_dict(
         slot = weight_slot(cfg, name, tp)
         if slot is None:
             continue
-        keep = _stored_dtype(tensor) if stored is not None else None
+        keep = _stored_dtype(tensor)
+        if keep is not None and stored is None:  # a caller that skipped checkpoint_scheme
+            raise ModelLoadError(
+                f"{file}: {name} is stored as {keep} and no quantization scheme was read for "
+                "it; load the model through LLM or batchgen run, which read the checkpoint's"
+            )
         if keep is not None:
             stored_shapes[name] = tuple(_shape(tensor))
         for c in slot.copies:
@@ -226,19 +231,22 @@ def load_model(
     allow_pickle: bool = False,
     cfg: ModelConfig | None = None,
     tp: TPShard = SINGLE,
+    stored: StoredScheme | None = None,
 ) -> Transformer:
     """The model in path (rank tp's part of it); cfg: its config.json, already read
-    (ModelSpec), else read here."""
+    (ModelSpec), with stored, the checkpoint's stored scheme ModelSpec found
+    (checkpoint_format.py); else both read here."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(
             f"model directory {path} does not exist. Pass --model a local directory saved with "
             "save_pretrained; batchgen never downloads from a hub."
         )
-    hf = read_hf_config(path, native=False)
-    cfg = cfg or config_from_hf(hf)
-    # never read quantized weights as if they were float: loaded as stored, or refused
-    stored = checkpoint_scheme(path, hf)
+    if cfg is None:
+        hf = read_hf_config(path, native=False)
+        cfg = config_from_hf(hf)
+        # never read quantized weights as if they were float: loaded as stored, or refused
+        stored = checkpoint_scheme(path, hf)
     if stored is not None and cfg.n_experts:
         raise ModelLoadError(
             f"{path}: a MoE model's experts stored as {stored.source} are not loaded yet; use "

@@ -81,7 +81,13 @@ def load_rank_model(
     # and quantizes it there, so the device never holds the float model.
     load_device = torch.device("cpu") if spec.quant.enabled else device
     model = load_model(
-        spec.model_dir, spec.dtype, load_device, spec.allow_pickle, cfg=spec.model_cfg, tp=tp
+        spec.model_dir,
+        spec.dtype,
+        load_device,
+        spec.allow_pickle,
+        cfg=spec.model_cfg,
+        tp=tp,
+        stored=spec.quant.stored,  # a pre-quantized checkpoint's scheme, read by ModelSpec
     )
     # Merged before quantizing, into the float weights (this rank's slice of each update).
     lora = None

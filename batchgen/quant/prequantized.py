@@ -49,10 +49,12 @@ class StoredScheme:
     # (a scale per token) or "static" (the checkpoint's input_scale per layer); None: not
     act: str | None = None
 
+    def describe(self) -> str:
+        return f"{self.source}, {self.granularity}; activations: {self.activations}"
+
     def quant_scheme(self) -> QuantScheme:
         """The run's QuantScheme: the checkpoint's, recorded as such (stats, compile cache)."""
-        what = f"{self.source}, {self.granularity}; activations: {self.activations}"
-        return QuantScheme(QuantMethod(self.weights), QuantBackend.TORCHAO, checkpoint=what)
+        return QuantScheme(QuantMethod(self.weights), QuantBackend.TORCHAO, stored=self)
 
 
 def _compressed_tensors(q: dict) -> StoredScheme | None:

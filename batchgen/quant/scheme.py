@@ -9,12 +9,16 @@ dtype; asking for anything else raises `QuantUnavailableError` naming what does 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from batchgen.choices import QuantBackend, QuantMethod  # declared once, with the other options
 from batchgen.errors import QuantUnavailableError
 from batchgen.model.transformer import LINEAR_LAYERS
+
+if TYPE_CHECKING:
+    from batchgen.quant.prequantized import StoredScheme
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP_SIZE = 128  # torchao's default; quanto's CUDA int4 kernels need 128
@@ -92,9 +96,9 @@ class QuantScheme:
     unquantized: tuple[str, ...] = ()
     # the quantized layers where they are not TARGETS (the transformers backend's own names)
     modules: tuple[str, ...] = ()
-    # a pre-quantized checkpoint's own scheme, loaded as stored (quant/prequantized.py), e.g.
-    # "compressed-tensors float-quantized, per channel; ...": nothing is quantized at load
-    checkpoint: str | None = None
+    # a pre-quantized checkpoint's own scheme, loaded as stored (quant/prequantized.py):
+    # nothing is quantized at load
+    stored: StoredScheme | None = None
 
     def __post_init__(self) -> None:
         # Accept the plain strings the CLI and config files carry.
@@ -120,6 +124,12 @@ class QuantScheme:
     @property
     def enabled(self) -> bool:
         return self.method is not QuantMethod.NONE
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The stored checkpoint's scheme in words, e.g. "compressed-tensors float-quantized,
+        per channel; activations: 8-bit float, dynamic per token"; None: quantized at load."""
+        return None if self.stored is None else self.stored.describe()
 
     def group_size_of(self, target: str) -> int | None:
         """The group size the target layer (e.g. "mlp.w_out") is quantized with."""
