@@ -194,6 +194,12 @@ def test_blocks_that_do_not_tile_a_weight_are_refused(hf_dirs, tmp_path):
     assert_one_line_error(r, "blocks of 16x48", "not a whole number of blocks")
 
 
+def test_eager_fp8_on_the_cpu_says_to_compile(ct_dirs, caplog):
+    with caplog.at_level("WARNING"):
+        cpu_llm(ct_dirs("block-fp8"))
+    assert "pass --compile" in caplog.text
+
+
 def test_run_records_the_checkpoints_scheme_and_bytes(ct_dirs, hf_dirs, tmp_path):
     src = prompt_file(tmp_path, 2)
     run_job(src, tmp_path / "out", ct_dirs("w8a8"), "--max-new-tokens", 4)
