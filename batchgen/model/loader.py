@@ -1,19 +1,18 @@
 """Hugging Face checkpoint directories -> our Transformer.
 
-With hf_config.py (config.json's keys per family) and checkpoint_names.py (each tensor's
-name and where it goes), the one place that knows file formats. The model is built on the
-meta device and each tensor is cast and moved straight to its target, so a 16 GB checkpoint
-never has a float32 copy in host memory. A tensor-parallel rank builds its part of the model
-(tensor_parallel.local_config) and reads only its slices of each tensor: no rank ever holds
-the whole model.
+With hf_config.py (config.json's keys per family), checkpoint_names.py (each tensor's
+name and where it goes) and checkpoint_files.py (the weight files and their tensors), the one
+place that knows file formats. The model is built on the meta device and each tensor is cast
+and moved straight to its target, so a 16 GB checkpoint never has a float32 copy in host
+memory. A tensor-parallel rank builds its part of the model (tensor_parallel.local_config)
+and reads only its slices of each tensor: no rank ever holds the whole model. A pre-quantized
+checkpoint's weights keep their stored dtype and come with their scales
+(quant/prequantized.py); one batchgen does not load is refused before any weight is read
+(quant/checkpoint_format.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import pickle
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,14 @@ from typing import Any
 import torch
 
 from batchgen.errors import ModelLoadError
+from batchgen.model.checkpoint_files import (
+    checkpoint_files,
+    iter_tensors,
+    reading,
+    shape_of,
+    stored_dtype,
+    take,
+)
 from batchgen.model.checkpoint_names import weight_slot
 from batchgen.model.config import ModelConfig
 from batchgen.model.gemma import decoder_class
@@ -39,83 +46,6 @@ from batchgen.quant.prequantized import (
     scale_rows,
     stored_bytes,
 )
-
-
-def _checkpoint_files(path: Path, allow_pickle: bool) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
-    single = sorted(path.glob("*.safetensors"))
-    if single:
-        return single
-    pickles = sorted(path.glob("pytorch_model*.bin"))
-    if pickles and allow_pickle:
-        return pickles
-    if pickles:
-        raise ModelLoadError(
-            f"{path} holds only pickle checkpoints ({pickles[0].name}); pickle files can run code "
-            "when loaded. Convert to safetensors, or pass --allow-pickle if you trust the file."
-        )
-    raise ModelLoadError(f"no *.safetensors weights in {path}")
-
-
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Any, Path]]:
-    """(name, tensor, file) of every checkpoint tensor; a safetensors tensor comes as a slice
-    handle, so a rank reads only the bytes of its part (`_take`)."""
-    from safetensors import safe_open
-
-    for f in files:
-        with _reading(f):
-            if f.suffix == ".bin":
-                tensors = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-                for name, t in tensors.items():
-                    yield name, t, f
-                continue
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, sf.get_slice(name), f
-
-
-@contextlib.contextmanager
-def _reading(f: Path) -> Iterator[None]:
-    """A failed read of weights file f as a one-line ModelLoadError."""
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except pickle.UnpicklingError as e:
-        # weights_only=True refuses objects other than tensors, which is what allows it;
-        # torch's message goes on for a page, its first sentence says what happened.
-        first = str(e).split(".")[0]
-        raise ModelLoadError(
-            f"cannot read weights file {f}: it holds more than tensors, or is not a PyTorch "
-            f"checkpoint ({first}); convert a trusted copy to safetensors"
-        ) from None
-    except (OSError, RuntimeError, ValueError, EOFError, SafetensorError) as e:
-        raise ModelLoadError(f"cannot read weights file {f}: {e}") from e
-
-
-def _take(tensor: Any, copy: Copy, transposed: bool) -> torch.Tensor:
-    """copy's slice of a checkpoint tensor (a safetensors slice handle or a tensor)."""
-    if copy.src is None:
-        t = tensor[:]
-    else:
-        shape = tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape
-        index = [slice(None)] * len(shape)
-        index[1 - copy.dim if transposed else copy.dim] = copy.src
-        t = tensor[tuple(index)]
-    return t.t().contiguous() if transposed else t
-
-
-_STORED_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8}
-
-
-def _stored_dtype(tensor: Any) -> torch.dtype | None:
-    """A checkpoint tensor's dtype if it is one a pre-quantized weight is stored in."""
-    if hasattr(tensor, "get_dtype"):
-        return _STORED_DTYPES.get(tensor.get_dtype())
-    return tensor.dtype if tensor.dtype in _STORED_DTYPES.values() else None
 
 
 def load_state_dict(
@@ -137,33 +67,33 @@ def load_state_dict(
     scales: list[tuple[str, Any, Path]] = []  # (its weight's checkpoint name, scale, file)
     stored_shapes: dict[str, tuple[int, int]] = {}  # checkpoint shapes of stored weights
     inputs: dict[str, list[torch.Tensor]] = {}  # static input scales, by our weight's name
-    for name, tensor, file in _iter_tensors(files):
+    for name, tensor, file in iter_tensors(files):
         if stored is not None and name.endswith(f".{stored.scale_suffix}"):
             scales.append((name.removesuffix(stored.scale_suffix) + "weight", tensor, file))
             continue
         if stored is not None and stored.act == "static" and name.endswith(".input_scale"):
             slot = weight_slot(cfg, name.removesuffix("input_scale") + "weight", tp)
             if slot is not None:
-                with _reading(file):
+                with reading(file):
                     inputs.setdefault(slot.name, []).append(tensor[...].float().reshape(()))
             continue
         slot = weight_slot(cfg, name, tp)
         if slot is None:
             continue
-        keep = _stored_dtype(tensor)
+        keep = stored_dtype(tensor)
         if keep is not None and stored is None:  # a caller that skipped checkpoint_scheme
             raise ModelLoadError(
                 f"{file}: {name} is stored as {keep} and no quantization scheme was read for "
                 "it; load the model through LLM or batchgen run, which read the checkpoint's"
             )
         if keep is not None:
-            stored_shapes[name] = tuple(_shape(tensor))
+            stored_shapes[name] = tuple(shape_of(tensor))
         for c in slot.copies:
             if c.zero:
                 out[slot.name] = torch.zeros(shapes[slot.name], device=device, dtype=dtype)
                 continue
-            with _reading(file):
-                t = _take(tensor, c, slot.transposed).to(device=device, dtype=keep or dtype)
+            with reading(file):
+                t = take(tensor, c, slot.transposed).to(device=device, dtype=keep or dtype)
             _put(out, filled, shapes, name, slot.name, c, t)
     for name, tensor, file in scales:
         slot = weight_slot(cfg, name, tp)
@@ -174,12 +104,12 @@ def load_state_dict(
                 f"the checkpoint has a scale for {name}, which is not stored as {stored.source} "
                 "weights are; the checkpoint and its quantization_config disagree"
             )
-        with _reading(file):
+        with reading(file):
             rows = scale_rows(tensor[...], stored_shapes[name], stored).to(device)
         key = slot.name + SCALE
         shapes[key] = torch.Size((shapes[slot.name][0], rows.shape[1]))
         for c in slot.copies:
-            _put(out, filled, shapes, name, key, c, _take(rows, scale_copy(c, stored), False))
+            _put(out, filled, shapes, name, key, c, take(rows, scale_copy(c, stored), False))
     for key, pieces in inputs.items():  # q, k, v (gate, up) share one input, so one scale
         if any(not torch.equal(p, pieces[0]) for p in pieces):
             raise ModelLoadError(
@@ -192,10 +122,6 @@ def load_state_dict(
     if missing:
         raise ModelLoadError(f"checkpoint is missing pieces of {missing}")
     return out
-
-
-def _shape(tensor: Any) -> list[int]:
-    return tensor.get_shape() if hasattr(tensor, "get_shape") else list(tensor.shape)
 
 
 def _put(
@@ -277,7 +203,7 @@ def load_model(
     who = f"rank {tp.rank}'s share of the weights" if tp.size > 1 else "the weights"
     fix = "--tensor-parallel-size (more ranks), --quantize or --dtype"
     check_allocation(nbytes, f"{who} ({path})", fix, device)
-    files = _checkpoint_files(path, allow_pickle)
+    files = checkpoint_files(path, allow_pickle)
     sd = load_state_dict(cfg, files, dtype, device, tp, shapes, stored)
     quantized: set[str] = set()
     static = {k.removesuffix(INPUT_SCALE): sd.pop(k) for k in list(sd) if k.endswith(INPUT_SCALE)}
