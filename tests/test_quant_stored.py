@@ -87,6 +87,12 @@ def test_greedy_tokens_and_logits_equal_transformers(scheme, ct_dirs, hf_dirs):
     q = llm.quant.to_dict()
     assert q["method"] == ("int8" if scheme.startswith("w8") else "fp8")
     assert q["checkpoint"].startswith("fp8 (block" if scheme == "block-fp8" else "compressed")
+    assert q["granularity"] == {
+        "fp8-tensor": "per tensor",
+        "fp8-static": "per tensor",
+        "w8a16-group": "groups of 16",
+        "block-fp8": "blocks of 16x32",
+    }.get(scheme, "per channel")
     assert q["weight_format"] == ("Int8Tensor" if scheme.startswith("w8") else "Float8Tensor")
     # the decoder linears at a byte a weight (and their float32 scales), the rest float32
     linears = [b.get_submodule(t).weight for b in llm.model.layers for t in LINEAR_LAYERS]

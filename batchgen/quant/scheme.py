@@ -153,7 +153,9 @@ class QuantScheme:
         int8 = dict(self.int8_layers)
         sizes = {f"layers.*.{t}": self.group_size_of(t) for t in TARGETS if t not in int8}
         modules = list(self.modules) or [f"layers.*.{t}" for t in TARGETS]
-        if not self.group_size:
+        if self.stored is not None:  # as the checkpoint stores it
+            granularity = self.stored.granularity
+        elif not self.group_size:
             granularity = "per channel"
         elif len(set(sizes.values())) == 1:
             granularity = f"group of {next(iter(sizes.values()))}"
