@@ -197,7 +197,7 @@ def test_blocks_that_do_not_tile_a_weight_are_refused(hf_dirs, tmp_path):
     d = block_fp8(hf_dirs("llama"), tmp_path / "b", block=(16, 48))  # 48 divides no width
     src = prompt_file(tmp_path, 2)
     r = run_job(src, tmp_path / "out", d, exit_code=2)
-    assert_one_line_error(r, "blocks of 16x48", "not a whole number of blocks")
+    assert_one_line_error(r, "hidden 64", "not a whole number of 48-column scale blocks")
 
 
 def test_eager_fp8_on_the_cpu_says_to_compile(ct_dirs, caplog):

@@ -42,6 +42,7 @@ from batchgen.quant.prequantized import (
     SCALE,
     StoredScheme,
     attach_scales,
+    check_widths,
     scale_copy,
     scale_rows,
     stored_bytes,
@@ -173,6 +174,8 @@ def load_model(
         cfg = config_from_hf(hf)
         # never read quantized weights as if they were float: loaded as stored, or refused
         stored = checkpoint_scheme(path, hf)
+    if stored is not None:
+        check_widths(local_config(cfg, tp), stored)
     if stored is not None and cfg.n_experts:
         raise ModelLoadError(
             f"{path}: a MoE model's experts stored as {stored.source} are not loaded yet; use "

@@ -221,3 +221,21 @@ def stored_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
     attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * hd * d
     mlp = (3 if cfg.gated_mlp else 2) * cfg.intermediate_size * d
     return cfg.num_params * dtype_bytes - cfg.n_layers * (attn + mlp) * (dtype_bytes - 1)
+
+
+def check_widths(cfg: ModelConfig, s: StoredScheme) -> None:
+    """ModelLoadError, before any weight is read, where a decoder linear's input width (this
+    rank's, cfg: its config) is not a whole number of s's scale blocks (or groups)."""
+    if s.block is None:
+        return
+    bc = s.block[1]
+    widths = {"hidden": cfg.dim, "attention output": cfg.n_heads * cfg.head_dim}
+    widths["MLP"] = cfg.intermediate_size
+    odd = {k: w for k, w in widths.items() if w % bc}
+    if odd:
+        shown = ", ".join(f"{k} {w}" for k, w in odd.items())
+        raise ModelLoadError(
+            f"{s.source}: input widths ({shown}, on this rank) are not a whole number of "
+            f"{bc}-column scale blocks, which batchgen's quantized tensors cannot hold; use "
+            "fewer tensor-parallel ranks, or the model's bf16 release with --quantize"
+        )
