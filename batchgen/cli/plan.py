@@ -13,6 +13,7 @@ from batchgen.model.checkpoint_notes import load_notes
 from batchgen.model.hf_config import read_hf_config
 from batchgen.model.memory import available_bytes, format_bytes
 from batchgen.model.tensor_parallel import TPShard, local_config, weight_bytes
+from batchgen.quant.prequantized import stored_bytes
 
 
 def _edge(n: int) -> int:
@@ -49,6 +50,8 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
     )
     kv_bytes = None if blocks is None else blocks * eng.block_size * kv_per_token  # a rank's
     weights = weight_bytes(spec.model_cfg, spec.dtype.itemsize, tp)  # a rank's
+    if spec.quant.checkpoint:  # a pre-quantized checkpoint's linears, as stored
+        weights = stored_bytes(local_config(spec.model_cfg, TPShard(0, tp)), spec.dtype.itemsize)
     hf = read_hf_config(spec.model_dir, native=False)
     dtype = str(spec.dtype).removeprefix("torch.")
     return {
@@ -76,6 +79,7 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
         "kv_cache_blocks": blocks,
         "tensor_parallel_size": tp,
         "weights_bytes_per_rank": weights,
+        "weights_stored_as": spec.quant.checkpoint,  # None: float weights
         "kv_cache_bytes": None if kv_bytes is None else kv_bytes * tp,
         "kv_cache_bytes_per_rank": kv_bytes,
     }
@@ -148,7 +152,7 @@ def format_plan(p: dict[str, Any]) -> str:
         "step, "
         f"prefix caching {'on' if p['prefix_caching'] else 'off'}",
         f"weights  {p['weights_bytes_per_rank'] / 2**20:.1f} MiB at {p['dtype']}{per} "
-        "(before any quantization)",
+        f"({p['weights_stored_as'] or 'before any quantization'})",
         f"KV cache {kv}{per if p['kv_cache_blocks'] is not None else ''}",
     ]
     lines += [f"note: {n}" for n in p["load_notes"]]

@@ -31,11 +31,12 @@ from batchgen.model.attention import DECODE_ATTENTION_ENV
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_config import native_config, read_hf_config, read_json_object
 from batchgen.model.hf_lora import check_hf_adapter
-from batchgen.model.hf_support import backend_config, resolve_impl
+from batchgen.model.hf_support import DEQUANTIZED, backend_config, resolve_impl
 from batchgen.model.lora import LoraAdapter, check_adapter
 from batchgen.model.multimodal import language_config
 from batchgen.model.tensor_parallel import check_sizes
 from batchgen.quant import QuantScheme, make_scheme
+from batchgen.quant.checkpoint_format import checkpoint_scheme
 
 DEFAULT_MODEL = Path(__file__).parents[1] / "assets" / "default-model"
 DTYPES = {
@@ -273,6 +274,10 @@ class ModelSpec:
         except ValueError as e:  # e.g. --device cuda on a machine without one
             raise ConfigError(str(e)) from None
         quant = make_scheme(quantize, quant_backend, dev, dt, group_size=quant_group_size)
+        native = impl is ModelImpl.NATIVE  # a pre-quantized checkpoint's scheme, or refused:
+        dequantized = () if native else DEQUANTIZED
+        stored = checkpoint_scheme(model_dir, hf, dequantized, native, quantize, lora is not None)
+        quant = stored.quant_scheme() if stored is not None else quant
         tokenizer = load_tokenizer(model_dir, hf.get("model_type"))
         check_vocab(model_dir, len(tokenizer), model_cfg.vocab_size)
         gen = read_generation_config(model_dir)

@@ -7,6 +7,7 @@ values (no tokenizer, no grammars), so rank 0 can hand it to the other ranks."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from batchgen.model.tp_layers import CollectiveClock, apply_tensor_parallel
 from batchgen.model.transformer import Transformer
 from batchgen.quant import QuantScheme, quantize_model
 from batchgen.quant.hf_quantize import quantize_hf_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +84,25 @@ def load_rank_model(
     # and quantizes it there, so the device never holds the float model.
     load_device = torch.device("cpu") if spec.quant.enabled else device
     model = load_model(
-        spec.model_dir, spec.dtype, load_device, spec.allow_pickle, cfg=spec.model_cfg, tp=tp
+        spec.model_dir,
+        spec.dtype,
+        load_device,
+        spec.allow_pickle,
+        cfg=spec.model_cfg,
+        tp=tp,
+        stored=spec.quant.stored,  # a pre-quantized checkpoint's scheme, read by ModelSpec
     )
     # Merged before quantizing, into the float weights (this rank's slice of each update).
     lora = None
     if spec.lora is not None:
         lora = merge_lora(model, spec.lora, cfg=spec.model_cfg, tp=tp)
     quant = quantize_model(model, spec.quant, device)
+    fp8 = spec.quant.stored is not None and spec.quant.stored.weights == "fp8"
+    if fp8 and device.type == "cpu" and not spec.compile:  # docs/quantization.md: 14-30x
+        log.warning(  # slower a layer than bf16 eager; 0.3-0.55x compiled
+            "stored fp8 weights are dequantized on every call when not compiled, which is "
+            "slow on the CPU; pass --compile"
+        )
     # Eager float32 on the CPU: weights packed once for oneDNN, after the LoRA merge and
     # before the TP hooks (model/packed_linear.py).
     if not spec.compile and not spec.quant.enabled and can_pack(device, spec.dtype):

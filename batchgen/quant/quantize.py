@@ -128,6 +128,9 @@ def quantize_model(
     if not scheme.enabled:
         model.to(device)
         return scheme
+    if scheme.checkpoint is not None:  # loaded as the checkpoint stores it: nothing to do
+        model.to(device)
+        return dataclasses.replace(scheme, weight_format=_formats(model))
     scheme.check_available(device.type, model.embed.weight.dtype)
     int8: dict[str, int] = {}
     if scheme.group_size is not None:
@@ -166,11 +169,16 @@ def quantize_model(
     # model outside no_grad, so that would record autograd graphs and, through the KV
     # cache writes, flip the cache buffers to requires_grad and force a recompile.
     model.requires_grad_(False)
-    # quanto picks a tensor type (and kernel) per layer shape: record every one chosen.
+    return dataclasses.replace(scheme, weight_format=_formats(model))
+
+
+def _formats(model: Transformer) -> str:
+    """The weight tensor types of the target layers: quanto picks one (and a kernel) per layer
+    shape, so every one chosen is recorded."""
     formats = {
         type(b.get_submodule(n).weight).__name__ for b in model.layers for n in block_targets(b)
     }
-    return dataclasses.replace(scheme, weight_format="/".join(sorted(formats)))
+    return "/".join(sorted(formats))
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -9,12 +9,16 @@ dtype; asking for anything else raises `QuantUnavailableError` naming what does 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from batchgen.choices import QuantBackend, QuantMethod  # declared once, with the other options
 from batchgen.errors import QuantUnavailableError
 from batchgen.model.transformer import LINEAR_LAYERS
+
+if TYPE_CHECKING:
+    from batchgen.quant.prequantized import StoredScheme
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP_SIZE = 128  # torchao's default; quanto's CUDA int4 kernels need 128
@@ -92,6 +96,9 @@ class QuantScheme:
     unquantized: tuple[str, ...] = ()
     # the quantized layers where they are not TARGETS (the transformers backend's own names)
     modules: tuple[str, ...] = ()
+    # a pre-quantized checkpoint's own scheme, loaded as stored (quant/prequantized.py):
+    # nothing is quantized at load
+    stored: StoredScheme | None = None
 
     def __post_init__(self) -> None:
         # Accept the plain strings the CLI and config files carry.
@@ -104,7 +111,7 @@ class QuantScheme:
             return
         if self.backend in (None, QuantBackend.AUTO):
             raise ValueError(f"quantize={self.method.value} needs a backend (torchao or quanto)")
-        if self.method is QuantMethod.INT4:
+        if self.method is QuantMethod.INT4 and self.checkpoint is None:
             if self.group_size not in INT4_GROUP_SIZES:
                 raise ValueError(
                     f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {self.group_size}"
@@ -117,6 +124,12 @@ class QuantScheme:
     @property
     def enabled(self) -> bool:
         return self.method is not QuantMethod.NONE
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The stored checkpoint's scheme in words, e.g. "compressed-tensors float-quantized,
+        per channel; activations: 8-bit float, dynamic per token"; None: quantized at load."""
+        return None if self.stored is None else self.stored.describe()
 
     def group_size_of(self, target: str) -> int | None:
         """The group size the target layer (e.g. "mlp.w_out") is quantized with."""
@@ -140,7 +153,9 @@ class QuantScheme:
         int8 = dict(self.int8_layers)
         sizes = {f"layers.*.{t}": self.group_size_of(t) for t in TARGETS if t not in int8}
         modules = list(self.modules) or [f"layers.*.{t}" for t in TARGETS]
-        if not self.group_size:
+        if self.stored is not None:  # as the checkpoint stores it
+            granularity = self.stored.granularity
+        elif not self.group_size:
             granularity = "per channel"
         elif len(set(sizes.values())) == 1:
             granularity = f"group of {next(iter(sizes.values()))}"
@@ -160,4 +175,6 @@ class QuantScheme:
             out["int8_layers"] = {f"layers.*.{t}": f"{k} input features" for t, k in int8.items()}
         if self.unquantized:
             out["unquantized"] = list(self.unquantized)
+        if self.checkpoint:
+            out["checkpoint"] = self.checkpoint
         return out

@@ -1,0 +1,241 @@
+"""Pre-quantized checkpoints batchgen loads as stored (torchao Float8Tensor / Int8Tensor
+weights), made from the sharpened tiny Llama: compressed-tensors' (FP8 per channel with
+dynamic fp8 activations, FP8 per tensor, W8A8 int8, W8A16 int8 in groups), written by
+compressed-tensors itself, and fine-grained block FP8 (`weight_scale_inv`), written as
+DeepSeek's and Qwen3's are. Compared with transformers on the same checkpoint: greedy tokens,
+and logits to float32 rounding; one altered scale changes the tokens, and leaving out the
+activations' quantization moves the logits (negative controls)."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from helpers import (
+    assert_one_line_error,
+    cached,
+    cpu_llm,
+    hf_generate,
+    hf_greedy,
+    make_adapter,
+    prompt_file,
+    random_prompts,
+    read_stats,
+    run_job,
+    run_plan,
+)
+from paged import all_logits
+from quant_checkpoints import CT_SCHEMES, block_fp8, compress, modelopt_fp8, modelopt_reference
+from safetensors.torch import load_file, save_file
+from test_tensor_parallel import _whole_from_shards
+
+from batchgen.engine.sequence import SamplingParams
+from batchgen.llm import LLM
+from batchgen.model.loader import load_model
+from batchgen.model.tensor_parallel import TPShard
+from batchgen.model.transformer import LINEAR_LAYERS
+from batchgen.quant.activation_quant import TokenQuant
+
+PROMPTS = random_prompts([3, 11, 6, 17, 1])
+MAX_NEW = 12
+
+
+FORMATS = (*CT_SCHEMES, "block-fp8")  # those transformers loads on the CPU
+
+
+@pytest.fixture(scope="module")
+def ct_dirs(hf_dirs, tmp_path_factory):
+    """a scheme of CT_SCHEMES, or "block-fp8" -> the sharpened tiny Llama (hidden 64) stored
+    as it."""
+    root = tmp_path_factory.mktemp("stored")
+
+    def make(name: str):
+        if name == "block-fp8":
+            return block_fp8(hf_dirs("llama"), root / name)
+        if name == "modelopt-fp8":
+            return modelopt_fp8(hf_dirs("llama"), root / name)
+        pytest.importorskip("compressed_tensors")
+        return compress(hf_dirs("llama"), root / name, name)
+
+    return cached(make)
+
+
+def _tokens(model_dir, **kw) -> list[list[int]]:
+    llm = cpu_llm(model_dir, **kw)
+    return [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))]
+
+
+def _hf_logits(model_dir, row: list[int]) -> torch.Tensor:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return hf.eval()(torch.tensor([row])).logits[0]
+
+
+@pytest.mark.parametrize("scheme", FORMATS)
+def test_greedy_tokens_and_logits_equal_transformers(scheme, ct_dirs, hf_dirs):
+    d = ct_dirs(scheme)
+    assert _tokens(d) == hf_greedy(d, PROMPTS, MAX_NEW)
+    row = PROMPTS[3]
+    model = load_model(d)
+    # W8A8: torchao's int8 kernel multiplies x by the int8 weight, then by its scales (not by
+    # the dequantized weight), and a next layer's input that moves by float32 rounding can
+    # round to the neighbouring int8 step: 2.6e-3 measured, the tokens equal
+    atol = 1e-2 if scheme == "w8a8" else 1e-5
+    torch.testing.assert_close(all_logits(model, row), _hf_logits(d, row), rtol=0, atol=atol)
+    llm = cpu_llm(d)
+    q = llm.quant.to_dict()
+    assert q["method"] == ("int8" if scheme.startswith("w8") else "fp8")
+    assert q["checkpoint"].startswith("fp8 (block" if scheme == "block-fp8" else "compressed")
+    assert q["granularity"] == {
+        "fp8-tensor": "per tensor",
+        "fp8-static": "per tensor",
+        "w8a16-group": "groups of 16",
+        "block-fp8": "blocks of 16x32",
+    }.get(scheme, "per channel")
+    assert q["weight_format"] == ("Int8Tensor" if scheme.startswith("w8") else "Float8Tensor")
+    # the decoder linears at a byte a weight (and their float32 scales), the rest float32
+    linears = [b.get_submodule(t).weight for b in llm.model.layers for t in LINEAR_LAYERS]
+    n = sum(w.qdata.numel() for w in linears)
+    scales = sum(w.scale.numel() * 4 for w in linears)
+    float_bytes = cpu_llm(hf_dirs("llama")).weights_bytes_per_rank
+    assert llm.weights_bytes_per_rank == float_bytes - 3 * n + scales
+
+
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "fp8-static"])
+def test_without_the_activations_quantization_the_logits_move(scheme, ct_dirs):
+    """The input quantization (per token, or static) is what the checkpoint computes: left
+    out, the logits are 1e-3 and more away from transformers' (with it, 1e-5 above)."""
+    d, row = ct_dirs(scheme), PROMPTS[3]
+    model = load_model(d)
+    for m in model.modules():
+        if hasattr(m, "input_quant"):
+            m._forward_pre_hooks.clear()
+    assert (all_logits(model, row) - _hf_logits(d, row)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "w8a16-group", "block-fp8", "modelopt-fp8"])
+def test_one_altered_scale_changes_the_tokens(scheme, ct_dirs, tmp_path):
+    d = ct_dirs(scheme)
+    want = _tokens(d)
+    altered = tmp_path / "altered"
+    altered.mkdir()
+    for f in d.iterdir():
+        (altered / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(altered / "model.safetensors")
+    suffix = "weight_scale_inv" if scheme == "block-fp8" else "weight_scale"
+    tensors[f"model.layers.0.self_attn.k_proj.{suffix}"] *= 2
+    save_file(tensors, altered / "model.safetensors", metadata={"format": "pt"})
+    assert _tokens(altered) != want
+
+
+@pytest.mark.parametrize("scheme", ["fp8-tensor", "w8a16-group", "block-fp8"])
+def test_each_rank_loads_its_slices_of_weights_and_scales(scheme, ct_dirs):
+    """Two ranks' quantized weights, dequantized and put together, are the one rank's: the
+    per-tensor scales of q, k, v follow their rows, the group and block scales the split
+    columns."""
+    d = ct_dirs(scheme)
+
+    def dequantized(model):
+        sd = {k: getattr(v, "dequantize", lambda v=v: v)() for k, v in model.state_dict().items()}
+        return SimpleNamespace(cfg=model.cfg, state_dict=lambda: sd)
+
+    full = dequantized(load_model(d))
+    shards = [dequantized(load_model(d, tp=TPShard(r, 2))) for r in range(2)]
+    for name, w in _whole_from_shards(full, shards).items():
+        assert torch.equal(w, full.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("kind", ["float", "int"])
+def test_token_quantization_is_compressed_tensors_own(kind):
+    """TokenQuant against compressed-tensors' fake_quantize with its dynamic per-token scales,
+    on inputs with a zero row and values on int8's rounding ties."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(0)) * 3
+    x[0, 0] = 0
+    x[1, 1, :3] = torch.tensor([127.5, -127.5, 0.5]) / 127.5 * 2
+    args = QuantizationArgs(num_bits=8, type=kind, strategy="token", dynamic=True)
+    scale, zero = compute_dynamic_scales_and_zp(x, args, module=None)
+    want = fake_quantize(x, scale, zero, args)
+    got = TokenQuant("fp8" if kind == "float" else "int8")(x.reshape(-1, 64)).reshape(x.shape)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, x)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-static", "w8a16-group"])
+def test_two_ranks_give_transformers_tokens(scheme, ct_dirs):
+    """Rank processes, each with its slices, its scales and its static input scales."""
+    d = ct_dirs(scheme)
+    with LLM(d, device="cpu", dtype="float32", compile=False, tensor_parallel_size=2) as llm:
+        got = [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))]
+    assert got == hf_greedy(d, PROMPTS, MAX_NEW)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "block-fp8"])
+def test_compiled_tokens_equal_transformers(scheme, ct_dirs):
+    d = ct_dirs(scheme)
+    assert _tokens(d, compile=True) == hf_greedy(d, PROMPTS, MAX_NEW)
+
+
+def test_modelopt_fp8_equals_the_dequantized_reference(ct_dirs, hf_dirs):
+    """ModelOpt's FP8 (hf_quant_config.json; static input scales), which transformers does not
+    load on the CPU, against the model it describes built in transformers by hand."""
+    d, row = ct_dirs("modelopt-fp8"), PROMPTS[3]
+    ref = modelopt_reference(hf_dirs("llama"), d)
+    want = [r[: r.index(1) + 1] if 1 in r else r for r in hf_generate(ref, PROMPTS, MAX_NEW, 1)]
+    assert _tokens(d) == want
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([row])).logits[0]
+    torch.testing.assert_close(all_logits(load_model(d), row), ref_logits, rtol=0, atol=1e-5)
+    assert "modelopt FP8" in cpu_llm(d).quant.to_dict()["checkpoint"]
+
+
+def test_blocks_that_do_not_tile_a_weight_are_refused(hf_dirs, tmp_path):
+    d = block_fp8(hf_dirs("llama"), tmp_path / "b", block=(16, 48))  # 48 divides no width
+    src = prompt_file(tmp_path, 2)
+    r = run_job(src, tmp_path / "out", d, exit_code=2)
+    assert_one_line_error(r, "hidden 64", "not a whole number of 48-column scale blocks")
+
+
+def test_eager_fp8_on_the_cpu_says_to_compile(ct_dirs, caplog):
+    with caplog.at_level("WARNING"):
+        cpu_llm(ct_dirs("block-fp8"))
+    assert "pass --compile" in caplog.text
+
+
+def test_run_records_the_checkpoints_scheme_and_bytes(ct_dirs, hf_dirs, tmp_path):
+    src = prompt_file(tmp_path, 2)
+    run_job(src, tmp_path / "out", ct_dirs("w8a8"), "--max-new-tokens", 4)
+    stats = read_stats(tmp_path / "out")
+    assert "int-quantized" in stats["quantization"]["checkpoint"]
+    assert stats["weights_bytes_per_rank"] == cpu_llm(ct_dirs("w8a8")).weights_bytes_per_rank
+    # plan counts the linears at a byte a weight (their scales and the norms aside)
+    plan = json.loads(run_plan(src, ct_dirs("w8a8"), "--json").stdout)
+    model = load_model(ct_dirs("w8a8"))
+    scales = sum(p.scale.numel() * 4 for p in model.parameters() if hasattr(p, "scale"))
+    norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
+    assert plan["weights_bytes_per_rank"] == stats["weights_bytes_per_rank"] - scales - norms
+    assert "int-quantized" in plan["weights_stored_as"]
+
+
+def test_quantize_lora_and_the_transformers_backend_are_refused(ct_dirs, hf_dirs, tmp_path):
+    import peft
+
+    d, src = ct_dirs("fp8-dynamic"), prompt_file(tmp_path, 2)
+    r = run_job(src, tmp_path / "o1", d, "--quantize", "int8", exit_code=2)
+    assert_one_line_error(r, "already quantized", "drop --quantize int8")
+    r = run_job(src, tmp_path / "o2", d, "--model-impl", "transformers", exit_code=2)
+    assert_one_line_error(r, "pre-quantized (compressed-tensors)", "transformers backend")
+    adapter = tmp_path / "adapter"  # made on the float model the checkpoint was made from
+    make_adapter(hf_dirs("llama"), adapter, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    r = run_job(src, tmp_path / "o3", d, "--lora", adapter, exit_code=2)
+    assert_one_line_error(r, "LoRA adapter cannot be merged", "unquantized release")
+
+
+def test_a_moe_models_stored_checkpoint_is_refused(hf_dirs, tmp_path):
+    d = block_fp8(hf_dirs("qwen3_moe"), tmp_path / "moe")
+    r = run_job(prompt_file(tmp_path, 2), tmp_path / "out", d, exit_code=2)
+    assert_one_line_error(r, "MoE model's experts", "bf16 release")
