@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 from batchgen.engine.config import EngineConfig  # noqa: E402
 from batchgen.engine.sequence import SamplingParams  # noqa: E402
 from batchgen.errors import QuantUnavailableError  # noqa: E402
-from batchgen.job.model_spec import DEFAULT_MODEL, load_tokenizer  # noqa: E402
+from batchgen.job.model_spec import DEFAULT_MODEL  # noqa: E402
+from batchgen.job.tokenizer import load_tokenizer  # noqa: E402
 from batchgen.llm import LLM  # noqa: E402
 from batchgen.model.attention import DecodeGroup, StepAttention  # noqa: E402
 from batchgen.model.transformer import RMSNorm, Transformer  # noqa: E402

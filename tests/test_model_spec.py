@@ -156,7 +156,7 @@ def test_the_tokenizer_is_the_one_autotokenizer_gives(tiny_dirs, family):
     model type its own class fails here)."""
     import json
 
-    from batchgen.job.model_spec import load_tokenizer
+    from batchgen.job.tokenizer import load_tokenizer
 
     d = tiny_dirs[family]
     model_type = json.loads((d / "config.json").read_text())["model_type"]

@@ -12,8 +12,8 @@ from batchgen.job.open import open_job
 from batchgen.model.checkpoint_notes import load_notes
 from batchgen.model.hf_config import read_hf_config
 from batchgen.model.memory import available_bytes, format_bytes
+from batchgen.model.prequantized import stored_bytes
 from batchgen.model.tensor_parallel import TPShard, local_config, weight_bytes
-from batchgen.quant.prequantized import stored_bytes
 
 
 def _edge(n: int) -> int:

@@ -24,19 +24,22 @@ from batchgen.choices import Dtype, ModelImpl
 from batchgen.engine.compile_cache import CompileCache, default_root
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Grammars
-from batchgen.errors import ConfigError, ModelLoadError
+from batchgen.errors import ConfigError
 from batchgen.job.backend_options import check_backend_options
 from batchgen.job.generation import read_generation_config
+from batchgen.job.tokenizer import check_vocab, eos_token_ids, load_tokenizer
 from batchgen.model.attention import DECODE_ATTENTION_ENV
+from batchgen.model.checkpoint_format import checkpoint_scheme
 from batchgen.model.config import ModelConfig
-from batchgen.model.hf_config import native_config, read_hf_config, read_json_object
+from batchgen.model.hf_config import native_config, read_hf_config
 from batchgen.model.hf_lora import check_hf_adapter
-from batchgen.model.hf_support import DEQUANTIZED, backend_config, resolve_impl
+from batchgen.model.hf_refusal import DEQUANTIZED
+from batchgen.model.hf_support import backend_config, resolve_impl
 from batchgen.model.lora import LoraAdapter, check_adapter
 from batchgen.model.multimodal import language_config
 from batchgen.model.tensor_parallel import check_sizes
 from batchgen.quant import QuantScheme, make_scheme
-from batchgen.quant.checkpoint_format import checkpoint_scheme
+from batchgen.quant.scheme import stored_quant_scheme
 
 DEFAULT_MODEL = Path(__file__).parents[1] / "assets" / "default-model"
 DTYPES = {
@@ -99,88 +102,6 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, device: torch.device) -> Non
                 f"tensor_parallel_size {n} needs {n} GPUs and {visible} are visible; lower it "
                 "or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
             )
-
-
-def eos_token_ids(gen: Mapping[str, Any], hf: dict, tokenizer) -> list[int]:
-    """EOS ids from generation_config.json (gen), else config.json (hf), else the tokenizer."""
-    for name, cfg in (("generation_config.json", gen), ("config.json", hf)):
-        eos = cfg.get("eos_token_id")
-        if eos is not None:
-            ids = [eos] if not isinstance(eos, list) else eos
-            if not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-                raise ModelLoadError(
-                    f"{name}: eos_token_id {eos!r} is not a token id or a list of them; fix "
-                    "it (e.g. 2 or [2, 32000]) or remove it"
-                )
-            return ids
-    return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-
-
-# Where AutoTokenizer gives transformers' generic fast tokenizer (TokenizersBackend): a
-# tokenizer_config.json naming it, for a model type with no tokenizer class of its own
-# (qwen2 has one). Loaded as that class directly, skipping AutoTokenizer's lookup tables, it
-# is the same tokenizer ~1.3 s sooner (measured, a 32k vocabulary); tests/test_model_spec.py
-# checks that AutoTokenizer still picks the generic class for these model types.
-GENERIC_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
-GENERIC_MODEL_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen3"})
-
-
-# The files a tokenizer is saved as (its config, a fast tokenizer, sentencepiece, BPE, WordPiece)
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(model_dir: Path, model_type: str | None = None):
-    """The tokenizer saved with the model, the checkpoint's own code never run; ModelLoadError
-    (one line) for none, one that needs its own code (`auto_map`) or one that does not load."""
-    config_file = model_dir / "tokenizer_config.json"
-    config = read_json_object(config_file) if config_file.is_file() else {}
-    generic = (
-        model_type in GENERIC_MODEL_TYPES
-        and config.get("tokenizer_class") in GENERIC_TOKENIZERS
-        and (model_dir / "tokenizer.json").is_file()
-    )
-    try:
-        if generic:
-            from transformers import PreTrainedTokenizerFast
-
-            tok = PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
-        else:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(
-                str(model_dir), local_files_only=True, trust_remote_code=False
-            )
-    except Exception as e:  # transformers raises any kind for a missing or damaged tokenizer
-        why = " ".join(str(e).split())[:300]
-    else:
-        # Prompts are bounded by the model's positions (job/tokenization.py, with its own one
-        # warning); the tokenizer's model_max_length only printed transformers' "Token indices
-        # sequence length is longer than ..." into the job's output. 1e30: transformers' "none".
-        tok.model_max_length = int(1e30)
-        return tok
-    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
-        raise ModelLoadError(
-            f"{model_dir} has no tokenizer (no {', '.join(TOKENIZER_FILES)}); save the model's "
-            "tokenizer into it (tokenizer.save_pretrained(DIR))"
-        )
-    if "auto_map" in config:
-        why = "it names a class of the checkpoint's own code (auto_map), which batchgen never runs"
-    raise ModelLoadError(
-        f"{model_dir}: the tokenizer does not load ({why}); restore tokenizer_config.json and the "
-        "tokenizer's files from the model's source"
-    )
-
-
-def check_vocab(model_dir: Path, tokenizer_size: int, vocab_size: int) -> None:
-    """A tokenizer with ids the model has no embedding for would fail mid-run on the first
-    prompt that holds one (an index error, 0 rows written): refuse it at load. A smaller
-    tokenizer is common (embeddings padded to a multiple of 64) and fine."""
-    if tokenizer_size > vocab_size:
-        raise ModelLoadError(
-            f"{model_dir}: the tokenizer has {tokenizer_size} tokens and the model's vocabulary "
-            f"(config.json vocab_size) {vocab_size}; token ids {vocab_size} and up have no "
-            "embedding. Use the tokenizer that came with the model"
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +198,7 @@ class ModelSpec:
         native = impl is ModelImpl.NATIVE  # a pre-quantized checkpoint's scheme, or refused:
         dequantized = () if native else DEQUANTIZED
         stored = checkpoint_scheme(model_dir, hf, dequantized, native, quantize, lora is not None)
-        quant = stored.quant_scheme() if stored is not None else quant
+        quant = stored_quant_scheme(stored) if stored is not None else quant
         tokenizer = load_tokenizer(model_dir, hf.get("model_type"))
         check_vocab(model_dir, len(tokenizer), model_cfg.vocab_size)
         gen = read_generation_config(model_dir)

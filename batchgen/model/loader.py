@@ -7,8 +7,8 @@ and moved straight to its target, so a 16 GB checkpoint never has a float32 copy
 memory. A tensor-parallel rank builds its part of the model (tensor_parallel.local_config)
 and reads only its slices of each tensor: no rank ever holds the whole model. A pre-quantized
 checkpoint's weights keep their stored dtype and come with their scales
-(quant/prequantized.py); one batchgen does not load is refused before any weight is read
-(quant/checkpoint_format.py).
+(model/prequantized.py); one batchgen does not load is refused before any weight is read
+(model/checkpoint_format.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from batchgen.errors import ModelLoadError
+from batchgen.model.activation_quant import quantize_inputs
 from batchgen.model.checkpoint_files import (
     checkpoint_files,
     iter_tensors,
@@ -28,16 +29,13 @@ from batchgen.model.checkpoint_files import (
     stored_dtype,
     take,
 )
+from batchgen.model.checkpoint_format import checkpoint_scheme
 from batchgen.model.checkpoint_names import weight_slot
 from batchgen.model.config import ModelConfig
 from batchgen.model.gemma import decoder_class
 from batchgen.model.hf_config import config_from_hf, read_hf_config
 from batchgen.model.memory import check_allocation
-from batchgen.model.tensor_parallel import SINGLE, Copy, TPShard, local_config
-from batchgen.model.transformer import Transformer
-from batchgen.quant.activation_quant import quantize_inputs
-from batchgen.quant.checkpoint_format import checkpoint_scheme
-from batchgen.quant.prequantized import (
+from batchgen.model.prequantized import (
     INPUT_SCALE,
     SCALE,
     StoredScheme,
@@ -47,6 +45,8 @@ from batchgen.quant.prequantized import (
     scale_rows,
     stored_bytes,
 )
+from batchgen.model.tensor_parallel import SINGLE, Copy, TPShard, local_config
+from batchgen.model.transformer import Transformer
 
 
 def load_state_dict(
@@ -60,7 +60,7 @@ def load_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Rank tp's parameters, read from the checkpoint files slice by slice and moved straight
     to device/dtype. shapes: the local parameters' shapes (needed for fused matrices and
-    zero biases). stored: a pre-quantized checkpoint's scheme (quant/prequantized.py): its
+    zero biases). stored: a pre-quantized checkpoint's scheme (model/prequantized.py): its
     stored weights keep their dtype, and each one's scale rows come as `<weight>.scale`."""
     out: dict[str, torch.Tensor] = {}
     known = shapes is not None  # the model's parameters are known: a weight must have a place

@@ -9,16 +9,13 @@ dtype; asking for anything else raises `QuantUnavailableError` naming what does 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from batchgen.choices import QuantBackend, QuantMethod  # declared once, with the other options
 from batchgen.errors import QuantUnavailableError
+from batchgen.model.prequantized import StoredScheme
 from batchgen.model.transformer import LINEAR_LAYERS
-
-if TYPE_CHECKING:
-    from batchgen.quant.prequantized import StoredScheme
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP_SIZE = 128  # torchao's default; quanto's CUDA int4 kernels need 128
@@ -96,7 +93,7 @@ class QuantScheme:
     unquantized: tuple[str, ...] = ()
     # the quantized layers where they are not TARGETS (the transformers backend's own names)
     modules: tuple[str, ...] = ()
-    # a pre-quantized checkpoint's own scheme, loaded as stored (quant/prequantized.py):
+    # a pre-quantized checkpoint's own scheme, loaded as stored (model/prequantized.py):
     # nothing is quantized at load
     stored: StoredScheme | None = None
 
@@ -178,3 +175,9 @@ class QuantScheme:
         if self.checkpoint:
             out["checkpoint"] = self.checkpoint
         return out
+
+
+def stored_quant_scheme(stored: StoredScheme) -> QuantScheme:
+    """A pre-quantized checkpoint's QuantScheme: the checkpoint's, recorded as such (stats,
+    the compile cache's key), never guessed."""
+    return QuantScheme(QuantMethod(stored.weights), QuantBackend.TORCHAO, stored=stored)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.errors import ModelLoadError
-from batchgen.quant.prequantized import StoredScheme, stored_scheme
+from batchgen.model.prequantized import StoredScheme, stored_scheme
 
 FIX = (
     "use the model's unquantized (bf16/fp16/fp32) release, with --quantize int8|int4|fp8 to "

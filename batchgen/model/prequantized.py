@@ -28,7 +28,6 @@ from batchgen.errors import ModelLoadError
 from batchgen.model.config import ModelConfig
 from batchgen.model.quiet_import import quiet_torchao
 from batchgen.model.tensor_parallel import Copy
-from batchgen.quant.scheme import QuantBackend, QuantMethod, QuantScheme
 
 SCALE = ".scale"  # our key of a weight's scale rows: "layers.0.attn.wqkv.weight.scale"
 INPUT_SCALE = ".input_scale"  # our key of a layer's static input scale, by its weight's
@@ -51,10 +50,6 @@ class StoredScheme:
 
     def describe(self) -> str:
         return f"{self.source}, {self.granularity}; activations: {self.activations}"
-
-    def quant_scheme(self) -> QuantScheme:
-        """The run's QuantScheme: the checkpoint's, recorded as such (stats, compile cache)."""
-        return QuantScheme(QuantMethod(self.weights), QuantBackend.TORCHAO, stored=self)
 
 
 def _compressed_tensors(q: dict) -> StoredScheme | None:
