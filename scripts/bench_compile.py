@@ -68,7 +68,7 @@ def measure(args, prompts: list[str], params: SamplingParams, mode: str) -> dict
     return {
         "mode": mode,
         "compile_s": cold["compile_s"] + warm["compile_s"],
-        "graphs": llm.runner.decode.graphs if llm.runner.decode is not None else 0,
+        "graphs": llm.runner.graph.graphs if llm.runner.graph is not None else 0,
         "cold_wall_s": cold["wall_s"],
         "warm_wall_s": warm["wall_s"],
         "warm_compile_s": warm["compile_s"],  # > 0: the warm pass met a new shape

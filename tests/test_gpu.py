@@ -138,8 +138,8 @@ def test_decode_is_cuda_graphed_and_steady(llm):
     assert shapes == {(2, True), (4, True), (8, True)}  # the padded sizes, greedy
     # one symbolic-batch graph of the model for every size (a CUDA graph recorded for each at
     # warm-up), no fallback to a graph per size (engine/compiled_step.py)
-    decode = llm.runner.decode
-    assert decode.forward_graph.dynamic and decode.graphs == 1
+    decode = llm.runner.graph
+    assert not decode.failed and decode.graphs == 1
     for _, reports in first:
         for r in reports:
             if r.decode_rows and not r.prefill:
@@ -234,7 +234,7 @@ def test_constrained_rows_in_cuda_graphed_decode(llm):
     ]
     got = llm.generate(prompts(5), params)
     assert all(re.fullmatch("[a-z]{3,6}", o.text) for o in got[1::2]), [o.text for o in got]
-    assert llm.runner.decode.graphs == 1  # the mask is an input of sampling, not a guard
+    assert llm.runner.graph.graphs == 1  # the mask is an input of sampling, not a guard
 
 
 def test_scores_in_float32_on_cuda_equal_transformers(model_dir):

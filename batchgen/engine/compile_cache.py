@@ -139,14 +139,12 @@ class CompileCache:
             log.warning("compile cache not written to %s: %s", self.dir, e)
             return False
 
-    def inductor_dir(self, device: torch.device) -> Path:
-        """Where inductor keeps its own cache while this key's graphs compile: on the CPU
-        beside the artifacts (its C++ kernels are not among them), on a GPU a local folder
-        (inductor's file locks on a shared filesystem are a risk, and the Triton kernels
-        travel in the artifacts)."""
-        if device.type == "cuda":
-            return local_inductor_dir() / self.key
-        return self.dir / "inductor"
+    def inductor_dir(self) -> Path:
+        """Where inductor keeps its own cache while this key's graphs compile and load: a
+        local folder per key, on the CPU as on a GPU (inductor's file locks on a shared
+        filesystem are a risk; what a second process needs travels in the artifacts, which
+        load into this folder)."""
+        return local_inductor_dir() / self.key
 
 
 def local_inductor_dir() -> Path:

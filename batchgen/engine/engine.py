@@ -126,6 +126,8 @@ class Engine:
                 capture_seconds=warm.capture_seconds,
                 warmup_seconds=warm.warmup_seconds,
                 compile_cache=warm.cache,
+                graphs_compiled=warm.graphs_compiled,
+                graphs_loaded=warm.graphs_loaded,
                 at=time.perf_counter(),
             )
         sched = self.scheduler
@@ -256,6 +258,7 @@ class Engine:
             cache_lookups=plan.cache_lookups,
             cache_hits=plan.cache_hits,
             new_shape=timing.new_shape,
+            compiled=timing.compiled,
             collective_seconds=timing.collective_seconds,
             at=now,
             logits_rows=plan.num_sampled + sum(map(len, scored)),

@@ -88,8 +88,7 @@ def list_width(cache: PagedKVCache, max_positions: int) -> int:
 @dataclass(slots=True)
 class PagedMask:
     """A paged block mask as plain tensors, built once a step and shared by every layer; its
-    rows padded to a power of two (R). The compiled decode graph takes them as inputs and
-    hands them to the attention op (model/decode_ops.py), which makes the BlockMask."""
+    rows padded to a power of two (R). Each layer's attention op makes the BlockMask of them."""
 
     num: torch.Tensor  # (R,) int32: blocks listed per row
     indices: torch.Tensor  # (R, W) int32: the listed blocks, the first read first
@@ -160,24 +159,6 @@ def block_mask(m: PagedMask, window: int | None, bs: int, queries: int) -> Block
     )
 
 
-# Where mark_dynamic and its kin leave their marks on a tensor.
-_MARKS = (
-    "_dynamo_dynamic_indices",
-    "_dynamo_weak_dynamic_indices",
-    "_dynamo_unbacked_indices",
-    "_dynamo_strict_unbacked_indices",
-    "_has_dynamo_dim_marking",
-)
-
-
-def unmark(t: torch.Tensor) -> None:
-    """Clear a tensor's dynamic marks: the static compile below must not see them (it would
-    pin the marked axis and raise), nor must a static fallback (engine/compiled_step.py)."""
-    for name in _MARKS:
-        if hasattr(t, name):
-            delattr(t, name)
-
-
 @functools.cache
 def _flex_sizes():
     """Dynamo's recompile limit raised for this kernel's calls only (one compile a row count);
@@ -242,8 +223,6 @@ def flex_decode_attention(
     # own (on CUDA too: one rule). BLOCK_N: the key tile, at most a cache block, so the block
     # mask's KV block (one cache block) is a multiple of it whichever template inductor picks.
     qf = q.reshape(r, hkv, h // hkv, d) * scale
-    for t in m.tensors():  # the compiled decode step's inputs, marked dynamic there
-        unmark(t)
     opts = {"BLOCK_N": min(bs, 64)} if q.device.type == "cuda" else None
     with _flex_sizes():
         out = _compiled_flex()(qf, k, v, scale=1.0, kernel_options=opts, **kw)

@@ -47,7 +47,6 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import StepPlan
 from batchgen.engine.step_inputs import StepInputs, WarmUp
 from batchgen.errors import RankFailed
-from batchgen.model.tp_layers import CollectiveClock
 from batchgen.model.transformer import Transformer
 from batchgen.parallel import channel
 from batchgen.parallel.error_files import ErrorFiles
@@ -253,24 +252,19 @@ class Ranks:
 class RankedRunner(ModelRunner):
     """Rank 0's runner: every command reaches the other ranks before it runs here."""
 
-    def __init__(
-        self,
-        model: Transformer,
-        ranks: Ranks,
-        *,
-        block_size: int,
-        compile: bool = False,
-        clock: CollectiveClock | None = None,
-    ) -> None:
-        super().__init__(
-            model, block_size=block_size, compile=compile, broadcast=self._send_step, clock=clock
-        )
+    def __init__(self, model: Transformer, ranks: Ranks, **options: Any) -> None:
+        """options: ModelRunner's (block_size, compile, clock, compile_cache)."""
+        super().__init__(model, broadcast=self._send_step, **options)
         self.ranks = ranks
         if self.device.type == "cpu":
             self.host_ranks = len(ranks.procs) + 1
 
     def _send_step(self, inputs: StepInputs) -> None:
         self.ranks.send(("step", inputs))
+
+    def build_graph(self, token_sizes: list[int], row_sizes: list[int]) -> None:
+        self.ranks.send(("build", token_sizes, row_sizes))  # each rank loads its own cache
+        super().build_graph(token_sizes, row_sizes)
 
     def allocate(self, num_blocks: int) -> None:
         self.ranks.send(("allocate", num_blocks))
