@@ -98,6 +98,7 @@ class CompiledForward:
         cache: where its compiled artifacts are kept across processes (None: not kept)."""
         self.eager_hidden, self.device, self.cache = hidden, device, cache
         self.loaded = False  # the compile cache's artifacts were loaded (build)
+        self.counts_at_build = (0, 0)  # graph_counts() when built
         self.words = -(-vocab_size // 32)  # a grammar bitmask's int32 words a row
         self.token_sizes: list[int] = []  # CUDA graphs' token counts (none on the CPU)
         self.row_sizes: list[int] = [2]  # sampling's padded row counts
@@ -113,9 +114,10 @@ class CompiledForward:
         """The compiled callables (they compile at their first call), with CUDA graphs at
         these token and row counts; the compile cache's artifacts loaded first, into the
         inductor folder the compile reads."""
+        self.counts_at_build = graph_counts()
         if self.cache is not None:
             with inductor_scope(self.inductor_dir):
-                self.loaded = self.cache.load()
+                self.loaded = self.cache.load() == "loaded"
         self.token_sizes, self.row_sizes = token_sizes, row_sizes
         dev = self.device
         opts = _options(dev, token_sizes)
@@ -218,9 +220,15 @@ class CompiledForward:
         if self.cache is not None:  # a hit: every graph loaded, none compiled
             hit = self.loaded and warm.graphs_loaded and not warm.graphs_compiled
             warm.cache = "hit" if hit else "miss"
-            if warm.graphs_compiled:
-                self.cache.save()
+            self.save()
         return warm
+
+    def save(self) -> None:
+        """Keep this process's artifacts in the compile cache if it compiled a graph since
+        `build` (the cache's file, if any, did not serve it: it is replaced)."""
+        if self.cache is not None and graph_counts()[0] > self.counts_at_build[0]:
+            self.cache.save()
+            self.counts_at_build = graph_counts()
 
 
 def _sync(device: torch.device) -> None:

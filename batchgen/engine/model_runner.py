@@ -226,8 +226,8 @@ class ModelRunner:
         with bound(self.model.bind(step)):
             h = self.graph.run_hidden(tokens, positions)
         logits = self.model.logits(h, index)
-        if x.save_compile_cache and self.graph is not None and self.graph.cache is not None:
-            self.graph.cache.save()
+        if x.save_compile_cache:
+            self.graph.save()
         return logits
 
     def execute(

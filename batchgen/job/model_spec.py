@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from batchgen.choices import Dtype, ModelImpl
-from batchgen.engine.compile_cache import CompileCache, default_root
+from batchgen.engine.compile_cache import OFF, CompileCache, default_root
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import Grammars
 from batchgen.errors import ConfigError, ModelLoadError
@@ -70,7 +70,7 @@ def resolve_compile_cache(root: str | Path | None) -> Path | None:
     """The compile cache's root: the caller's, else $BATCHGEN_COMPILE_CACHE, else
     ~/.cache/batchgen/compile; "off" (either way) turns it off."""
     chosen = str(root) if root is not None else str(default_root())
-    return None if chosen == "off" else Path(chosen).expanduser()
+    return None if chosen == OFF else Path(chosen).expanduser()
 
 
 def resolve_compile(compile: bool | None, device: torch.device) -> bool:
