@@ -142,9 +142,8 @@ def test_every_step_runs_compiled_at_the_gpu_defaults(tmp_path, monkeypatch, hea
     assert events.n == 0 and again == got and graph.graphs == 1
 
 
-def _pinned_hidden(self, tokens, positions):
-    if tokens.shape[0] == GPU_DEFAULTS.max_num_batched_tokens:  # pins the first call's T
-        tokens = tokens.clone()
+def _broken_hidden(self, tokens, positions):
+    torch._dynamo.graph_break()  # code dynamo cannot trace into the one graph
     return _real_hidden(self, tokens, positions)
 
 
@@ -153,13 +152,13 @@ _real_hidden = Transformer.hidden
 
 @pytest.mark.slow
 def test_a_failed_symbolic_compile_runs_eagerly_and_the_job_goes_on(model, monkeypatch, caplog):
-    """A forward that cannot be symbolic (a branch that pins the token count): one warning,
-    the steps run eagerly (compiled_token_share 0), the tokens are eager's; at 256
-    sequences, 34 sampling capture sizes (the old per-size static fallback died at 9)."""
+    """A forward that cannot be one graph (here a graph break): one warning, the steps run
+    eagerly (compiled_token_share 0), the tokens are eager's; at 256 sequences, 34 sampling
+    capture sizes (the old per-size static fallback died at the 9th)."""
     assert len(capture_sizes(GPU_DEFAULTS.max_num_seqs)) == 34
     eager = LLM(model, dtype="float32", device="cpu", compile=False, engine=GPU_DEFAULTS)
     _, want = _run(eager, _many_rows(40))
-    monkeypatch.setattr(Transformer, "hidden", _pinned_hidden)
+    monkeypatch.setattr(Transformer, "hidden", _broken_hidden)
     llm = LLM(model, dtype="float32", device="cpu", compile=True, engine=GPU_DEFAULTS)
     with caplog.at_level(logging.WARNING, logger="batchgen.engine.compiled_forward"):
         reports, got = _run(llm, _many_rows(40))
@@ -204,7 +203,9 @@ def test_the_cache_key_changes_with_a_lora_adapter(model, lora_dir, tmp_path):
     assert keys[0] != keys[1]
 
 
-def _compiled_job(data: Path, out: Path, model: Path, cache: Path, tmp: Path, kv: int, seqs: int):
+def _compiled_job(
+    data: Path, out: Path, model: Path, cache: Path, tmp: Path, kv: int, seqs: int, *more
+):
     """A compiled job in a process of its own whose local folders are fresh, as on another
     node: TMPDIR (where the local inductor folder lives, on the CPU as on a GPU) and
     TORCHINDUCTOR_CACHE_DIR."""
@@ -228,6 +229,7 @@ def _compiled_job(data: Path, out: Path, model: Path, cache: Path, tmp: Path, kv
             "--kv-cache-tokens",
             kv,
             "--quiet",
+            *more,
         ),
         env=env,
         capture_output=True,
@@ -256,6 +258,29 @@ def test_a_second_process_loads_the_compile_cache(model, tmp_path):
     assert len(list(cache.glob("*/artifacts.bin"))) == 1
     assert cold["compiled_shapes"] == warm["compiled_shapes"] == 0  # no compile after warm-up
     assert cold["compiled_token_share"] == warm["compiled_token_share"] == 1.0
+    a, b = rows_by_id(tmp_path / "a"), rows_by_id(tmp_path / "b")
+    assert {k: r["generated_text"] for k, r in a.items()} == {
+        k: r["generated_text"] for k, r in b.items()
+    }
+
+
+@pytest.mark.slow
+def test_two_ranks_compile_and_each_loads_its_own_cache(model, tmp_path):
+    """-tp 2 --compile: the warm-up traced a clock read in the collectives and failed; and
+    neither rank kept a cache. Now each rank compiles once and saves its own entry (its rank
+    in the key), and a second process with other pool and sequence sizes compiles no graph on
+    rank 0 and loads both."""
+    rows = [{"prompt": f"row {i} " + "word " * (i * 3 % 11)} for i in range(12)]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    cache = tmp_path / "cache"
+    tp = ("-tp", 2)
+    cold = _compiled_job(data, tmp_path / "a", model, cache, tmp_path / "tmp-a", 2048, 8, *tp)
+    assert len(list(cache.glob("*/artifacts.bin"))) == 2  # one entry a rank
+    warm = _compiled_job(data, tmp_path / "b", model, cache, tmp_path / "tmp-b", 4096, 5, *tp)
+    assert (cold["compile_cache"], warm["compile_cache"]) == ("miss", "hit")
+    assert cold["graphs_compiled"] >= 1 and warm["graphs_compiled"] == 0
+    assert cold["compiled_token_share"] == warm["compiled_token_share"] == 1.0
+    assert len(list(cache.glob("*/artifacts.bin"))) == 2
     a, b = rows_by_id(tmp_path / "a"), rows_by_id(tmp_path / "b")
     assert {k: r["generated_text"] for k, r in a.items()} == {
         k: r["generated_text"] for k, r in b.items()

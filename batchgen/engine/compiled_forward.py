@@ -21,9 +21,9 @@
   (`compile_s`); on a GPU every token size and every sampling size then runs twice, a warm-up
   and a recording (`capture_s`). With a compile cache (engine/compile_cache.py) its
   artifacts are loaded first, inside the inductor folder the compile reads, and saved after.
-- A graph that cannot be symbolic after all (inductor failing to lower it, or a branch that
-  pins T) does not end the job: one warning, and the steps run eagerly (the same code), as the
-  stats' `compiled_token_share` then shows.
+- A graph that cannot be built after all (inductor failing to lower it, a branch that pins
+  T, a graph break) does not end the job: one warning, and the steps run eagerly (the same
+  code), as the stats' `compiled_token_share` then shows.
 """
 
 from __future__ import annotations
@@ -44,11 +44,15 @@ from batchgen.engine.step_sampling import sample_step
 
 log = logging.getLogger(__name__)
 
-# A symbolic graph that cannot be: inductor failing to lower it (BackendCompilerFailed), or the
-# graph pinning a marked axis to one size (ConstraintViolationError, dynamo's UserError).
-_DYNAMIC_FAILED = (
+# A graph that cannot be built: inductor failing to lower it (BackendCompilerFailed), the graph
+# pinning the token count (ConstraintViolationError, dynamo's UserError; or a graph per count
+# until dynamo's recompile limit, FailOnRecompileLimitHit under fullgraph), or code dynamo
+# cannot trace in one graph (Unsupported: a graph break under fullgraph).
+_COMPILE_FAILED = (
     torch._dynamo.exc.BackendCompilerFailed,
     torch._dynamo.exc.UserError,
+    torch._dynamo.exc.FailOnRecompileLimitHit,
+    torch._dynamo.exc.Unsupported,
     ConstraintViolationError,
 )
 # Sampling's inputs: logits (B, V), temperature, top_k, top_p, seed, min_p, steps (B,), ban
@@ -146,7 +150,7 @@ class CompiledForward:
             before = dynamo_graphs()
             try:
                 return self.hidden(tokens, positions)
-            except _DYNAMIC_FAILED as e:
+            except _COMPILE_FAILED as e:
                 self._fail(e)
             finally:
                 self.graphs += dynamo_graphs() - before
@@ -178,7 +182,7 @@ class CompiledForward:
             before = dynamo_graphs()
             try:
                 return self.sampler(*args, sampling.greedy_only)
-            except _DYNAMIC_FAILED as e:
+            except _COMPILE_FAILED as e:
                 self._fail(e)
             finally:
                 self.sample_graphs += dynamo_graphs() - before
@@ -187,8 +191,8 @@ class CompiledForward:
     def _fail(self, e: Exception) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         log.warning(
-            "the forward could not be compiled over a symbolic token count (%s): the steps "
-            "run eagerly instead",
+            "the forward could not be compiled as one graph over a symbolic token count (%s): "
+            "the steps run eagerly instead",
             first[:200],
         )
         self.failed = True

@@ -110,19 +110,31 @@ class ModelRunner:
             self.graph = CompiledForward(model.hidden, self.device, vocab, compile_cache)
 
     def allocate(self, num_blocks: int) -> None:
-        """Allocate the paged cache once: num_blocks blocks per layer, block 0 scratch.
-        (Compiled graphs hold its buffers, so it is never reallocated.)"""
+        """Allocate the paged cache: num_blocks blocks per layer, block 0 scratch. Again, it
+        replaces the pool (the warm-up's small one, engine.py): no graph holds it, the attention
+        op reads it from the bound step."""
         if self.num_blocks:
-            raise RuntimeError("the KV cache is already allocated")
-        self.model.setup_caches(num_blocks, self.block_size)  # not in any graph: the op's
+            for cache in self.model.kv_caches:  # the old pool freed before the new one
+                cache.k = cache.v = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.model.setup_caches(num_blocks, self.block_size)
         self.num_blocks = num_blocks
 
-    def free_device_bytes(self) -> int | None:
-        """Free accelerator memory (None on the CPU, where the pool is sized from the job)."""
-        if self.device.type != "cuda":
-            return None
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return free
+    @property
+    def measures_memory(self) -> bool:
+        """Is the pool sized from the memory left after the warm-up (a GPU's), not the job?"""
+        return self.device.type == "cuda"
+
+    def kv_budget_bytes(self, utilization: float) -> int:
+        """After the warm-up, the bytes the KV pool may take, vLLM's rule: utilization x the
+        device's total memory, less what is in use now (weights, CUDA graphs' pools, the CUDA
+        context, other processes') and the warm-up's transient peak above what it kept."""
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        transient = peak - torch.cuda.memory_allocated(self.device)
+        return int(total * utilization) - (total - free) - transient
 
     # Processes on this host that hold a pool like this one: the tensor-parallel ranks on the
     # CPU share its memory (RankedRunner sets it), so a pool sized from the job is checked x it.
@@ -151,6 +163,8 @@ class ModelRunner:
         of max_num_seqs rows once (step_inputs.warmup_eager); compiled, through the graph,
         which the first compiles, and on a GPU every CUDA-graph size is recorded."""
         t0 = time.perf_counter()
+        if self.device.type == "cuda":  # the warm-up's peak sizes the pool (kv_budget_bytes)
+            torch.cuda.reset_peak_memory_stats(self.device)
         bs = self.block_size
         prefill, decode = warmup_eager(
             max_tokens, max_num_seqs, bs, self.model.cfg.max_position_embeddings
@@ -184,6 +198,23 @@ class ModelRunner:
             self.broadcast(x)
             self.forward(x)
         return warm
+
+    def rewarm_attention(self, max_num_seqs: int) -> None:
+        """After the pool was replaced: flex's kernel is compiled per pool shape, so a decode
+        of each power-of-two row count runs once more, before any row."""
+        if self.attention is not DecodeBackend.FLEX:
+            return
+        rows = 1
+        while True:
+            x = warmup_decode(rows, rows, self.block_size)
+            self._pad(x)
+            if self.broadcast is not None:
+                self.broadcast(x)
+            self.forward(x)
+            if rows >= max_num_seqs:
+                break
+            rows *= 2
+        _sync(self.device)
 
     def build_graph(self, token_sizes: list[int], row_sizes: list[int]) -> None:
         """Compile (at the next call) with CUDA graphs at these token and sampling row counts,

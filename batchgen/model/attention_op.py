@@ -74,6 +74,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> 
     if step is None:
         raise RuntimeError("batchgen::attention called outside a bound step (attention_op.bound)")
     layer_ = step.layers[layer]
+    # contiguous: a compiled graph may hand over views of other strides, which eager flex's
+    # vmap over its mask cannot query ("NYI: querying is_contiguous inside of vmap")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     y = step_attention(q, k, v, layer_.cache, step.steps[layer_.window], layer_.params)
     return y.contiguous()
 

@@ -102,8 +102,8 @@ def serve(rank: int, size: int, port: int) -> None:
                 runner.allocate(*args)
             elif kind == "build":
                 runner.build_graph(*args)
-            elif kind == "free_bytes":
-                group.min_over_ranks(runner.free_device_bytes())
+            elif kind == "kv_budget":
+                group.min_over_ranks(runner.kv_budget_bytes(*args))
             elif kind == "exit":
                 break
             else:

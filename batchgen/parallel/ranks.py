@@ -270,14 +270,11 @@ class RankedRunner(ModelRunner):
         self.ranks.send(("allocate", num_blocks))
         super().allocate(num_blocks)
 
-    def free_device_bytes(self) -> int | None:
-        """The least free memory of any rank (the pool is allocated alike on every rank)."""
-        free = super().free_device_bytes()
-        if free is None:
-            return None
+    def kv_budget_bytes(self, utilization: float) -> int:
+        """The least budget of any rank (the pool is allocated alike on every rank)."""
         with self.ranks.failures():
-            self.ranks.send(("free_bytes",))
-            return self.ranks.group.min_over_ranks(free)
+            self.ranks.send(("kv_budget", utilization))
+            return self.ranks.group.min_over_ranks(super().kv_budget_bytes(utilization))
 
     def execute(self, plan: StepPlan, bitmask: torch.Tensor | None = None):
         with self.ranks.failures():
