@@ -99,6 +99,8 @@ def test_the_local_inductor_folder_is_private(tmp_path):
     made = private_dir(tmp_path / "mine")
     assert made.is_dir() and (made.stat().st_mode & 0o777) == 0o700
     assert private_dir(made) == made  # one of this user's, private: used again
+    (tmp_path / "older").mkdir(mode=0o755)  # an older batchgen's: closed, not refused
+    assert (private_dir(tmp_path / "older").stat().st_mode & 0o777) == 0o700
     (tmp_path / "open").mkdir(mode=0o777)
     os.chmod(tmp_path / "open", 0o777)
     os.symlink(tmp_path / "mine", tmp_path / "link")

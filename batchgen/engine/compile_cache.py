@@ -180,17 +180,19 @@ def local_inductor_dir() -> Path:
 def private_dir(path: Path) -> Path:
     """path as a folder only this user can enter: made with mode 0700 in one step (mkdir
     fails if another made it first), or, if it exists, checked to be a real folder of this
-    user's that no one else can open."""
+    user's that no one else could write (one an older batchgen made 0755 is closed to 0700)."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         st = os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
             raise ConfigError(
                 f"{path} is not a private folder of this user's (another user may have made "
                 "it, and compiled code loads from it): remove it, or set TMPDIR to a folder "
                 "of your own"
             ) from None
+        if st.st_mode & 0o077:
+            os.chmod(path, 0o700)
     return path
 
 
