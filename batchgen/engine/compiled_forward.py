@@ -92,18 +92,13 @@ def _sample(logits, temperature, top_k, top_p, seed, min_p, steps, ban, bitmask,
 
 class CompiledForward:
     def __init__(
-        self,
-        hidden: Callable,
-        device: torch.device,
-        vocab_size: int,
-        cache: CompileCache | None = None,
+        self, hidden: Callable, device: torch.device, cache: CompileCache | None = None
     ) -> None:
         """hidden: the model's (tokens, positions) -> hidden states (Transformer.hidden);
         cache: where its compiled artifacts are kept across processes (None: not kept)."""
         self.eager_hidden, self.device, self.cache = hidden, device, cache
         self.loaded = False  # the compile cache's artifacts were loaded (build)
         self.counts_at_build = (0, 0)  # graph_counts() when built
-        self.words = -(-vocab_size // 32)  # a grammar bitmask's int32 words a row
         self.token_sizes: list[int] = []  # CUDA graphs' token counts (none on the CPU)
         self.row_sizes: list[int] = [2]  # sampling's padded row counts
         self.hidden: Callable | None = None  # compiled at warm_up
@@ -168,10 +163,11 @@ class CompiledForward:
             logits = torch.cat([logits, logits.new_zeros(b - n, logits.shape[1])])
             sampling.pad(b - n)
         samp, steps = sampling.tensors(self.device, graph=True)
+        words = -(-logits.shape[1] // 32)  # a bitmask's int32 words a row (the whole vocab's)
         if bitmask is None:  # every token allowed
-            bitmask = torch.full((b, self.words), -1, dtype=torch.int32, device=self.device)
+            bitmask = torch.full((b, words), -1, dtype=torch.int32, device=self.device)
         elif bitmask.shape[0] < b:  # padding rows allow every token
-            bitmask = torch.cat([bitmask, bitmask.new_full((b - bitmask.shape[0], self.words), -1)])
+            bitmask = torch.cat([bitmask, bitmask.new_full((b - bitmask.shape[0], words), -1)])
         s = samp
         args = (logits, s.temperature, s.top_k, s.top_p, s.seed, s.min_p, steps, s.ban, bitmask)
         if self.failed or self.sampler is None:
@@ -199,16 +195,16 @@ class CompiledForward:
 
     # ------------------------------------------------------------------ warm-up
 
-    def warm_up(self, run: Callable[[int, bool], None]) -> WarmUp:
+    def warm_up(self, run: Callable[[int | None, bool], None], max_rows: int) -> WarmUp:
         """run(tokens, greedy): one step of that many tokens through the whole path (the
-        runner's: broadcast, forward, sampling). Compile with the first, then (CUDA) warm up
-        and record every size."""
+        runner's: broadcast, forward, sampling; None: the largest prefill). Compile with the
+        first, then (CUDA) warm up and record every size."""
         warm = WarmUp()
         t0 = time.perf_counter()
         before = graph_counts()
         with inductor_scope(self.inductor_dir):
-            for greedy in (True, False):
-                run(self.token_sizes[-1] if self.token_sizes else 64, greedy)
+            run(None, True)  # the largest prefill (the warm-up's peak): the compile
+            run(max_rows, False)  # the largest decode, sampled: sampling's second graph
             _sync(self.device)
             t1 = time.perf_counter()
             if self.device.type == "cuda":

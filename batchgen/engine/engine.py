@@ -77,9 +77,8 @@ class Engine:
     def _start(self, first: list[Request]) -> tuple[Scheduler, WarmUp]:
         """Size and allocate the KV pool (on the CPU from the job's longest row, given to
         `reserve`, or the first requests), and warm up, once. On a GPU without
-        --kv-cache-tokens, vLLM's order: the warm-up (compile, CUDA graphs, the largest
-        prefill and decode) runs on a pool of two blocks, then the pool takes what is left of
-        --gpu-memory-utilization x the device's memory (ModelRunner.kv_budget_bytes)."""
+        --kv-cache-tokens, vLLM's order: the warm-up runs on a pool of two blocks, then the
+        pool takes what it left of gpu_memory_utilization x memory (kv_budget_bytes)."""
         cfg, runner = self.config, self.runner
         longest = max((r.longest_tokens for r in first), default=self.job_longest or 1)
         longest = max(longest, self.job_longest)

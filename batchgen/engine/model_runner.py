@@ -37,13 +37,10 @@ from batchgen.engine.sequence import StepPlan
 from batchgen.engine.step_inputs import (
     StepInputs,
     WarmUp,
-    capture_sizes,
     pack_step,
-    token_sizes,
-    warmup_decode,
-    warmup_eager,
 )
 from batchgen.engine.step_sampling import Sampled, sample_step, to_host, wants_top
+from batchgen.engine.warmup import rewarm_attention, warm_up
 from batchgen.model.attention import (
     DecodeBackend,
     DecodeGroup,
@@ -106,8 +103,7 @@ class ModelRunner:
             # imported here: torch._dynamo takes ~1 s to import, a tenth of a small eager job
             from batchgen.engine.compiled_forward import CompiledForward
 
-            vocab = model.cfg.vocab_size
-            self.graph = CompiledForward(model.hidden, self.device, vocab, compile_cache)
+            self.graph = CompiledForward(model.hidden, self.device, compile_cache)
 
     def allocate(self, num_blocks: int) -> None:
         """Allocate the paged cache: num_blocks blocks per layer, block 0 scratch. Again, it
@@ -159,62 +155,19 @@ class ModelRunner:
         return cfg.kv_bytes_per_token(self.model.embed.weight.element_size()) * self.block_size
 
     def warm_up(self, max_num_seqs: int, max_tokens: int) -> WarmUp:
-        """After allocate() and before the first request: run a full-size prefill and a decode
-        of max_num_seqs rows once (step_inputs.warmup_eager); compiled, through the graph,
-        which the first compiles, and on a GPU every CUDA-graph size is recorded."""
-        t0 = time.perf_counter()
-        if self.device.type == "cuda":  # the warm-up's peak sizes the pool (kv_budget_bytes)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        bs = self.block_size
-        prefill, decode = warmup_eager(
-            max_tokens, max_num_seqs, bs, self.model.cfg.max_position_embeddings
-        )
-        if self.graph is None:
-            for x in (prefill, decode):
-                if self.broadcast is not None:
-                    self.broadcast(x)
-                self.forward(x)
-            _sync(self.device)
-            return WarmUp(warmup_seconds=time.perf_counter() - t0)
-        cuda = self.device.type == "cuda"
-        self.build_graph(token_sizes(max_tokens) if cuda else [], capture_sizes(max_num_seqs))
-
-        def run(tokens: int | None, greedy: bool) -> None:
-            x = prefill if tokens is None else warmup_decode(min(tokens, max_num_seqs), tokens, bs)
-            self._pad(x)
-            if self.broadcast is not None:
-                self.broadcast(x)
-            logits = self.forward(x)
-            sampling = SamplingColumns()
-            sampling.pad(len(x.logits_index))
-            if not greedy:
-                sampling.temperature[:] = [1.0] * len(x.logits_index)
-            self.graph.sample(logits, sampling, None)
-
-        warm = self.graph.warm_up(run)
-        if self.broadcast is not None and self.graph.cache is not None:
-            x = warmup_decode(2, 2, bs)  # the other ranks save theirs (each keeps its own)
-            x.save_compile_cache = True
-            self.broadcast(x)
-            self.forward(x)
-        return warm
+        """After allocate() and before the first request (engine/warmup.py)."""
+        return warm_up(self, max_num_seqs, max_tokens)
 
     def rewarm_attention(self, max_num_seqs: int) -> None:
-        """After the pool was replaced: flex's kernel is compiled per pool shape, so a decode
-        of each power-of-two row count runs once more, before any row."""
-        if self.attention is not DecodeBackend.FLEX:
-            return
-        rows = 1
-        while True:
-            x = warmup_decode(rows, rows, self.block_size)
-            self._pad(x)
-            if self.broadcast is not None:
-                self.broadcast(x)
-            self.forward(x)
-            if rows >= max_num_seqs:
-                break
-            rows *= 2
-        _sync(self.device)
+        """After the pool was replaced (engine/warmup.py)."""
+        rewarm_attention(self, max_num_seqs)
+
+    def run_warm(self, x: StepInputs) -> torch.Tensor:
+        """A warm-up step: padded, sent to the other ranks, run."""
+        self._pad(x)
+        if self.broadcast is not None:
+            self.broadcast(x)
+        return self.forward(x)
 
     def build_graph(self, token_sizes: list[int], row_sizes: list[int]) -> None:
         """Compile (at the next call) with CUDA graphs at these token and sampling row counts,
@@ -238,6 +191,7 @@ class ModelRunner:
         dev = self.device
         step = StepAttention(
             backend=self.attention,
+            flex_compiled=self.graph is not None,
             slots=torch.tensor(x.slots, device=dev),
             num_decodes=sum(len(lens) for _, _, lens in x.decodes),
             decodes=tuple(

@@ -111,6 +111,9 @@ class StepAttention:
     prefills: tuple[PrefillSpan, ...] = ()
     backend: DecodeBackend = DecodeBackend.GATHER
     window: int | None = None  # the model's sliding window, set by with_masks
+    # flex's own compiled kernel on the CPU too (always on CUDA): a compiled forward's, whose
+    # op runs under AOT autograd's dispatch mode, where eager flex's vmap fails
+    flex_compiled: bool = False
 
     def with_masks(
         self, window: int | None, cache: PagedKVCache, queries: int, max_positions: int
@@ -130,7 +133,15 @@ class StepAttention:
             )
             for s in self.prefills
         )
-        return StepAttention(self.slots, self.num_decodes, decodes, prefills, self.backend, window)
+        return StepAttention(
+            self.slots,
+            self.num_decodes,
+            decodes,
+            prefills,
+            self.backend,
+            window,
+            self.flex_compiled,
+        )
 
     def _decode_mask(
         self, g: DecodeGroup, window: int | None, cache: PagedKVCache, queries: int, width: int
@@ -194,7 +205,8 @@ def step_attention(
         qg = q[g.q_start : g.q_start + n]
         if step.backend is DecodeBackend.FLEX:
             qg = torch.cat([qg, qg.new_zeros(rows - n, *qg.shape[1:])]) if rows > n else qg
-            compiled = qg.device.type == "cuda"  # eager flex would score the whole pool
+            # on CUDA always: eager flex would score the whole pool
+            compiled = qg.device.type == "cuda" or step.flex_compiled
             out = flex_decode_attention(
                 qg, cache.k, cache.v, g.mask, step.window, bs, compiled, params
             )
