@@ -55,9 +55,6 @@ _COMPILE_FAILED = (
     torch._dynamo.exc.Unsupported,
     ConstraintViolationError,
 )
-# Sampling's inputs: logits (B, V), temperature, top_k, top_p, seed, min_p, steps (B,), ban
-# (B, W), bitmask (B, words): their first axis is the symbolic row count.
-_SAMPLE_TENSORS = 9
 
 
 def graph_counts() -> tuple[int, int]:
@@ -68,8 +65,9 @@ def graph_counts() -> tuple[int, int]:
 
 
 def dynamo_graphs() -> int:
-    """The graphs dynamo has built in this process so far (its own counter)."""
-    return counters["stats"]["unique_graphs"]
+    """The graphs dynamo has built in this process so far (its own counter), less flex's
+    kernels, compiled on their own inside the attention op (paged_flex counts them)."""
+    return counters["stats"]["unique_graphs"] - counters["batchgen"]["flex_graphs"]
 
 
 def _options(device: torch.device, sizes: list[int]) -> dict | None:
