@@ -196,8 +196,8 @@ def test_llm_unquantized_records_none(wide_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize(("backend", "method"), LLM_PATHS)
 def test_compiled_generation_has_no_recompiles(wide_dir, backend, method):
-    """fullgraph=True compile (the runner's setting) of the quantized model: warm-up makes
-    one graph per decode shape (prefill steps run eagerly), and later same-shape batches
+    """fullgraph=True compile (the runner's setting) of the quantized model: one graph of
+    the model for every step, prefills and decodes, and later batches of other token counts
     compile nothing."""
     llm = _quantized(wide_dir, backend, method, compile=True)
     eager = _quantized(wide_dir, backend, method)
@@ -209,7 +209,7 @@ def test_compiled_generation_has_no_recompiles(wide_dir, backend, method):
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in (1, 2, 3):
             llm.generate(prompts(seed), params)
-    assert counters["stats"]["unique_graphs"] == warm and llm.runner.shapes == shapes
+    assert counters["stats"]["unique_graphs"] == warm and llm.runner.shapes >= shapes
     # Compiled and eager run the same quantized kernels: greedy tokens agree.
     ref = eager.generate(prompts(0), params)
     same = sum(
