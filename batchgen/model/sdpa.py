@@ -24,7 +24,7 @@ class AttnParams:
     sinks: torch.Tensor | None = None  # (H,) one logit per query head
 
     def values(self) -> tuple[float | None, float | None, torch.Tensor | None]:
-        """As the compiled decode op takes them (model/decode_ops.py)."""
+        """As the attention ops take them: scale, soft-cap, sinks."""
         return self.scale, self.softcap, self.sinks
 
     @property
