@@ -120,6 +120,7 @@ def test_every_step_runs_compiled_at_the_gpu_defaults(tmp_path, monkeypatch, hea
     warm-up and never after (error_on_recompile, dynamo's compile events), tokens equal
     eager. Flex is the GPU's decode path (its kernel compiled on its own inside the op)."""
     monkeypatch.setenv(DECODE_ATTENTION_ENV, path)
+    torch._dynamo.reset()  # as a fresh process: no graph of an earlier test's engine to reuse
     model = save_tiny_model("llama", tmp_path / "m", head_dim=head_dim, num_key_value_heads=2)
     eager = LLM(model, dtype="float32", device="cpu", compile=False, engine=GPU_DEFAULTS)
     _, want = _run(eager, _many_rows(300))
@@ -127,7 +128,8 @@ def test_every_step_runs_compiled_at_the_gpu_defaults(tmp_path, monkeypatch, hea
     reports, got = _run(llm, _many_rows(300))
     _same(got, want)
     warm, steps = reports[0], [r for r in reports[1:] if r.prompt_tokens or r.decode_rows]
-    assert warm.compile_seconds > 0 and warm.graphs_compiled >= 1
+    # inductor built the graphs, or loaded them from its cache (a rerun of this source)
+    assert warm.compile_seconds > 0 and warm.graphs_compiled + warm.graphs_loaded >= 1
     assert any(r.prefill and r.decode_rows for r in steps)  # mixed steps happened
     tokens = sum(r.prompt_tokens + r.decode_rows for r in steps)
     compiled = sum(r.prompt_tokens + r.decode_rows for r in steps if r.compiled)

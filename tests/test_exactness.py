@@ -46,5 +46,5 @@ def test_greedy_matches_transformers_compiled(family, sharp_dirs):
     # sampling graphs (greedy, sampled)
     assert len(llm.runner.shapes) > 3
     decode = llm.runner.graph
-    assert decode.graphs == 1 and not decode.failed
+    assert decode.graphs <= 1 and not decode.failed  # 0: an earlier engine compiled it
     assert counters["stats"]["unique_graphs"] - graphs_before == 3

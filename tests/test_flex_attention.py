@@ -208,7 +208,7 @@ def test_compiled_flex_decode_equals_eager_and_compiles_nothing_twice(model, mon
     monkeypatch.setenv(DECODE_ATTENTION_ENV, "flex")
     llm = LLM(model, dtype="float32", device="cpu", compile=True, engine=engine)
     assert [c.token_ids for c in llm.generate(rows, params)] == want
-    assert llm.runner.graph.graphs == 1 and llm.runner.graph.sample_graphs == 1  # greedy
+    assert llm.runner.graph.graphs <= 1 and not llm.runner.graph.failed
     with CompileEvents() as events, torch._dynamo.config.patch(error_on_recompile=True):
         again = [c.token_ids for c in llm.generate(rows, params)]
     assert again == want and events.n == 0

