@@ -168,8 +168,9 @@ def test_run_stats_have_nvml_samples(model_dir, tmp_path):
     assert stats["gpu_util_mean_pct"] is not None
     assert stats["gpu_mem_used_max_bytes"] > 0
     assert stats["peak_memory_bytes"] > 0
-    # the KV pool sized from free GPU memory, and its figures recorded
+    # the KV pool sized after the warm-up from 90% of the GPU's memory, its figures recorded
     assert stats["kv_cache_bytes"] > 0 and stats["kv_cache_tokens"] > 16 * 8
+    assert stats["kv_cache_bytes"] < 0.9 * stats["gpu_mem_total_bytes"]
     assert stats["max_num_seqs"] == 256 and stats["max_num_batched_tokens"] == 8192  # GPU defaults
     assert stats["rows"] == 16 and stats["decode_live_share"] == 1.0  # eager: no padded rows
     written = json.loads(next((tmp_path / "out").glob("*stats*.json")).read_text())
