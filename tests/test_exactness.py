@@ -47,4 +47,4 @@ def test_greedy_matches_transformers_compiled(family, sharp_dirs):
     assert len(llm.runner.shapes) > 3
     decode = llm.runner.graph
     assert decode.graphs <= 1 and not decode.failed  # 0: an earlier engine compiled it
-    assert counters["stats"]["unique_graphs"] - graphs_before == 3
+    assert counters["stats"]["unique_graphs"] - graphs_before <= 3  # sampling's: shared
