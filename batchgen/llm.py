@@ -115,7 +115,12 @@ class LLM:
         block_size = spec.engine.block_size
         if self.ranks is not None:
             self.runner = RankedRunner(
-                self.model, self.ranks, block_size=block_size, compile=spec.compile, clock=clock
+                self.model,
+                self.ranks,
+                block_size=block_size,
+                compile=spec.compile,
+                clock=clock,
+                compile_cache=rank_spec.compile_caches[0],
             )
         else:
             cache = spec.compile_cache_for(self.quant, self.lora) if spec.compile else None

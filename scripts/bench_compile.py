@@ -5,11 +5,11 @@
 
 Each mode generates for the same prompts twice with EOS ignored: the first pass compiles
 (the time is reported as compile + warm-up), the second is the steady state. Compiled, the
-engine runs its decode-only steps through one graph per (batch, block-table width) shape;
-steps with prompt tokens run eagerly in both modes. The prefix cache is off, so the two
+engine runs every step, prefill chunks and decodes, through one graph over a symbolic token
+count (engine/compiled_forward.py), its compile cache the user's (set XDG_CACHE_HOME for a
+fresh one: a second run then reports the warm compile). The prefix cache is off, so the two
 passes do the same work. Times come from the engine's step reports: decode is the
-decode-only steps (compile excluded), compile the first run of each new shape. Prints a
-markdown table; --out writes JSON.
+decode-only steps, compile the warm-up's. Prints a markdown table; --out writes JSON.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def measure(args, prompts: list[str], params: SamplingParams, mode: str) -> dict
     return {
         "mode": mode,
         "compile_s": cold["compile_s"] + warm["compile_s"],
-        "graphs": llm.runner.decode.graphs if llm.runner.decode is not None else 0,
+        "graphs": llm.runner.graph.graphs if llm.runner.graph is not None else 0,
         "cold_wall_s": cold["wall_s"],
         "warm_wall_s": warm["wall_s"],
         "warm_compile_s": warm["compile_s"],  # > 0: the warm pass met a new shape

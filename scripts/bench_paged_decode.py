@@ -11,12 +11,16 @@ eager ops (index_select, then SDPA's fused kernel).
 
     python scripts/bench_paged_decode.py --device cuda --dtype bfloat16 --rows 32,256 \\
         --ctx 1024 --out decode.json
+
+--options sweeps the flex kernel's options (model/paged_flex.py FLEX_OPTIONS, set through
+BATCHGEN_FLEX_OPTIONS): a JSON list of option objects, each a row of the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -25,7 +29,12 @@ import torch
 
 from batchgen.model.attention import decode_attention, decode_mask
 from batchgen.model.kv_cache import PagedKVCache
-from batchgen.model.paged_flex import flex_decode_attention, list_width, paged_mask
+from batchgen.model.paged_flex import (
+    FLEX_OPTIONS_ENV,
+    flex_decode_attention,
+    list_width,
+    paged_mask,
+)
 from batchgen.stats.probe import call_seconds
 
 
@@ -108,23 +117,29 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--options", default="[{}]", help="JSON list of flex kernel option sets")
     args = p.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.ctx % args.block_size:
         p.error("--ctx must be a multiple of --block-size")
-    results = [bench_shape(args, int(r), device, dtype) for r in args.rows.split(",")]
+    results = []
+    for opts in json.loads(args.options):
+        os.environ[FLEX_OPTIONS_ENV] = json.dumps(opts)
+        for r in args.rows.split(","):
+            results.append({"options": opts, **bench_shape(args, int(r), device, dtype)})
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"decode attention of one layer on {name}, {args.dtype}, one call's median of {args.reps}"
     )
     print(
-        "| rows x ctx | gather ms | flex ms | gather / flex | gather GB/s | flex GB/s "
-        "| first flex call s | max diff |"
+        "| flex options | rows x ctx | gather ms | flex ms | gather / flex | gather GB/s "
+        "| flex GB/s | first flex call s | max diff |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         print(
-            f"| {r['rows']} x {r['ctx']} | {r['gather_ms']:.3f} | {r['flex_ms']:.3f} | "
+            f"| {json.dumps(r['options'])} | {r['rows']} x {r['ctx']} | {r['gather_ms']:.3f} | "
+            f"{r['flex_ms']:.3f} | "
             f"{r['gather_over_flex']:.2f}x | {r['gather_gbps']:.0f} | {r['flex_gbps']:.0f} | "
             f"{r['flex_first_call_s']:.1f} | {r['max_abs_diff']:.2e} |"
         )

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             scheme=llm.quant.to_dict(),
             weight_bytes=weight_bytes(llm.model),
             warmup_s=round(built[key] + time.perf_counter() - t0, 1),
-            graphs=llm.runner.decode.graphs if llm.runner.decode is not None else 0,
+            graphs=llm.runner.graph.graphs if llm.runner.graph is not None else 0,
         )
         print(f"built {key} in {info[key]['warmup_s']} s", file=sys.stderr, flush=True)
 

@@ -278,3 +278,13 @@ def kept_mib():
         libc.free(block)
     return libc.mallinfo2().keepcost >> 20
 """
+
+
+def graph_launches(fn: Callable[[], Any]) -> int:
+    """cudaGraphLaunch calls while fn runs (the profiler's count): a compiled step on a GPU
+    launches its piecewise CUDA graphs, an eager one or one whose graphs were skipped none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if "cudaGraphLaunch" in e.key)

@@ -179,7 +179,7 @@ def test_compiled_decode_equals_transformers(name, attention, gemma, reference, 
     opts = dict(compile=True, compile_cache="off")
     llm, got = _generate(gemma(name), EngineConfig(block_size=16), **opts)
     assert got == reference(name)
-    assert llm.runner.shapes and llm.runner.decode.graphs == 1
+    assert llm.runner.shapes and llm.runner.graph.graphs <= 1 and not llm.runner.graph.failed
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])

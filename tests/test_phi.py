@@ -175,7 +175,7 @@ def test_compiled_decode_equals_transformers(phi, references):
     """The compiled decode reads the long rows' table rows (positions past 256) as eager does."""
     llm, got = _long(phi("longrope"), compile=True, compile_cache="off")
     assert got == references("longrope")
-    assert llm.runner.shapes and llm.runner.decode.graphs == 1
+    assert llm.runner.shapes and llm.runner.graph.graphs <= 1 and not llm.runner.graph.failed
 
 
 def test_tables_equal_transformers_rotary_embedding(phi):

@@ -40,3 +40,39 @@ def test_quiet_summary_counts_errors(tmp_path, long_model):
     r, rows, _ = _run(tmp_path, long_model, texts, "errors", "--max-error-rate", 1)
     assert rows[3]["finish_reason"] == "error"
     assert "4 rows (1 error)" in r.stdout, r.stdout
+
+
+def test_a_measured_pool_is_sized_after_the_warm_up(model, monkeypatch):
+    """A GPU's order (vLLM's), faked on the CPU: the warm-up runs on a pool of two blocks, then
+    the pool takes the budget the warm-up left (ModelRunner.kv_budget_bytes), replacing the
+    small one; the tokens are those of a pool sized up front."""
+    import torch
+
+    from batchgen.engine.model_runner import ModelRunner
+    from batchgen.engine.sequence import SamplingParams
+    from batchgen.llm import LLM
+
+    rows = [list(range(2, 2 + n)) for n in (3, 17, 40)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    want = [c.token_ids for c in LLM(model, dtype="float32", device="cpu").generate(rows, params)]
+    seen = []
+
+    def budget(self, utilization):
+        seen.append((self.num_blocks, utilization))  # asked after the warm-up, on 2 blocks
+        return 40 * self.kv_bytes_per_block()
+
+    monkeypatch.setattr(ModelRunner, "measures_memory", property(lambda self: True))
+    monkeypatch.setattr(ModelRunner, "kv_budget_bytes", budget)
+    llm = LLM(model, dtype="float32", device="cpu")
+    warmed = []
+    real = ModelRunner.warm_up
+    monkeypatch.setattr(
+        ModelRunner,
+        "warm_up",
+        lambda self, *a: warmed.append(self.num_blocks) or real(self, *a),
+    )
+    assert [c.token_ids for c in llm.generate(rows, params)] == want
+    assert warmed == [2] and seen == [(2, 0.9)]
+    assert llm.engine.kv_pool.num_blocks == 40 == llm.runner.num_blocks
+    assert llm.runner.model.kv_caches[0].k.shape[0] == 40 * llm.runner.block_size
+    assert torch.count_nonzero(llm.runner.model.kv_caches[0].k) > 0  # the new pool was used

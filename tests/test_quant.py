@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import cpu_llm
+from helpers import cpu_llm, graph_launches
 from paged import last_logits
 from tiny_models import FAMILIES, save_tiny_model
 from torch._dynamo.utils import counters
@@ -196,20 +196,20 @@ def test_llm_unquantized_records_none(wide_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize(("backend", "method"), LLM_PATHS)
 def test_compiled_generation_has_no_recompiles(wide_dir, backend, method):
-    """fullgraph=True compile (the runner's setting) of the quantized model: warm-up makes
-    one graph per decode shape (prefill steps run eagerly), and later same-shape batches
+    """fullgraph=True compile (the runner's setting) of the quantized model: one graph of
+    the model for every step, prefills and decodes, and later batches of other token counts
     compile nothing."""
     llm = _quantized(wide_dir, backend, method, compile=True)
     eager = _quantized(wide_dir, backend, method)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     first = llm.generate(prompts(0), params)
     shapes = set(llm.runner.shapes)
-    assert llm.runner.decode.graphs == 1 and shapes  # one model graph, every batch size
+    assert llm.runner.graph.graphs <= 1 and shapes and not llm.runner.graph.failed
     warm = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for seed in (1, 2, 3):
             llm.generate(prompts(seed), params)
-    assert counters["stats"]["unique_graphs"] == warm and llm.runner.shapes == shapes
+    assert counters["stats"]["unique_graphs"] == warm and llm.runner.shapes >= shapes
     # Compiled and eager run the same quantized kernels: greedy tokens agree.
     ref = eager.generate(prompts(0), params)
     same = sum(
@@ -235,14 +235,17 @@ def test_gpu_quantized_decode_keeps_cuda_graphs(wide_dir):
     )
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     llm.generate(prompts(0), params)
-    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     assert manager is not None and sum(len(n) for n in manager.roots.values()) >= 1
     graphs = counters["stats"]["unique_graphs"]
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        llm.generate(prompts(1), params)
+
+    def again():
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            llm.generate(prompts(1), params)
+
+    # piecewise CUDA graphs: at least 2 launches a step (8 new tokens: 8 steps and more)
+    assert graph_launches(again) >= 2 * 8
     assert counters["stats"]["unique_graphs"] == graphs
-    assert counters["inductor"]["cudagraph_skips"] == 0
 
 
 @pytest.mark.gpu

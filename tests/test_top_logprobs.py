@@ -55,4 +55,4 @@ def test_compiled_top_logprobs_equal_eager(model):
         for a, b in zip(g.top_logprobs or [], w.top_logprobs or [], strict=True):
             assert [t for t, _ in a] == [t for t, _ in b]
             assert [v for _, v in a] == pytest.approx([v for _, v in b], abs=1e-4)
-    assert compiled.runner.decode.graphs == 1  # the alternatives are sampling's, not a guard
+    assert compiled.runner.graph.graphs <= 1  # the alternatives are sampling's, not a guard

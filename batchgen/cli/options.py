@@ -81,9 +81,9 @@ def data_options(f):
                 type=int,
                 help=(
                     f"KV cache capacity in tokens. Default: on the CPU what the job needs (longest "
-                    f"row x max-num-seqs); on a GPU {ENGINE_DEFAULTS.gpu_memory_utilization:.0%} "
-                    "of "
-                    f"free memory."
+                    f"row x max-num-seqs); on a GPU what is left of "
+                    f"{ENGINE_DEFAULTS.gpu_memory_utilization:.0%} of its memory after the "
+                    "warm-up (weights, CUDA graphs and the peak activations measured)."
                 ),
             ),
             _opt("--prefix-caching/--no-prefix-caching"),

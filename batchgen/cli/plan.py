@@ -77,6 +77,7 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
         "block_size": eng.block_size,
         "prefix_caching": eng.prefix_caching,
         "kv_cache_blocks": blocks,
+        "gpu_memory_utilization": eng.gpu_memory_utilization,
         "tensor_parallel_size": tp,
         "weights_bytes_per_rank": weights,
         "weights_stored_as": spec.quant.checkpoint,  # None: float weights
@@ -138,8 +139,11 @@ def format_plan(p: dict[str, Any]) -> str:
     peak = max(p["length_histogram"].values(), default=1)
     for edge, n in p["length_histogram"].items():
         lines.append(f"  <= {edge:>6}  {n:>8}  {'#' * max(1, round(40 * n / peak))}")
+    util = p["gpu_memory_utilization"]
     kv = (
-        "sized from free GPU memory at start"
+        f"sized after the warm-up: {util:.0%} of the GPU's memory, less the weights "
+        f"({p['weights_bytes_per_rank'] / 2**30:.2f} GiB), the CUDA context and graphs and the "
+        "warm-up's peak activations (measured)"
         if p["kv_cache_blocks"] is None
         else f"{p['kv_cache_blocks']} blocks of {p['block_size']} tokens = "
         f"{p['kv_cache_bytes_per_rank'] / 2**20:.1f} MiB"

@@ -2,31 +2,38 @@
 that would compile the same graphs.
 
 Why: a GPU job's compile costs its first minutes, and a 64-task Slurm array or a nightly job
-paid it in every process. After the warm-up (engine/model_runner.py) the process's compile
+paid it in every process. After the warm-up (engine/compiled_forward.py) the process's compile
 artifacts, torch's portable ones (`torch.compiler.save_cache_artifacts`: inductor's FX graphs,
 AOT autograd's, Triton's compiled kernels), are written to `<root>/<key>/artifacts.bin`; the
-next process with the same key loads them before compiling, and dynamo's trace is all that is
-left. On the CPU inductor's C++ kernels are not among those artifacts, so the warm-up also
-points inductor's own cache at `<root>/<key>/inductor` (its compiled .so files stay there); on
-a GPU, and without a compile cache, at a local folder per batchgen source
-(`local_inductor_dir`): inductor's FX graph cache does not key on a custom op's fake function,
-and a graph another batchgen version cached failed a stride check once the ops had changed.
+next process with the same key loads them into the inductor folder its compile reads (a
+local one, `local_inductor_dir() / key`, on the CPU as on a GPU), and inductor compiles no
+graph: torch's counters say so (`graphs_compiled` in the stats; "hit" means none compiled).
 
 The key hashes everything that changes the graphs (`key_parts`, written beside as `key.json`):
 the model's config, dtype, quantization, LoRA adapter, block size, attention path, TP size
-and rank, batchgen's own source, the torch / Triton / CUDA versions and the device. Writes are
-atomic and the first writer wins (a hard link of a finished temp file), so 64 tasks that start
-at once and all miss each compile once, and none reads a half-written file.
+and rank, batchgen's own source, the torch / Triton / CUDA versions and the device. The KV
+pool's size and the engine's budgets are not in it: the graph never sees them.
+
+The artifacts are pickles and shared objects: loading one runs its code. So a root, key folder
+or file owned by another user (root excepted) or writable by others is refused with one line
+naming the fix (exit 2), and the local inductor folder is made private (0700, created
+atomically, its owner checked). An artifacts file that is not a regular file (a FIFO, a link
+to /dev/zero), empty, too large or unreadable by torch is a miss, replaced after the compile.
+A read-only root loads and never writes; a full one costs the next job a compile, no more.
+Writes are atomic (a temp file renamed over the old), so 64 tasks that start at once and all
+miss each write a whole file, and none reads a half-written one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import platform
+import stat
 import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
@@ -38,14 +45,22 @@ from typing import Any
 
 import torch
 
+from batchgen.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 ENV = "BATCHGEN_COMPILE_CACHE"  # the cache's root, as --compile-cache sets it
+OFF = "off"  # as the root: no compile cache
+# Larger than any artifacts file a model's graphs make (a 0.5B model's: ~10 MB): past it the
+# file is not read (a link to /dev/zero would fill memory).
+MAX_ARTIFACT_BYTES = 2**31
+_TRUSTED_OWNERS = (0,)  # besides the user: root, who can run anything as anyone anyway
 _PACKAGE = Path(__file__).resolve().parents[1]
 
 
 def default_root() -> Path:
-    """$BATCHGEN_COMPILE_CACHE, else ~/.cache/batchgen/compile ($XDG_CACHE_HOME)."""
+    """$BATCHGEN_COMPILE_CACHE, else ~/.cache/batchgen/compile ($XDG_CACHE_HOME). ("off" is
+    the caller's to read: job/model_spec.resolve_compile_cache.)"""
     if os.environ.get(ENV):
         return Path(os.environ[ENV])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -110,50 +125,109 @@ class CompileCache:
     def artifacts(self) -> Path:
         return self.dir / "artifacts.bin"
 
-    def load(self) -> bool:
-        """Load the key's artifacts into this process's compile caches: True on a hit."""
+    def load(self) -> str:
+        """Load the key's artifacts into this process's compile caches (inside the inductor
+        folder the compile reads): "loaded", "missing", or "bad" (not a regular file, empty,
+        too large or unreadable by torch: a miss whose file the next save replaces). Raises
+        ConfigError for a root, key folder or file another user owns or can write."""
+        for path in (self.root, self.dir):
+            if path.exists():
+                check_private(path, "compile cache folder")
+        data = _read_artifacts(self.artifacts)
+        if data is None:
+            return "missing" if not os.path.lexists(self.artifacts) else "bad"
         try:
-            data = self.artifacts.read_bytes()
-        except OSError:
-            return False
-        try:
-            torch.compiler.load_cache_artifacts(data)
-        except Exception as e:  # a torch that cannot read them: compile as on a miss
+            loaded = torch.compiler.load_cache_artifacts(data)
+        except Exception as e:  # corrupt, or a torch that cannot read them: compile
             log.warning("compile cache %s not loaded (%s): compiling", self.artifacts, e)
-            return False
-        return True
+            return "bad"
+        return "loaded" if loaded is not None else "bad"
 
     def save(self) -> bool:
-        """Write this process's compile artifacts under the key, unless another process did
-        first. True if this one wrote them."""
-        if self.artifacts.exists():
-            return False
+        """Write this process's compile artifacts under the key, over any earlier file (this
+        process compiled: the file did not serve it). True if written; a read-only or full
+        root logs one warning and the job goes on."""
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             return False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            check_private(self.dir, "compile cache folder")
             _publish(self.dir / "key.json", json.dumps(self.parts, indent=1, default=str).encode())
-            return _publish(self.artifacts, saved[0])
-        except OSError as e:  # a full or read-only cache costs the next job a compile, no more
+            _publish(self.artifacts, saved[0])
+        except OSError as e:
             log.warning("compile cache not written to %s: %s", self.dir, e)
             return False
+        return True
 
-    def inductor_dir(self, device: torch.device) -> Path:
-        """Where inductor keeps its own cache while this key's graphs compile: on the CPU
-        beside the artifacts (its C++ kernels are not among them), on a GPU a local folder
-        (inductor's file locks on a shared filesystem are a risk, and the Triton kernels
-        travel in the artifacts)."""
-        if device.type == "cuda":
-            return local_inductor_dir() / self.key
-        return self.dir / "inductor"
+    def inductor_dir(self) -> Path:
+        """Where inductor keeps its own cache while this key's graphs compile and load: a
+        local folder per key, on the CPU as on a GPU (inductor's file locks on a shared
+        filesystem are a risk; what a second process needs travels in the artifacts, which
+        load into this folder)."""
+        return local_inductor_dir() / self.key
 
 
 def local_inductor_dir() -> Path:
-    """A local folder for inductor's cache, one per batchgen source: inductor's FX graph cache
-    does not key on a custom op's fake (meta) function, so a graph cached by another batchgen
-    version failed a stride check at run time when the ops' fakes had changed."""
-    return Path(tempfile.gettempdir()) / f"batchgen-inductor-{os.getuid()}" / source_hash()
+    """A local folder for inductor's cache, one per batchgen source (inductor's FX graph cache
+    does not key on a custom op's fake function: a graph cached by another batchgen version
+    failed a stride check once the ops had changed), under a private folder of this user's."""
+    return private_dir(Path(tempfile.gettempdir()) / f"batchgen-inductor-{os.getuid()}") / (
+        source_hash()
+    )
+
+
+def private_dir(path: Path) -> Path:
+    """path as a folder only this user can enter: made with mode 0700 in one step (mkdir
+    fails if another made it first), or, if it exists, checked to be a real folder of this
+    user's that no one else could write (one an older batchgen made 0755 is closed to 0700)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise ConfigError(
+                f"{path} is not a private folder of this user's (another user may have made "
+                "it, and compiled code loads from it): remove it, or set TMPDIR to a folder "
+                "of your own"
+            ) from None
+        if st.st_mode & 0o077:
+            os.chmod(path, 0o700)
+    return path
+
+
+def check_private(path: Path, what: str) -> None:
+    """Refuse path when another user (root excepted) owns it or others can write it: its
+    compiled artifacts run as code when loaded."""
+    st = os.stat(path)
+    fix = f"use a folder of your own (--compile-cache DIR) or --compile-cache {OFF}"
+    if st.st_uid != os.getuid() and st.st_uid not in _TRUSTED_OWNERS:
+        raise ConfigError(f"{what} {path} belongs to another user (uid {st.st_uid}): {fix}")
+    if st.st_mode & 0o022:
+        mode = oct(stat.S_IMODE(st.st_mode))
+        raise ConfigError(
+            f"{what} {path} is writable by other users (mode {mode}): chmod go-w {path}, or {fix}"
+        )
+
+
+def _read_artifacts(path: Path) -> bytes | None:
+    """The artifacts file's bytes; None when it is missing or not worth reading (a link, not
+    a regular file, empty, too large). Opened without following a link and without blocking
+    (a FIFO would hang the job), then checked on the open file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a symlink (ELOOP), a folder, no permission
+        if e.errno != errno.ELOOP:
+            log.warning("compile cache %s not read (%s): compiling", path, e)
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or not 0 < st.st_size <= MAX_ARTIFACT_BYTES:
+            return None
+        check_private(path, "compile cache file")
+        return f.read(MAX_ARTIFACT_BYTES)
 
 
 @contextlib.contextmanager
@@ -170,17 +244,14 @@ def inductor_scope(path: Path) -> Iterator[None]:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
-def _publish(path: Path, data: bytes) -> bool:
-    """Write data to path atomically, unless path exists: the first writer wins."""
+def _publish(path: Path, data: bytes) -> None:
+    """Write data to path atomically: a temp file of this process's, renamed over path."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     try:
-        os.link(tmp, path)
-        return True
-    except FileExistsError:
-        return False
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -19,7 +19,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens one step may run (decodes + prefill chunks)
     block_size: int = 16  # token slots per KV cache block
     kv_cache_tokens: int | None = None  # None: sized from the job (CPU) or free memory (GPU)
-    gpu_memory_utilization: float = 0.8  # share of free GPU memory the KV pool may take
+    # vLLM's meaning: the share of the GPU's total memory this process may use, weights,
+    # activations and CUDA graphs included; the KV pool takes what is left of it
+    gpu_memory_utilization: float = 0.9
     prefix_caching: bool = True  # reuse full blocks of earlier prompts with the same tokens
     read_ahead: int = 8192  # tokenized requests kept waiting; admitted longest first
 
@@ -57,21 +59,22 @@ class EngineConfig:
     def pool_blocks(
         self,
         longest_row: int,
-        free_bytes: int | None,
+        budget_bytes: int | None,
         bytes_per_block: int,
         max_blocks: int | None = None,
     ) -> int:
         """Blocks in the KV pool, the scratch block included.
 
-        The flag wins. On a GPU (free_bytes given): a share of the free memory. On the CPU:
+        The flag wins. On a GPU (budget_bytes given): what the warm-up left of
+        gpu_memory_utilization x its memory (ModelRunner.kv_budget_bytes). On the CPU:
         what the job needs, its longest row (prompt + max_new_tokens) times max_num_seqs up to
         CPU_POOL_ROWS, so memory follows the work instead of a fixed size. max_blocks: the most the
         attention kernel can address (`ModelRunner.max_pool_blocks`), a bound on all three."""
         bs = self.block_size
         if self.kv_cache_tokens is not None:
             blocks = -(-self.kv_cache_tokens // bs)
-        elif free_bytes is not None:
-            blocks = max(2, int(free_bytes * self.gpu_memory_utilization) // bytes_per_block)
+        elif budget_bytes is not None:
+            blocks = max(2, budget_bytes // bytes_per_block)
         else:
             blocks = 1 + self.pool_rows * -(-longest_row // bs)
         return blocks if max_blocks is None else min(blocks, max_blocks)

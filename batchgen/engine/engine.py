@@ -45,6 +45,7 @@ from batchgen.engine.sequence import (
     StepReport,
 )
 from batchgen.engine.step_cost import context_tokens
+from batchgen.engine.step_inputs import WarmUp
 from batchgen.engine.stopping import Detokenize, matched_stop, skipped, tokens_to_keep
 from batchgen.model.config import LongRopeRows
 from batchgen.model.memory import check_allocation
@@ -75,18 +76,26 @@ class Engine:
         for rows of `longest` tokens, not only the first read-ahead's; before the first run."""
         self.job_longest = max(self.job_longest, longest)
 
-    def _start(self, first: list[Request]) -> Scheduler:
+    def _start(self, first: list[Request]) -> tuple[Scheduler, WarmUp]:
         """Size and allocate the KV pool (on the CPU from the job's longest row, given to
-        `reserve`, or the first requests), once."""
+        `reserve`, or the first requests), and warm up, once. On a GPU without
+        --kv-cache-tokens, vLLM's order: the warm-up runs on a pool of two blocks, then the
+        pool takes what it left of gpu_memory_utilization x memory (kv_budget_bytes)."""
+        cfg, runner = self.config, self.runner
         longest = max((r.longest_tokens for r in first), default=self.job_longest or 1)
         longest = max(longest, self.job_longest)
-        longest = min(longest, self.runner.max_positions)
-        free = self.runner.free_device_bytes()
-        block_bytes = self.runner.kv_bytes_per_block()
-        blocks = self.config.pool_blocks(longest, free, block_bytes, self.runner.max_pool_blocks())
+        longest = min(longest, runner.max_positions)
+        block_bytes = runner.kv_bytes_per_block()
+        measured = runner.measures_memory and cfg.kv_cache_tokens is None
+        budget = None
+        if measured:
+            runner.allocate(2)  # the scratch block and one: what the warm-up writes
+            warm = runner.warm_up(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+            budget = runner.kv_budget_bytes(cfg.gpu_memory_utilization)
+        blocks = cfg.pool_blocks(longest, budget, block_bytes, runner.max_pool_blocks())
         # A pool sized from the job (the CPU's) is checked against memory, and holds full rows:
         # admission reserves them.
-        sized_from_job = free is None and self.config.kv_cache_tokens is None
+        sized_from_job = not measured and cfg.kv_cache_tokens is None
         if sized_from_job:
             ranks = self.runner.host_ranks  # tensor-parallel ranks sharing this memory
             check_allocation(
@@ -99,16 +108,17 @@ class Engine:
                 self.runner.device,
             )
         self.runner.allocate(blocks)
+        if measured:
+            runner.rewarm_attention(cfg.max_num_seqs)
+        else:
+            warm = runner.warm_up(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         bs = self.config.block_size
         self.kv_pool = KVPool(blocks, bs, blocks * block_bytes)
         pool = BlockPool(blocks, bs, self.config.prefix_caching)
-        return Scheduler(
-            pool,
-            self.config.max_num_seqs,
-            self.config.max_num_batched_tokens,
-            self.eos_ids,
-            reserve_full_rows=sized_from_job,
+        sched = Scheduler(
+            pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.eos_ids, sized_from_job
         )
+        return sched, warm
 
     # no_grad, not inference_mode: quanto's int4 weights refuse inference tensors.
     @torch.no_grad()  # (a generator: the mode holds across its yields)
@@ -119,15 +129,16 @@ class Engine:
         stream = iter(requests)
         if self.scheduler is None:  # the pool is sized at the first read-ahead
             ahead = list(itertools.islice(stream, self.config.read_ahead))
-            self.scheduler = self._start(ahead)
+            # before any row is queued: the warm-up's costs are not a row's
+            self.scheduler, warm = self._start(ahead)
             stream = itertools.chain(ahead, stream)
-            # before any row is queued: its costs are not a row's
-            warm = self.runner.warm_up(self.config.max_num_seqs, self.config.max_num_batched_tokens)
             yield StepReport(
                 compile_seconds=warm.compile_seconds,
                 capture_seconds=warm.capture_seconds,
                 warmup_seconds=warm.warmup_seconds,
                 compile_cache=warm.cache,
+                graphs_compiled=warm.graphs_compiled,
+                graphs_loaded=warm.graphs_loaded,
                 at=time.perf_counter(),
             )
         sched = self.scheduler
@@ -269,6 +280,7 @@ class Engine:
             cache_lookups=plan.cache_lookups,
             cache_hits=plan.cache_hits,
             new_shape=timing.new_shape,
+            compiled=timing.compiled,
             collective_seconds=timing.collective_seconds,
             at=now,
             logits_rows=plan.num_sampled + sum(map(len, scored)),

@@ -6,13 +6,13 @@ Decode attention has one path per device (`decode_backend`): on CUDA, FlexAttent
 each row's blocks in place from the paged pool; on the CPU, the rows' blocks are gathered and
 SDPA runs over the copy (measured faster there; docs/architecture.md).
 
-Eagerly, a step runs at its exact size: no padding rows, no padding tokens. Compiled
-(`compile=True`), decode-only steps, the steady state, run through engine/compiled_decode.py:
-the forward compiled once over a symbolic batch, sampling a small graph of its own, CUDA
-graphs on a GPU for each capture size (2, 4, then steps of 8 up to max_num_seqs), all warmed
-up before the first request (`warm_up`). Steps with prefill chunks run eagerly: their
-per-sequence attention has data-dependent shapes, and their large matmuls leave little launch
-overhead to save.
+A step runs at its exact size: no padding rows, no padding tokens. Compiled (`compile=True`),
+every step, prefill chunks and decodes alike, runs through engine/compiled_forward.py: the
+model's forward compiled once over a symbolic token count, its attention an opaque op, the
+pieces between captured as CUDA graphs on a GPU at a bounded set of token counts (to which a
+step of up to 512 tokens is padded), sampling a small graph of its own; all compiled (and
+recorded) in the warm-up, before the first request (`warm_up`). The LM head runs eagerly on
+the sampled rows.
 
 With tensor parallelism, rank 0's runner hands each step's `StepInputs` to `broadcast` (the
 other ranks' runners run `forward` on them) before running its own part; only rank 0
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from batchgen.engine.block_pool import NULL_BLOCK
 from batchgen.engine.penalties import TokenCounts, apply_penalties
 from batchgen.engine.sampler import SamplingColumns
 from batchgen.engine.scored_logprobs import score_rows
@@ -37,12 +38,10 @@ from batchgen.engine.sequence import ScoredChunk, StepPlan
 from batchgen.engine.step_inputs import (
     StepInputs,
     WarmUp,
-    capture_sizes,
-    pack_decode,
     pack_step,
-    warmup_eager,
 )
 from batchgen.engine.step_sampling import Sampled, sample_step, to_host, wants_top
+from batchgen.engine.warmup import rewarm_attention, warm_up
 from batchgen.model.attention import (
     DecodeBackend,
     DecodeGroup,
@@ -50,20 +49,22 @@ from batchgen.model.attention import (
     StepAttention,
     decode_backend,
 )
+from batchgen.model.attention_op import bound
 from batchgen.model.tp_layers import CollectiveClock
 from batchgen.model.transformer import Transformer
 
 if TYPE_CHECKING:
     from batchgen.engine.compile_cache import CompileCache
-    from batchgen.engine.compiled_decode import CompiledDecode
+    from batchgen.engine.compiled_forward import CompiledForward
 
 
 @dataclass(slots=True)
 class StepTiming:
     seconds: float = 0.0  # the step, compile excluded
     compile_seconds: float = 0.0  # first call of a new compiled shape (compile + first run)
-    padded_rows: int = 0  # decode rows computed only to fill a compiled shape
-    new_shape: bool = False  # a compiled shape's first call
+    padded_rows: int = 0  # tokens computed only to fill a compiled shape (CUDA graphs)
+    new_shape: bool = False  # a compile during the step (none expected after the warm-up)
+    compiled: bool = False  # the forward ran the compiled graph
     collective_seconds: float = 0.0  # of seconds, in tensor-parallel collectives (where timed)
 
 
@@ -96,35 +97,44 @@ class ModelRunner:
         self.compiled = compile
         self.attention = decode_backend(self.device, block_size, model.cfg.head_dim)
         self.broadcast, self.clock = broadcast, clock
-        self.shapes: set[tuple[int, bool]] = set()  # (padded batch, greedy-only) decodes run
-        self.decode: CompiledDecode | None = None
+        self.shapes: set[int] = set()  # the token counts compiled steps ran at
+        self.graph: CompiledForward | None = None
         # the logits' width: the whole model's (a tensor-parallel rank's cfg has its share)
         self.vocab_size = vocab_size or model.cfg.vocab_size
         self.counts = TokenCounts(self.vocab_size, self.device)  # no memory until used
-        if compile:
+        # The transformers backend (model/hf_backend.py) has no `hidden`: it runs eagerly.
+        if compile and isinstance(model, Transformer):
             # imported here: torch._dynamo takes ~1 s to import, a tenth of a small eager job
-            from batchgen.engine.compiled_decode import CompiledDecode
+            from batchgen.engine.compiled_forward import CompiledForward
 
-            self.decode = CompiledDecode(model, self.attention, block_size, compile_cache)
+            self.graph = CompiledForward(model.hidden, self.device, compile_cache)
 
     def allocate(self, num_blocks: int) -> None:
-        """Allocate the paged cache once: num_blocks blocks per layer, block 0 scratch.
-        (Compiled graphs hold its buffers, so it is never reallocated.)"""
+        """Allocate the paged cache: num_blocks blocks per layer, block 0 scratch. Again, it
+        replaces the pool (the warm-up's small one, engine.py): no graph holds it, the attention
+        op reads it from the bound step."""
         if self.num_blocks:
-            raise RuntimeError("the KV cache is already allocated")
+            for cache in self.model.kv_caches:  # the old pool freed before the new one
+                cache.k = cache.v = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         self.model.setup_caches(num_blocks, self.block_size)
         self.num_blocks = num_blocks
-        if self.decode is not None:  # the graph takes any pool: a compile cache serves all
-            for cache in self.model.kv_caches:
-                torch._dynamo.maybe_mark_dynamic(cache.k, 0)
-                torch._dynamo.maybe_mark_dynamic(cache.v, 0)
 
-    def free_device_bytes(self) -> int | None:
-        """Free accelerator memory (None on the CPU, where the pool is sized from the job)."""
-        if self.device.type != "cuda":
-            return None
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return free
+    @property
+    def measures_memory(self) -> bool:
+        """Is the pool sized from the memory left after the warm-up (a GPU's), not the job?"""
+        return self.device.type == "cuda"
+
+    def kv_budget_bytes(self, utilization: float) -> int:
+        """After the warm-up, the bytes the KV pool may take, vLLM's rule: utilization x the
+        device's total memory, less what is in use now (weights, CUDA graphs' pools, the CUDA
+        context, other processes') and the warm-up's transient peak above what it kept."""
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        transient = peak - torch.cuda.memory_allocated(self.device)
+        return int(total * utilization) - (total - free) - transient
 
     # Processes on this host that hold a pool like this one: the tensor-parallel ranks on the
     # CPU share its memory (RankedRunner sets it), so a pool sized from the job is checked x it.
@@ -149,38 +159,43 @@ class ModelRunner:
         return cfg.kv_bytes_per_token(self.model.embed.weight.element_size()) * self.block_size
 
     def warm_up(self, max_num_seqs: int, max_tokens: int) -> WarmUp:
-        """After allocate() and before the first request: run a full-size prefill and (eager)
-        a decode of max_num_seqs rows once (step_inputs.warmup_eager), and compile (and on a
-        GPU capture) the decode graphs for every batch of up to max_num_seqs rows."""
-        t0 = time.perf_counter()
-        steps = warmup_eager(
-            max_tokens, max_num_seqs, self.block_size, self.model.cfg.max_position_embeddings
-        )
-        for x in steps if self.decode is None else steps[:1]:  # compiled: its own decode
-            if self.broadcast is not None:
-                self.broadcast(x)
-            self.forward(x)
-        _sync(self.device)
-        eager = time.perf_counter() - t0
-        if self.decode is None:
-            return WarmUp(warmup_seconds=eager)
-        warm = self.decode.warm_up(capture_sizes(max_num_seqs), self.broadcast)
-        warm.warmup_seconds = eager
-        return warm
+        """After allocate() and before the first request (engine/warmup.py)."""
+        return warm_up(self, max_num_seqs, max_tokens)
+
+    def rewarm_attention(self, max_num_seqs: int) -> None:
+        """After the pool was replaced (engine/warmup.py)."""
+        rewarm_attention(self, max_num_seqs)
+
+    def run_warm(self, x: StepInputs) -> torch.Tensor:
+        """A warm-up step: padded, sent to the other ranks, run."""
+        self._pad(x)
+        if self.broadcast is not None:
+            self.broadcast(x)
+        return self.forward(x)
+
+    def build_graph(self, token_sizes: list[int], row_sizes: list[int]) -> None:
+        """Compile (at the next call) with CUDA graphs at these token and sampling row counts,
+        after loading the compile cache's artifacts (tensor parallel: on every rank)."""
+        self.graph.build(token_sizes, row_sizes)
+
+    def _pad(self, x: StepInputs) -> None:
+        """x's tokens padded to the compiled graph's size for them (before it reaches the
+        other ranks, so every rank runs the same count): token 0 at position 0 into the
+        scratch block."""
+        pad = self.graph.padded(len(x.tokens)) - len(x.tokens) if self.graph is not None else 0
+        x.tokens += [0] * pad
+        x.positions += [0] * pad
+        x.slots += [NULL_BLOCK * self.block_size] * pad
 
     # ------------------------------------------------------------------ step
 
     def forward(self, x: StepInputs) -> torch.Tensor:
         """The float32 logits (len(x.logits_index), vocab) of one step's inputs (what a
         tensor-parallel rank other than 0 runs)."""
-        if x.compiled:
-            logits = self.decode.logits(x)
-            if x.save_compile_cache and self.decode.cache is not None:
-                self.decode.cache.save()
-            return logits
         dev = self.device
         step = StepAttention(
             backend=self.attention,
+            flex_compiled=self.graph is not None,
             slots=torch.tensor(x.slots, device=dev),
             num_decodes=sum(len(lens) for _, _, lens in x.decodes),
             decodes=tuple(
@@ -193,7 +208,16 @@ class ModelRunner:
             ),
         )
         tokens, positions = (torch.tensor(v, device=dev) for v in (x.tokens, x.positions))
-        return self.model(tokens, positions, step, torch.tensor(x.logits_index, device=dev))
+        index = torch.tensor(x.logits_index, device=dev)
+        if self.graph is None:  # eager: the same bind, hidden and logits (Transformer.forward)
+            return self.model(tokens, positions, step, index)
+        self.shapes.add(len(x.tokens))
+        with bound(self.model.bind(step)):
+            h = self.graph.run_hidden(tokens, positions)
+        logits = self.model.logits(h, index)
+        if x.save_compile_cache:
+            self.graph.save()
+        return logits
 
     def execute(
         self, plan: StepPlan, bitmask: torch.Tensor | None = None
@@ -202,15 +226,22 @@ class ModelRunner:
         the scored tokens' log-probabilities per scored candidate's chunk in plan order.
         bitmask: (sampling sequences, words) allowed-token masks in plan order, or None."""
         before = self.clock.seconds if self.clock is not None else 0.0
-        if self.compiled and not plan.prefills:
-            sampled, scored, timing = self._execute_compiled_decode(plan, bitmask)
-        else:
-            sampled, scored, timing = self._execute_eager(plan, bitmask)
+        graphs = self.graph.graphs + self.graph.sample_graphs if self.graph else 0
+        sampled, scored, timing = self._execute(plan, bitmask)
+        if self.graph is not None:
+            timing.compiled = not self.graph.failed
+            t = sum(s.num_tokens for s in plan.scheduled)
+            timing.padded_rows = self.graph.padded(t) - t
+            if (
+                self.graph.graphs + self.graph.sample_graphs > graphs
+            ):  # after the warm-up: none expected
+                timing.new_shape = True
+                timing.compile_seconds, timing.seconds = timing.seconds, 0.0
         if self.clock is not None:
             timing.collective_seconds = self.clock.seconds - before
         return sampled, scored, timing
 
-    def _execute_eager(
+    def _execute(
         self, plan: StepPlan, bitmask: torch.Tensor | None
     ) -> tuple[Sampled, list[ScoredChunk], StepTiming]:
         # Flex reads every row's blocks in place: one group; the gather pads each group's
@@ -218,6 +249,7 @@ class ModelRunner:
         groups = 1 if self.attention is DecodeBackend.FLEX else 4
         packed = pack_step(plan, self.block_size, max_groups=groups, rope=self.rope_rows)
         dev, n = self.device, len(packed.sampled)
+        self._pad(packed.inputs)
         t0 = time.perf_counter()
         if self.broadcast is not None:
             self.broadcast(packed.inputs)
@@ -230,41 +262,18 @@ class ModelRunner:
         sampling = SamplingColumns()
         for s in packed.sampled:
             sampling.add(s)
-        samp, steps = sampling.tensors(dev)
         apply_penalties(logits[:n], packed.sampled, self.counts)
         nd = len(packed.decode_order)
         if bitmask is not None:  # to the packed order: decodes by width, then prefills
             bitmask = bitmask[torch.tensor(packed.decode_order + list(range(nd, n)), device=dev)]
         top = wants_top(packed.sampled)
-        out = to_host(
-            sample_step(logits[:n], samp, steps, sampling.greedy_only, bitmask, top),
-            packed.sampled,
-            top,
-        )
+        if self.graph is not None:
+            result = self.graph.sample(logits[:n], sampling, bitmask)
+        else:
+            samp, steps = sampling.tensors(dev)
+            result = sample_step(logits[:n], samp, steps, sampling.greedy_only, bitmask, top)
+        out = to_host(result, packed.sampled, top)  # the step's one host read
         decoded = [None] * nd  # back to plan order
         for j, i in enumerate(packed.decode_order):
             decoded[i] = out[j]
         return decoded + out[nd:], per_chunk, StepTiming(time.perf_counter() - t0)
-
-    def _execute_compiled_decode(
-        self, plan: StepPlan, bitmask: torch.Tensor | None
-    ) -> tuple[Sampled, list[ScoredChunk], StepTiming]:
-        packed = pack_decode(plan, self.block_size, rope=self.rope_rows)
-        x, n, pad = packed.inputs, len(plan.decodes), packed.padded_rows
-        sampling = SamplingColumns()
-        for s in packed.sampled:
-            sampling.add(s)
-        sampling.pad(pad)
-        key = (len(x.tokens), sampling.greedy_only)
-        graphs = self.decode.graphs + self.decode.sample_graph.graphs
-        t0 = time.perf_counter()
-        if self.broadcast is not None:
-            self.broadcast(x)
-        logits = apply_penalties(self.decode.logits(x), packed.sampled[:n], self.counts)
-        result = self.decode.sample(logits, sampling, bitmask)
-        out = to_host(result, packed.sampled[:n], wants_top(packed.sampled))  # the one sync
-        dt = time.perf_counter() - t0
-        self.shapes.add(key)
-        if self.decode.graphs + self.decode.sample_graph.graphs > graphs:  # a compile: after
-            return out, [], StepTiming(0.0, dt, pad, new_shape=True)  # warm-up, not expected
-        return out, [], StepTiming(dt, 0.0, pad)

@@ -259,13 +259,16 @@ class StepReport:
     prompt_tokens: int = 0  # prompt (and recomputed) tokens run this step
     cached_tokens: int = 0  # prompt tokens found in the prefix cache by new admissions
     decode_rows: int = 0  # sequences that decoded one token
-    padded_rows: int = 0  # decode rows computed only to fill a compiled shape
+    padded_rows: int = 0  # tokens computed only to fill a compiled shape (CUDA graphs)
     preempted: int = 0
     seconds: float = 0.0  # model time, compile excluded
     compile_seconds: float = 0.0  # the warm-up's compile (or a compile after it)
     capture_seconds: float = 0.0  # the warm-up's runs of every capture size (CUDA graphs)
     warmup_seconds: float = 0.0  # the warm-up's full-size eager steps (step_inputs.warmup_eager)
     compile_cache: str | None = None  # the warm-up's: "hit" or "miss" (None: no cache)
+    graphs_compiled: int = 0  # the warm-up's: graphs inductor compiled (torch's counters)
+    graphs_loaded: int = 0  # the warm-up's: graphs loaded from inductor's cache instead
+    compiled: bool = False  # the step's forward ran the compiled graph
     prefill: bool = False  # the step ran prompt tokens (else decode only)
     cache_lookups: int = 0  # full prompt blocks looked up in the prefix cache by admissions
     cache_hits: int = 0  # of which found

@@ -8,10 +8,9 @@ gathered blocks, see model/attention.py); each prefill chunk is a span with the 
 cached context. `logits_index` names the tokens that reach the LM head: those that sample,
 then the positions of scored tokens (a score task's labels, a row's prompt logprobs).
 
-A compiled decode-only step (`pack_decode`) is padded to a bounded set of shapes instead: the
-batch to the next capture size (2, 4, then steps of 8: vLLM's sizes, with 1 padded to 2, the
-size dynamo would specialise), the block tables to a power-of-two width of 2 or more; padding
-rows decode token 0 at position 0 into the scratch block.
+A compiled step runs at a bounded set of token counts on a GPU (`token_sizes`, its CUDA
+graphs'): the runner pads its tokens to the next one (engine/compiled_forward.py); padding
+tokens decode token 0 at position 0 into the scratch block and attend to nothing.
 
 `StepInputs` is everything a model forward needs, so it is also what rank 0 sends the other
 tensor-parallel ranks each step; `PackedStep` adds what only rank 0 needs to sample and score.
@@ -31,7 +30,7 @@ def next_pow2(n: int) -> int:
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """The padded batch sizes of compiled decode steps for up to max_num_seqs rows: 2, 4, then
+    """The padded row counts of compiled sampling for up to max_num_seqs rows: 2, 4, then
     multiples of 8, the last at or above max_num_seqs (a CUDA graph each on a GPU)."""
     sizes = [2, 4]
     while sizes[-1] < max_num_seqs:
@@ -40,8 +39,19 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 def padded_batch(n: int) -> int:
-    """The capture size a decode step of n rows runs at (capture_sizes)."""
+    """The capture size a step sampling n rows samples at (capture_sizes)."""
     return 2 if n <= 2 else 4 if n <= 4 else -(-n // 8) * 8
+
+
+# The largest token count recorded as CUDA graphs (vLLM's default): larger steps are mostly
+# prefill, whose matmuls leave little launch overhead for a graph to save.
+TOKEN_CAP = 512
+
+
+def token_sizes(max_tokens: int) -> list[int]:
+    """The token counts a GPU's compiled forward records CUDA graphs at: 2, 4, 8, then steps
+    of 8 to min(TOKEN_CAP, max_tokens) (66 at the defaults)."""
+    return capture_sizes(min(TOKEN_CAP, max_tokens))
 
 
 @dataclass(slots=True)
@@ -55,14 +65,7 @@ class StepInputs:
     logits_index: list[int] = field(default_factory=list)
     decodes: list[tuple[int, list[list[int]], list[int]]] = field(default_factory=list)
     prefills: list[tuple[int, int, int, list[int] | None]] = field(default_factory=list)
-    compiled: bool = False  # a padded decode-only step: one group (pack_decode's shapes)
     save_compile_cache: bool = False  # the warm-up's last step: each rank saves its artifacts
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """A compiled step's (batch, table width)."""
-        _, tables, _ = self.decodes[0]
-        return len(tables), len(tables[0])
 
 
 @dataclass(slots=True)
@@ -75,7 +78,6 @@ class PackedStep:
     decode_order: list[int]  # packed decode j is plan.decodes[decode_order[j]]
     scored: list[list[int]] = field(default_factory=list)  # per scored chunk: logits rows
     targets: list[int] = field(default_factory=list)  # the token each scored row predicts
-    padded_rows: int = 0
 
 
 def width_groups(
@@ -156,26 +158,16 @@ def pack_step(
     return packed
 
 
-def pack_decode(plan: StepPlan, block_size: int, rope: LongRopeRows | None = None) -> PackedStep:
-    """A decode-only plan padded to a compiled shape: the batch to its capture size, the
-    table width to a power of 2 (of 2 or more: dynamo would specialise a width of 1)."""
-    n = len(plan.decodes)
-    b = padded_batch(n)
-    width = max(2, next_pow2(max(len(s.seq.block_table) for s in plan.decodes)))
-    inputs = StepInputs(compiled=True)
-    for s in plan.decodes:
-        _add_tokens(s, inputs, block_size, rope)
-    tables = [
-        s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)) for s in plan.decodes
-    ]
-    lens = [s.start + 1 for s in plan.decodes]
-    return _padded(inputs, tables, lens, b, block_size, list(plan.decodes))
-
-
-def warmup_decode(rows: int, block_size: int) -> StepInputs:
-    """A compiled decode step of `rows` padding rows only (the warm-up's: every row decodes
-    token 0 at position 0 into the scratch block)."""
-    return _padded(StepInputs(compiled=True), [], [], rows, block_size, []).inputs
+def warmup_decode(rows: int, tokens: int, block_size: int) -> StepInputs:
+    """A warm-up step of `tokens` tokens whose first `rows` decode (one group) and the rest
+    pad: every token is token 0 at position 0, its key written to the scratch block."""
+    return StepInputs(
+        tokens=[0] * tokens,
+        positions=[0] * tokens,
+        slots=[NULL_BLOCK * block_size] * tokens,
+        logits_index=list(range(rows)),
+        decodes=[(0, [[NULL_BLOCK] * 2] * rows, [1] * rows)],
+    )
 
 
 @dataclass(slots=True)
@@ -185,6 +177,8 @@ class WarmUp:
     compile_seconds: float = 0.0
     capture_seconds: float = 0.0
     cache: str | None = None  # "hit" or "miss"; None: no compile cache
+    graphs_compiled: int = 0  # by inductor, at warm-up (torch's counters)
+    graphs_loaded: int = 0  # from inductor's cache instead (a compile cache's hits)
     warmup_seconds: float = 0.0  # eager: the warm-up steps (step_inputs.warmup_eager)
 
 
@@ -206,25 +200,4 @@ def warmup_eager(max_tokens: int, max_rows: int, block_size: int, positions: int
         logits_index=[q + n - 1 for q, n in spans],
         prefills=[(q, n, 0, None) for q, n in spans],
     )
-    decode = warmup_decode(max_rows, block_size)
-    decode.compiled = False
-    return [prefill, decode]
-
-
-def _padded(
-    inputs: StepInputs,
-    tables: list[list[int]],
-    lens: list[int],
-    b: int,
-    block_size: int,
-    sampled: list[Scheduled],
-) -> PackedStep:
-    n = len(tables)
-    width = len(tables[0]) if tables else 2
-    pad = b - n  # padding rows: token 0 at position 0, written to the scratch block
-    inputs.tokens += [0] * pad
-    inputs.positions += [0] * pad
-    inputs.slots += [NULL_BLOCK * block_size] * pad
-    inputs.decodes.append((0, tables + [[NULL_BLOCK] * width] * pad, lens + [1] * pad))
-    inputs.logits_index = list(range(b))
-    return PackedStep(inputs, sampled, list(range(n)), padded_rows=pad)
+    return [prefill, warmup_decode(max_rows, max_rows, block_size)]

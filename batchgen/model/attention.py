@@ -16,8 +16,8 @@ with no padding. Every token's key/value is written at its own cache slot first;
 That is the gather path (`DecodeBackend.GATHER`, the CPU's). On CUDA the decodes instead
 read the pool in place with FlexAttention (`DecodeBackend.FLEX`, paged_flex.py): one group of
 all decodes, its rows padded to a power of two and its block lists to a fixed width, and no copy
-of the KV. Inside a compiled decode step, the whole of a layer's attention (cache write
-included) is one custom op of model/decode_ops.py, opaque to inductor.
+of the KV. In the model, the whole of a layer's attention (cache write included) is one
+custom op opaque to the compiler (model/attention_op.py), which calls `step_attention`.
 
 Sliding-window models (Mistral) add `query - key < window` to every mask. The masks depend
 on the step, not the layer: `StepAttention.with_masks` builds them once per forward and every
@@ -111,18 +111,16 @@ class StepAttention:
     prefills: tuple[PrefillSpan, ...] = ()
     backend: DecodeBackend = DecodeBackend.GATHER
     window: int | None = None  # the model's sliding window, set by with_masks
+    # flex's own compiled kernel on the CPU too (always on CUDA): a compiled forward's, whose
+    # op runs under AOT autograd's dispatch mode, where eager flex's vmap fails
+    flex_compiled: bool = False
 
     def with_masks(
         self, window: int | None, cache: PagedKVCache, queries: int, max_positions: int
     ) -> StepAttention:
         """This step with its groups' and spans' attention masks built, for all layers.
         cache: a layer's cache (its pool's shape); queries: query heads per kv head;
-        max_positions: the longest a sequence can be (flex's lists hold its blocks). In a
-        compiled decode step the ops build what they need (a flex mask comes built)."""
-        if torch.compiler.is_compiling():
-            return StepAttention(
-                self.slots, self.num_decodes, self.decodes, (), self.backend, window
-            )
+        max_positions: the longest a sequence can be (flex's lists hold its blocks)."""
         width = list_width(cache, max_positions)
         decodes = tuple(self._decode_mask(g, window, cache, queries, width) for g in self.decodes)
         prefills = tuple(
@@ -135,7 +133,15 @@ class StepAttention:
             )
             for s in self.prefills
         )
-        return StepAttention(self.slots, self.num_decodes, decodes, prefills, self.backend, window)
+        return StepAttention(
+            self.slots,
+            self.num_decodes,
+            decodes,
+            prefills,
+            self.backend,
+            window,
+            self.flex_compiled,
+        )
 
     def _decode_mask(
         self, g: DecodeGroup, window: int | None, cache: PagedKVCache, queries: int, width: int
@@ -187,9 +193,9 @@ def step_attention(
     params: AttnParams = DEFAULT,
 ) -> torch.Tensor:
     """q (T, H, D), k, v (T, Hkv, D) of a whole step (masks built) -> (T, H, D). params: a
-    scale, soft-cap or sinks (the transformers backend's)."""
-    if torch.compiler.is_compiling():  # a compiled decode step: one group, B rows
-        return _decode_op(q, k, v, cache, step, params)
+    scale, soft-cap or sinks (the transformers backend's, Gemma's). Tokens past the decodes
+    and prefill chunks (a compiled step's padding, whose slots are the scratch block's) are
+    written and get zeros."""
     cache.write(step.slots, k, v)
     bs = cache.block_size
     parts = []
@@ -199,7 +205,8 @@ def step_attention(
         qg = q[g.q_start : g.q_start + n]
         if step.backend is DecodeBackend.FLEX:
             qg = torch.cat([qg, qg.new_zeros(rows - n, *qg.shape[1:])]) if rows > n else qg
-            compiled = qg.device.type == "cuda"  # eager flex would score the whole pool
+            # on CUDA always: eager flex would score the whole pool
+            compiled = qg.device.type == "cuda" or step.flex_compiled
             out = flex_decode_attention(
                 qg, cache.k, cache.v, g.mask, step.window, bs, compiled, params
             )
@@ -209,26 +216,7 @@ def step_attention(
     for s in step.prefills:
         sl = slice(s.q_start, s.q_start + s.q_len)
         parts.append(prefill_attention(q[sl], k[sl], v[sl], cache, s, params))
+    pad = q.shape[0] - sum(p.shape[0] for p in parts)
+    if pad:  # padding tokens
+        parts.append(q.new_zeros(pad, q.shape[1], v.shape[2]))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _decode_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: PagedKVCache,
-    step: StepAttention,
-    params: AttnParams,
-) -> torch.Tensor:
-    """A compiled decode step's attention for one layer, as one opaque op (decode_ops.py),
-    with the layer's params (the transformers backend's scale, soft-cap, sinks)."""
-    (g,) = step.decodes
-    bs, window, p = cache.block_size, step.window, params
-    if step.backend is DecodeBackend.FLEX:
-        m = g.mask
-        return torch.ops.batchgen.decode_flex(
-            q, k, v, cache.k, cache.v, step.slots, *m.tensors(), bs, window, *p.values()
-        )
-    return torch.ops.batchgen.decode_gather(
-        q, k, v, cache.k, cache.v, step.slots, g.blocks, g.lens, bs, window, *p.values()
-    )

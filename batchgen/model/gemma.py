@@ -15,9 +15,7 @@ backend passes the same, model/hf_backend.py), so prefill and decode, eager and 
 the same attention code as every family; CUDA's flex decode op takes them too (paged_flex.py:
 the scale into q, the soft-cap as a score_mod), so no path is refused or rebuilt as gather. The
 step's masks are built once per window value (two at most) and shared by the layers of that
-window. A compiled flex step's mask is built outside the graph by Transformer.step_masks with
-the model's sliding_window, None where the layers differ: each row's block list then starts at
-its first block, and each layer's own window, applied in flex's mask_mod, stays exact.
+window (Transformer.bind, before the forward, compiled or not).
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import functools
 import torch
 from torch import nn
 
-from batchgen.model.attention import StepAttention
 from batchgen.model.config import GEMMA_FAMILIES, ModelConfig, RopeScaling
 from batchgen.model.rope import rope_tables
 from batchgen.model.sdpa import AttnParams
@@ -68,8 +65,8 @@ class GemmaBlock(nn.Module):
         self.mlp = MLP(cfg)
         self.post_mlp_norm = GemmaRMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x, rope, step: StepAttention) -> torch.Tensor:
-        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), rope, step))
+    def forward(self, x, rope) -> torch.Tensor:
+        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), rope))
         return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
 
 
@@ -102,29 +99,27 @@ class GemmaTransformer(Transformer):
                 self.embed.weight.device,
             )
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        step: StepAttention,
-        logits_index: torch.Tensor,
-    ) -> torch.Tensor:
-        """As Transformer.forward: (T,) packed tokens and positions -> float32 logits (S,
-        vocab) of the rows at logits_index."""
-        cfg = self.cfg
-        queries = cfg.n_heads // cfg.n_kv_heads  # this rank's query heads per kv head
-        cache, n = self.kv_caches[0], cfg.max_position_embeddings
-        steps = {w: step.with_masks(w, cache, queries, n) for w in set(self.windows)}
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return self.windows
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """As Transformer.hidden: (T,) packed tokens and positions -> (T, dim), with the
+        scaled embedding and Gemma 3's local RoPE table on its sliding layers."""
         full = (self.rope_cos[positions], self.rope_sin[positions])  # (T, D) each
         local = full
         if self.local_cos is not None:
             local = (self.local_cos[positions], self.local_sin[positions])
         x = self.embed(tokens) * self.embed_mult  # (T, dim)
         for block, window in zip(self.layers, self.windows, strict=True):
-            x = block(x, full if window is None else local, steps[window])
+            x = block(x, full if window is None else local)
+        return x
+
+    def logits(self, x: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm(x.index_select(0, logits_index)))  # (S, vocab)
-        if cfg.final_softcap is not None:
-            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        cap = self.cfg.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
 

@@ -152,14 +152,6 @@ class HFModel(nn.Module):
     def kv_caches(self) -> list[PagedKVCache]:
         return self.caches
 
-    def step_masks(self, step: StepAttention) -> StepAttention:
-        """A compiled flex step's masks, built outside its graph and shared by every layer:
-        each row's block lists from its first block (no window), so every layer's own window,
-        applied in flex's mask_mod, is exact; a sliding layer only visits blocks it masks."""
-        cfg = self.cfg
-        queries = cfg.n_heads // cfg.n_kv_heads
-        return step.with_masks(None, self.caches[0], queries, cfg.max_position_embeddings)
-
     def forward(
         self,
         tokens: torch.Tensor,

@@ -43,6 +43,8 @@ out * sigmoid(lse - sink), per query head, exact.
 from __future__ import annotations
 
 import functools
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -88,8 +90,7 @@ def list_width(cache: PagedKVCache, max_positions: int) -> int:
 @dataclass(slots=True)
 class PagedMask:
     """A paged block mask as plain tensors, built once a step and shared by every layer; its
-    rows padded to a power of two (R). The compiled decode graph takes them as inputs and
-    hands them to the attention op (model/decode_ops.py), which makes the BlockMask."""
+    rows padded to a power of two (R). Each layer's attention op makes the BlockMask of them."""
 
     num: torch.Tensor  # (R,) int32: blocks listed per row
     indices: torch.Tensor  # (R, W) int32: the listed blocks, the first read first
@@ -160,22 +161,38 @@ def block_mask(m: PagedMask, window: int | None, bs: int, queries: int) -> Block
     )
 
 
-# Where mark_dynamic and its kin leave their marks on a tensor.
-_MARKS = (
-    "_dynamo_dynamic_indices",
-    "_dynamo_weak_dynamic_indices",
-    "_dynamo_unbacked_indices",
-    "_dynamo_strict_unbacked_indices",
-    "_has_dynamo_dim_marking",
-)
+# The CUDA decoding kernel's options by device capability, over inductor's own choice (on sm90
+# at bf16 it picks num_stages 1, num_warps 2) and BLOCK_N, the key tile, at most the cache
+# block (so the block mask's KV block, one cache block, is a multiple of it). Not yet measured
+# on any GPU: the entries are empty until scripts/gpu_check.sh's sweep
+# (bench_paged_decode.py --options) shows a better set in GB/s. FLEX_OPTIONS_ENV overrides
+# them, for that sweep and for A/B runs: a JSON object, e.g. '{"num_warps": 4, "BLOCK_N": 16}'.
+FLEX_OPTIONS: dict[tuple[int, int], dict[str, int]] = {(8, 0): {}, (9, 0): {}, (10, 0): {}}
+FLEX_OPTIONS_ENV = "BATCHGEN_FLEX_OPTIONS"
+_OPTION_NAMES = ("num_stages", "num_warps", "BLOCK_N")
 
 
-def unmark(t: torch.Tensor) -> None:
-    """Clear a tensor's dynamic marks: the static compile below must not see them (it would
-    pin the marked axis and raise), nor must a static fallback (engine/compiled_step.py)."""
-    for name in _MARKS:
-        if hasattr(t, name):
-            delattr(t, name)
+@functools.cache
+def kernel_options(capability: tuple[int, int], block_size: int, env: str | None) -> dict:
+    """The decoding kernel's options on a device of this capability (FLEX_OPTIONS), with
+    env (FLEX_OPTIONS_ENV's value) over them; one line naming the fix for a bad override."""
+    opts = {"BLOCK_N": min(block_size, 64), **FLEX_OPTIONS.get(capability, {})}
+    if env:
+        try:
+            given = json.loads(env)
+        except json.JSONDecodeError:
+            given = None
+        ok = isinstance(given, dict) and all(
+            k in _OPTION_NAMES and isinstance(v, int) and v > 0 for k, v in given.items()
+        )
+        if not ok or block_size % given.get("BLOCK_N", 1):
+            names = ", ".join(_OPTION_NAMES)
+            raise ValueError(
+                f"{FLEX_OPTIONS_ENV}={env!r}: give a JSON object of positive integers among "
+                f"{names}, BLOCK_N dividing the block size {block_size}"
+            )
+        opts.update(given)
+    return opts
 
 
 @functools.cache
@@ -238,15 +255,20 @@ def flex_decode_attention(
         out = flex_attention(qf, k, v, scale=scale, **kw)
         return _sunk(out, params.sinks).reshape(r, h, d)
     # Inductor's CPU template reads q's storage as 4-d: a view of the (R, H, D) q fails to
-    # lower (torch 2.13). The softmax scale applied to the folded view makes q a tensor of its
-    # own (on CUDA too: one rule). BLOCK_N: the key tile, at most a cache block, so the block
-    # mask's KV block (one cache block) is a multiple of it whichever template inductor picks.
-    qf = q.reshape(r, hkv, h // hkv, d) * scale
-    for t in m.tensors():  # the compiled decode step's inputs, marked dynamic there
-        unmark(t)
-    opts = {"BLOCK_N": min(bs, 64)} if q.device.type == "cuda" else None
+    # lower (torch 2.13), so the folded q is a copy of its own; the softmax scale goes to the
+    # kernel, which applies it in float32 (q pre-scaled in bf16 lost bits to the rounding).
+    qf = q.reshape(r, hkv, h // hkv, d).clone()
+    opts = None
+    if q.device.type == "cuda":
+        cap = torch.cuda.get_device_capability(q.device)
+        opts = kernel_options(cap, bs, os.environ.get(FLEX_OPTIONS_ENV))
+    from torch._dynamo.utils import counters  # (imported with dynamo by _flex_sizes)
+
+    before = counters["stats"]["unique_graphs"]
     with _flex_sizes():
-        out = _compiled_flex()(qf, k, v, scale=1.0, kernel_options=opts, **kw)
+        out = _compiled_flex()(qf, k, v, scale=scale, kernel_options=opts, **kw)
+    # its compiles counted apart, so the forward's own count stays the model's graphs
+    counters["batchgen"]["flex_graphs"] += counters["stats"]["unique_graphs"] - before
     return _sunk(out, params.sinks).reshape(r, h, d)
 
 

@@ -23,10 +23,6 @@ class AttnParams:
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # (H,) one logit per query head
 
-    def values(self) -> tuple[float | None, float | None, torch.Tensor | None]:
-        """As the compiled decode op takes them (model/decode_ops.py)."""
-        return self.scale, self.softcap, self.sinks
-
     @property
     def fused(self) -> bool:
         """Whether torch's SDPA computes it (no soft-cap, no sinks)."""

@@ -45,25 +45,31 @@ class _Collectives:
     def __init__(self, group: ProcessGroup, size: int, clock: CollectiveClock | None) -> None:
         self.group, self.size, self.clock = group, size, clock
 
-    def _waited(self, y: torch.Tensor, t0: float) -> torch.Tensor:
+    def _waited(self, y: torch.Tensor, t0: float | None) -> torch.Tensor:
         """Eager: the collective waited here (and timed, with a clock), not at its
         AsyncCollectiveTensor's first use: a follower rank never reads its gathered logits,
         and torch warns at exit of each collective never waited ("unwaited collective
-        calls"). A traced graph gets its waits from the compiler."""
-        if torch.compiler.is_compiling():
+        calls"). A traced graph gets its waits from the compiler (t0 None: not timed)."""
+        if t0 is None:
             return y
         y = funcol.wait_tensor(y)
         if self.clock is not None:
             self.clock.seconds += time.perf_counter() - t0
         return y
 
+    @staticmethod
+    def _start() -> float | None:
+        """The clock's start, eager only: time.perf_counter() inside a compiled forward
+        failed its trace (fullgraph), so a traced call reads no clock."""
+        return None if torch.compiler.is_compiling() else time.perf_counter()
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
+        t0 = self._start()
         return self._waited(funcol.all_reduce(x, "sum", self.group), t0)
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """(S, V/N) on each rank -> (S, V), ranks' columns in rank order."""
-        t0 = time.perf_counter()
+        t0 = self._start()
         return self._waited(funcol.all_gather_single(x.contiguous(), 1, self.group), t0)
 
 

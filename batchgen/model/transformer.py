@@ -5,6 +5,13 @@ A forward is one engine step: a flat, packed run of tokens from many sequences, 
 its own position. Keys/values go to the paged cache and attention reads each sequence's
 own blocks (model/attention.py); only the tokens whose next token is sampled reach the
 final norm and the LM head.
+
+The forward is three parts: `bind` (the step's attention masks, built once and read by every
+layer's attention op, model/attention_op.py), `hidden` (tokens and positions -> the last
+layer's hidden states: the part `--compile` compiles, one graph over a symbolic token count,
+engine/compiled_forward.py) and `logits` (the sampled rows through the final norm and the LM
+head, eager: one large matmul, outside the token-count graphs since its rows vary apart).
+Eager and compiled runs go through the same code.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.model.activations import activation
-from batchgen.model.attention import StepAttention, step_attention
+from batchgen.model.attention import StepAttention
+from batchgen.model.attention_op import BoundStep, LayerAttention, bound
 from batchgen.model.config import ModelConfig, NormKind, PositionKind
 from batchgen.model.kv_cache import PagedKVCache
 from batchgen.model.moe import MoE
@@ -50,10 +58,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.kv_cache: PagedKVCache | None = None
+        self.layer_idx = 0  # its number in the model: how the attention op finds its cache
         self.params = DEFAULT  # softmax scale and soft-cap: torch's defaults (Gemma's: gemma.py)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, step: StepAttention
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
     ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -65,7 +74,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = step_attention(q, k, v, self.kv_cache, step, self.params)  # (T, H, D)
+        y = torch.ops.batchgen.attention(q, k, v, self.layer_idx)  # (T, H, D), the bound step's
         return self.wo(y.reshape(t, q_size))
 
 
@@ -98,8 +107,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg, cfg.dim)
         self.mlp = MoE(cfg) if cfg.moe_layer(i) else MLP(cfg)
 
-    def forward(self, x, rope, step: StepAttention) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, step)
+    def forward(self, x, rope) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -142,7 +151,8 @@ class Transformer(nn.Module):
         """Allocate the paged KV cache (and RoPE tables) on the model's device and dtype:
         num_blocks blocks of block_size tokens per layer."""
         w = self.embed.weight
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
+            block.attn.layer_idx = i
             block.attn.kv_cache = PagedKVCache(
                 num_blocks, block_size, self.cfg.n_kv_heads, self.cfg.head_dim, w.dtype, w.device
             )
@@ -156,16 +166,29 @@ class Transformer(nn.Module):
             )
             self.rope_cos, self.rope_sin = cos, sin
 
-    def step_masks(self, step: StepAttention) -> StepAttention:
-        """step with its attention masks built: once a forward, shared by every layer."""
-        cfg = self.cfg
-        queries = cfg.n_heads // cfg.n_kv_heads  # this rank's query heads per kv head
-        cache = self.layers[0].attn.kv_cache
-        return step.with_masks(cfg.sliding_window, cache, queries, cfg.max_position_embeddings)
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        return (self.cfg.sliding_window,) * self.cfg.n_layers
 
     @property
     def kv_caches(self) -> list[PagedKVCache]:
         return [block.attn.kv_cache for block in self.layers]
+
+    def bind(self, step: StepAttention) -> BoundStep:
+        """step with its attention masks built (once per window value, shared by the layers
+        of that window) and each layer's cache, parameters and window: what the attention op
+        reads during one forward."""
+        cfg = self.cfg
+        queries = cfg.n_heads // cfg.n_kv_heads  # this rank's query heads per kv head
+        cache, n = self.kv_caches[0], cfg.max_position_embeddings
+        windows = self.layer_windows
+        steps = {w: step.with_masks(w, cache, queries, n) for w in set(windows)}
+        layers = tuple(
+            LayerAttention(b.attn.kv_cache, b.attn.params, w)
+            for b, w in zip(self.layers, windows, strict=True)
+        )
+        return BoundStep(steps, layers)
 
     def forward(
         self,
@@ -177,7 +200,12 @@ class Transformer(nn.Module):
         """tokens, positions (T,): a step's tokens, packed; step: where their keys/values go
         and what each attends to. Returns the float32 logits (S, vocab) of the tokens at
         logits_index (S,): those whose next token is sampled."""
-        step = self.step_masks(step)
+        with bound(self.bind(step)):
+            return self.logits(self.hidden(tokens, positions), logits_index)
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) tokens at (T,) positions -> the last layer's (T, dim) hidden states, the
+        attention of each layer that of the bound step (`bind`, attention_op.bound)."""
         x = self.embed(tokens)  # (T, dim)
         rope = None
         if self.pos_embed is not None:
@@ -185,6 +213,9 @@ class Transformer(nn.Module):
         else:
             rope = (self.rope_cos[positions], self.rope_sin[positions])  # (T, D) each
         for block in self.layers:
-            x = block(x, rope, step)
-        x = self.norm(x.index_select(0, logits_index))  # (S, dim)
-        return self.lm_head(x).float()
+            x = block(x, rope)
+        return x
+
+    def logits(self, x: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+        """hidden states (T, dim) -> float32 logits (S, vocab) of the rows at logits_index."""
+        return self.lm_head(self.norm(x.index_select(0, logits_index))).float()

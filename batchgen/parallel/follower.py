@@ -88,7 +88,10 @@ def serve(rank: int, size: int, port: int) -> None:
         torch.set_num_threads(threads)
     group = init_group(rendezvous(rank, size, port, token), rank, size, device)
     part = load_rank_model(spec, TPShard(rank, size), group.data)
-    runner = ModelRunner(part.model, block_size=spec.block_size, compile=spec.compile)
+    cache = spec.compile_caches[rank] if spec.compile_caches else None  # this rank's own
+    runner = ModelRunner(
+        part.model, block_size=spec.block_size, compile=spec.compile, compile_cache=cache
+    )
     group.barrier()  # loaded: rank 0 waits for every rank here
     with torch.no_grad():
         while True:
@@ -97,8 +100,10 @@ def serve(rank: int, size: int, port: int) -> None:
                 runner.forward(*args)
             elif kind == "allocate":
                 runner.allocate(*args)
-            elif kind == "free_bytes":
-                group.min_over_ranks(runner.free_device_bytes())
+            elif kind == "build":
+                runner.build_graph(*args)
+            elif kind == "kv_budget":
+                group.min_over_ranks(runner.kv_budget_bytes(*args))
             elif kind == "exit":
                 break
             else:

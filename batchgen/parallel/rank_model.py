@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch.distributed import ProcessGroup
 
+from batchgen.engine.compile_cache import CompileCache
 from batchgen.job.model_spec import ModelSpec
 from batchgen.model.config import ModelConfig
 from batchgen.model.hf_backend import load_hf_model
@@ -42,6 +43,7 @@ class RankSpec:
     allow_pickle: bool
     block_size: int
     tensor_parallel_size: int = 1
+    compile_caches: tuple[CompileCache | None, ...] = ()  # by rank: each keeps its own
 
     @classmethod
     def of(cls, spec: ModelSpec) -> RankSpec:
@@ -56,6 +58,10 @@ class RankSpec:
             allow_pickle=spec.allow_pickle,
             block_size=spec.engine.block_size,
             tensor_parallel_size=spec.tensor_parallel_size,
+            compile_caches=tuple(
+                spec.compile_cache_for(spec.quant, spec.lora, rank) if spec.compile else None
+                for rank in range(spec.tensor_parallel_size)
+            ),
         )
 
     def device_of(self, rank: int) -> torch.device:

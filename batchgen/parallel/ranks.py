@@ -47,7 +47,6 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import StepPlan
 from batchgen.engine.step_inputs import StepInputs, WarmUp
 from batchgen.errors import RankFailed
-from batchgen.model.tp_layers import CollectiveClock
 from batchgen.model.transformer import Transformer
 from batchgen.parallel import channel
 from batchgen.parallel.error_files import ErrorFiles
@@ -254,23 +253,10 @@ class Ranks:
 class RankedRunner(ModelRunner):
     """Rank 0's runner: every command reaches the other ranks before it runs here."""
 
-    def __init__(
-        self,
-        model: Transformer,
-        ranks: Ranks,
-        *,
-        block_size: int,
-        compile: bool = False,
-        clock: CollectiveClock | None = None,
-    ) -> None:
-        super().__init__(
-            model,
-            block_size=block_size,
-            compile=compile,
-            broadcast=self._send_step,
-            clock=clock,
-            vocab_size=ranks.vocab_size,  # model is rank 0's part: half the vocabulary at 2
-        )
+    def __init__(self, model: Transformer, ranks: Ranks, **options: Any) -> None:
+        """options: ModelRunner's (block_size, compile, clock, compile_cache)."""
+        # model is rank 0's part (half the vocabulary at 2): the logits' width is the whole's
+        super().__init__(model, broadcast=self._send_step, vocab_size=ranks.vocab_size, **options)
         self.ranks = ranks
         if self.device.type == "cpu":
             self.host_ranks = len(ranks.procs) + 1
@@ -278,18 +264,19 @@ class RankedRunner(ModelRunner):
     def _send_step(self, inputs: StepInputs) -> None:
         self.ranks.send(("step", inputs))
 
+    def build_graph(self, token_sizes: list[int], row_sizes: list[int]) -> None:
+        self.ranks.send(("build", token_sizes, row_sizes))  # each rank loads its own cache
+        super().build_graph(token_sizes, row_sizes)
+
     def allocate(self, num_blocks: int) -> None:
         self.ranks.send(("allocate", num_blocks))
         super().allocate(num_blocks)
 
-    def free_device_bytes(self) -> int | None:
-        """The least free memory of any rank (the pool is allocated alike on every rank)."""
-        free = super().free_device_bytes()
-        if free is None:
-            return None
+    def kv_budget_bytes(self, utilization: float) -> int:
+        """The least budget of any rank (the pool is allocated alike on every rank)."""
         with self.ranks.failures():
-            self.ranks.send(("free_bytes",))
-            return self.ranks.group.min_over_ranks(free)
+            self.ranks.send(("kv_budget", utilization))
+            return self.ranks.group.min_over_ranks(super().kv_budget_bytes(utilization))
 
     def execute(self, plan: StepPlan, bitmask: torch.Tensor | None = None):
         with self.ranks.failures():

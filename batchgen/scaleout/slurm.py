@@ -31,9 +31,10 @@ from pathlib import Path
 
 from batchgen.data.atomic import os_error, write_atomic
 from batchgen.data.layout import SLURM_DIR, SUCCESS_FILE, check_meta_dir
-from batchgen.engine.compile_cache import default_root
+from batchgen.engine.compile_cache import OFF
 from batchgen.errors import RuntimeFailure
 from batchgen.job.config import RunConfig
+from batchgen.job.model_spec import resolve_compile_cache
 from batchgen.job.shard import without_array_task
 
 
@@ -92,14 +93,13 @@ class SbatchOptions:
         return tasks + (f"%{self.max_parallel}" if self.max_parallel else "")
 
 
-def _compile_cache_root(cfg: RunConfig) -> Path:
+def _compile_cache_root(cfg: RunConfig) -> str:
     """One compile cache for every task of the array, as resolved where it is submitted (a
     home or project directory on the cluster's shared filesystem): the first task to finish
     its warm-up writes the compiled artifacts, tasks that start later load them
-    (engine/compile_cache.py)."""
-    if cfg.compile_cache is not None:
-        return Path(cfg.compile_cache).expanduser().resolve()
-    return default_root().expanduser().resolve()
+    (engine/compile_cache.py). "off" (the option's or $BATCHGEN_COMPILE_CACHE's) stays off."""
+    root = resolve_compile_cache(cfg.compile_cache)
+    return OFF if root is None else str(root.resolve())
 
 
 def sbatch_script(source: str, cfg: RunConfig, run_args: list[str], opts: SbatchOptions) -> str:
@@ -145,7 +145,7 @@ def sbatch_script(source: str, cfg: RunConfig, run_args: list[str], opts: Sbatch
 # Written by `batchgen slurm`; see batchgen/scaleout/slurm.py for how stopping and resuming work.
 set -u
 export PYTHONUNBUFFERED=1
-export BATCHGEN_COMPILE_CACHE={shlex.quote(str(_compile_cache_root(cfg)))}
+export BATCHGEN_COMPILE_CACHE={shlex.quote(_compile_cache_root(cfg))}
 N={opts.shards}
 I=$SLURM_ARRAY_TASK_ID
 SHARD_DIR={shlex.quote(str(out))}/$(printf 'shard-%05d-of-%05d' "$I" "$N")

@@ -75,7 +75,8 @@ class RunStats:
     steps: int = 0
     decode_steps: int = 0  # steps with no prompt tokens
     decode_rows: int = 0  # sequence-steps that decoded a token
-    padded_rows: int = 0  # decode rows computed only to fill a compiled shape
+    padded_rows: int = 0  # tokens computed only to fill a compiled shape (CUDA graphs)
+    compiled_tokens: int = 0  # prompt and decode tokens run through the compiled graph
     preemptions: int = 0
     compiled_shapes: int = 0
     load_s: float = 0.0
@@ -84,7 +85,8 @@ class RunStats:
     compile_s: float = 0.0  # the warm-up's compile (and any compile after it)
     capture_s: float = 0.0  # the warm-up's runs of each capture size (CUDA graphs)
     warmup_s: float = 0.0  # the warm-up's full-size eager steps, before any row
-    compile_cache: str | None = None  # "hit" or "miss": the compile cache at warm-up
+    compile_cache: str | None = None  # "hit": the warm-up compiled no graph, it loaded them
+    graphs_compiled: int = 0  # graphs inductor compiled at warm-up (torch's counters)
     collective_s: float = 0.0  # in tensor-parallel collectives, where timed (eager, CPU)
     kv_pool: KVPool | None = None
     peak_memory_bytes: int = 0
@@ -104,11 +106,7 @@ class RunStats:
         self.timeline = StepRecorder(self.started)
 
     def loaded(
-        self,
-        info: RunInfo,
-        seconds: float,
-        cost: ModelCost | None = None,
-        peaks: Peaks | None = None,
+        self, info: RunInfo, seconds: float, cost: ModelCost | None, peaks: Peaks | None
     ) -> None:
         """The model is loaded (in `seconds`): what runs from here on, what its tokens cost
         and the hardware's peaks."""
@@ -151,6 +149,7 @@ class RunStats:
         self.capture_s += r.capture_seconds
         self.warmup_s += r.warmup_seconds
         self.compile_cache = r.compile_cache or self.compile_cache
+        self.graphs_compiled += r.graphs_compiled
         if not (r.prompt_tokens or r.decode_rows):  # rows rejected before running, or warm-up
             return
         self.timeline.add(r)
@@ -164,6 +163,7 @@ class RunStats:
         self.cache_hits += r.cache_hits
         self.decode_rows += r.decode_rows
         self.padded_rows += r.padded_rows
+        self.compiled_tokens += (r.prompt_tokens + r.decode_rows) * r.compiled
         self.preemptions += r.preempted
         self.compiled_shapes += r.new_shape
         self.collective_s += r.collective_seconds
@@ -221,6 +221,7 @@ class RunStats:
             d.update(self.roofline.summary(peaks.flops, peaks.bandwidth))
         d.setdefault("mfu", None)
         d.setdefault("mbu", None)
+        computed = self.computed_prompt_tokens
         d.update(
             rows_per_s=self.rate(self.rows),
             prompt_tokens_per_s=self.rate(self.prompt_tokens),
@@ -228,6 +229,7 @@ class RunStats:
             decode_tokens_per_s=self.output_tokens / self.decode_s if self.decode_s else 0.0,
             prompt_compute_ratio=self.prompt_compute_ratio,
             decode_live_share=self.decode_live_share,
+            compiled_token_share=self.compiled_tokens / max(1, self.decode_rows + computed),
         )
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         # the whole command as the user waits for it, and the engine's own share of the job
@@ -248,12 +250,13 @@ class RunStats:
         d.update(self.gpu or {})
         return d
 
-    def _compile_line(self) -> str:
+    def _compile_line(self, share: float) -> str:
         warm = f", warm-up {self.warmup_s:.2f} s"
         if self.info is not None and not self.info.compiled:
             return f"eager (no compile){warm}"
         cache = f", compile cache {self.compile_cache}" if self.compile_cache else ""
-        return f"{self.compile_s:.2f} s / {self.capture_s:.2f} s{cache}{warm}"
+        graphs = f", {self.graphs_compiled} graphs compiled, {share:.1%} of tokens compiled"
+        return f"{self.compile_s:.2f} s / {self.capture_s:.2f} s{cache}{graphs}{warm}"
 
     def table(self) -> str:
         d = self.to_dict()
@@ -267,7 +270,7 @@ class RunStats:
             ("prompt tokens/s", f"{d['prompt_tokens_per_s']:.1f}"),
             ("output tokens/s", f"{d['output_tokens_per_s']:.1f}"),
             ("prefill / decode", f"{self.prefill_s:.2f} s / {self.decode_s:.2f} s"),
-            ("compile / capture", self._compile_line()),
+            ("compile / capture", self._compile_line(d["compiled_token_share"])),
             ("model load", f"{self.load_s:.2f} s"),
             ("prompt tokens computed", f"{self.prompt_compute_ratio:.1%} of real ({cached})"),
             ("decode rows live", f"{self.decode_live_share:.1%} ({self.preemptions} preemptions)"),

@@ -47,6 +47,7 @@ COLUMNS = {
     "kv_blocks_free": ("q", pa.int32(), "KV blocks free after the step"),
     "preemptions": ("q", pa.int32(), "sequences preempted by the step"),
     "waiting": ("q", pa.int32(), "sequences waiting after the step"),
+    "compiled": ("b", pa.bool_(), "the step's forward ran the compiled graph"),
 }
 
 
@@ -73,14 +74,19 @@ class StepRecorder:
         c["kv_blocks_free"].append(r.kv_blocks_free)
         c["preemptions"].append(r.preempted)
         c["waiting"].append(r.waiting)
+        c["compiled"].append(r.compiled)
 
     def table(self, start: int = 0) -> pa.Table:
         """The steps from `start` on."""
         schema = pa.schema(
             [pa.field(n, t, metadata={"doc": d}) for n, (_, t, d) in COLUMNS.items()]
         )
-        cols = {n: pa.array(self.cols[n][start:], type=schema.field(n).type) for n in COLUMNS}
+        cols = {n: self._column(n, schema.field(n).type, start) for n in COLUMNS}
         return pa.table(cols, schema=schema)
+
+    def _column(self, name: str, kind: pa.DataType, start: int) -> pa.Array:
+        values = self.cols[name][start:]
+        return pa.array([bool(v) for v in values] if kind == pa.bool_() else values, type=kind)
 
     def append_to(self, directory: str | os.PathLike[str]) -> None:
         """Write the steps recorded since the last call as the next part of directory's
