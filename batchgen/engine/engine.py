@@ -21,18 +21,17 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from batchgen.engine.admission import admission_error
 from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.completions import Completions, error_completion, expand
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.constraints import (
     INCOMPLETE,
     Constrainer,
-    ConstraintError,
     Grammars,
     Verdict,
 )
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.params import vocab_error
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import (
     Completion,
@@ -167,10 +166,8 @@ class Engine:
         for part in parts:  # a longrope model's long prompts cache other keys (longrope.py)
             part.cache_salt = 1 if rope is not None and rope.is_long(part.prompt_len) else None
         longest = max(parts, key=lambda c: c.max_tokens)
-        error = (
-            self._size_error(r, longest)
-            or self._check_constraint(r)
-            or vocab_error(r.params, self._vocab)
+        error = admission_error(
+            r, longest, self.runner.max_positions, self.scheduler, self.grammars, self._vocab
         )
         if error is not None:
             return error_completion(r, error)
@@ -195,25 +192,6 @@ class Engine:
                 self.scheduler.preempt(seq)
                 seq.block_keys.clear()
 
-    def _size_error(self, r: Request, longest: Request) -> str | None:
-        """Why r cannot run (longest: its longest sequence), or None."""
-        limit = self.runner.max_positions
-        if longest.max_tokens > limit:
-            why = f"exceeds the model's {limit} positions"
-        elif not self.scheduler.fits(longest):
-            why = (
-                f"exceeds the KV cache's {self.scheduler.capacity_tokens} tokens; "
-                "raise --kv-cache-tokens"
-            )
-        else:
-            return None
-        if r.scoring:  # a prompt-logprobs row: its prompt only
-            return f"prompt ({r.prompt_len} tokens) {why}"
-        if r.candidates:
-            cand = longest.prompt_len - r.prompt_len
-            return f"prompt ({r.prompt_len} tokens) + its longest candidate ({cand}) {why}"
-        return f"prompt ({r.prompt_len} tokens) + max_new_tokens ({r.params.max_new_tokens}) {why}"
-
     def abort(self) -> None:
         """Drop every request in flight (the caller failed or was interrupted inside
         `generate`): their blocks go back, and no later call returns them."""
@@ -228,17 +206,6 @@ class Engine:
         self.completions.clear()
         if self.constrainer is not None:
             self.constrainer.clear()
-
-    def _check_constraint(self, r: Request) -> str | None:
-        if r.params.constraint is None:
-            return None
-        if self.grammars is None:
-            return "this engine was built without grammars; constrained outputs are off"
-        try:
-            self.grammars.compile(r.params.constraint)
-        except ConstraintError as e:
-            return str(e)
-        return None
 
     def _step(self, plan: StepPlan) -> StepReport:
         sched, constrainer = self.scheduler, self.constrainer
