@@ -13,6 +13,7 @@ from the checkpoint's own description, never guessed (docs/quantization.md).
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ QUANT_SUFFIXES = tuple(
     )
 )
 QUANT_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I8", "U8", "I32", "I16"})
+# safetensors' own bound on a header (its Rust reader refuses more): a larger length is garbage
+MAX_HEADER_BYTES = 100_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,8 @@ def safetensors_header(file: Path) -> dict[str, dict]:
     try:
         with open(file, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(os.fstat(f.fileno()).st_size - 8, MAX_HEADER_BYTES):  # not safetensors
+                raise ValueError(f"a header of {n} bytes does not fit the file")
             header = json.loads(f.read(n))
     except (OSError, ValueError, struct.error) as e:
         raise ModelLoadError(f"cannot read weights file {file}: {e}") from None
@@ -127,7 +132,11 @@ def quantized_tensors(path: Path) -> list[str]:
     checkpoint has (a pickle has no header to read without loading it)."""
     found = []
     for f in sorted(path.glob("*.safetensors")):
-        for name, info in safetensors_header(f).items():
+        try:
+            header = safetensors_header(f)
+        except ModelLoadError:  # not a safetensors file: the load itself says so, in one line
+            continue
+        for name, info in header.items():
             dtype = info.get("dtype", "")
             if name.endswith(QUANT_SUFFIXES) or dtype in QUANT_DTYPES:
                 found.append(f"{name} ({dtype})")
