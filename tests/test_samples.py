@@ -1,12 +1,26 @@
 """n samples per row (--n, an n column): one output record per (id, sample_index), each with
 its own seed, exactly once across reruns; the real CLI on a tiny random model."""
 
+import json
+import os
+import subprocess
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import prompts, read_output, read_stats, run_cli, run_job, success, write_parquet
+from helpers import (
+    FAST,
+    cli_command,
+    prompts,
+    read_output,
+    read_stats,
+    run_cli,
+    run_job,
+    success,
+    write_parquet,
+)
 
-from batchgen.data.layout import MERGED_FILE, SUCCESS_FILE
+from batchgen.data.layout import MERGED_FILE, SUCCESS_FILE, VERDICT_FILE
 
 SAMPLED = ("--temperature", 1.0, "--max-new-tokens", 6, "--ignore-eos", "--with-token-ids")
 
@@ -92,13 +106,39 @@ def test_n_as_list_gives_one_row_with_the_samples_in_order(tmp_path, model):
         assert got[i]["finish_reason"] == ["length"] * n and got[i]["error"] is None
         assert [len(x) for x in got[i]["logprobs"]] == got[i]["completion_tokens"] == [6] * n
     assert got[2]["generated_text"] == [None] and "bad per-row n" in got[2]["error"]
-    assert read_stats(out)["rows"] == 2 + 3 + 1  # samples run
+    assert read_stats(out)["rows"] == 3  # records written, one a row
     # a rerun finds every row done; a killed part's rows are redone whole
     (out / SUCCESS_FILE).unlink()
     sorted(out.glob("part-*.parquet"))[0].unlink()
     run_job(src, out, model, *SAMPLED, *as_lists)
     again = {r["id"]: r for r in read_output(out).to_pylist()}
     assert again == got
+
+
+@pytest.mark.parametrize("as_list", [True, False])
+def test_rows_count_records_with_and_without_n_as_list(tmp_path, model, as_list):
+    # --n 4 over 3 rows (one of them a bad n: one error record): with --n-as-list 3 records,
+    # so 3 rows in stats.json, the printed line, the progress line and the verdict; else 9
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(3), "n": [None, None, 0]})
+    out = tmp_path / "out"
+    flags = ("--n", 4, *(("--n-as-list",) if as_list else ()), "--max-error-rate", 1)
+    cmd = cli_command("run", src, "-o", out, "--model", model, *FAST, *SAMPLED, *flags)
+    env = {**os.environ, "BATCHGEN_PROGRESS_SECONDS": "1e-9"}  # every batch of finished rows
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    rows = 3 if as_list else 4 + 4 + 1
+    assert read_output(out).num_rows == rows
+    stats = read_stats(out)
+    assert (stats["rows"], stats["rows_error"], sum(stats["error_reasons"].values())) == (
+        rows,
+        1,
+        1,
+    )
+    assert p.stdout.startswith(f"wrote {out}: {rows} rows (1 error)"), p.stdout
+    lines = [x for x in p.stderr.splitlines() if x.startswith("batchgen: ")]
+    total = 3 if as_list else 12  # an n column's rows: approximate
+    assert lines and lines[-1].startswith(f"batchgen: {rows}/{total} rows"), p.stderr
+    verdict = json.loads((out / VERDICT_FILE).read_text())
+    assert (verdict["rows"], verdict["error_rows"]) == (rows, 1)
 
 
 def test_sample_lists_hold_a_row_until_its_last_sample():

@@ -155,6 +155,23 @@ def test_the_script_and_logs_are_hidden_in_the_output(tmp_path, fake_sbatch):
     assert "#SBATCH --array=0-1" in (out / SLURM_DIR / "batchgen.sbatch").read_text()
 
 
+def test_the_merge_command_carries_the_jobs_error_rate(tmp_path, fake_sbatch):
+    # the tasks leave the rate to the merge (--max-error-rate 1 each); the merge it prints
+    # judges the job's rows against the job's --max-error-rate
+    spec = make_job(tmp_path, tmp_path / "model", max_error_rate=0.3)
+    out = tmp_path / "out"
+    script = dry_run(str(spec), "--shards", "2")
+    run_line = next(x for x in script.splitlines() if "-m batchgen.cli run" in x)
+    assert run_line.endswith('--max-error-rate 1 --shard "$I/$N" --quiet &')
+    assert f"# When every task is done: batchgen merge {out} --max-error-rate 0.3" in script
+    override = dry_run(str(spec), "--shards", "2", "--", "--max-error-rate", "0.05")
+    assert f"batchgen merge {out} --max-error-rate 0.05" in override
+    fake_sbatch("echo 4242")
+    r = CliRunner().invoke(main, ["slurm", str(spec), "--shards", "2"])
+    assert r.exit_code == 0, r.output
+    assert f"when all are done: batchgen merge {out} --max-error-rate 0.3" in r.stderr
+
+
 def test_slurm_refuses_an_unsharded_jobs_output(tmp_path, model):
     # the README's block: `batchgen run jobs/label_sentiment.yaml`, then its Slurm array
     spec = make_job(tmp_path, model, n_rows=4)

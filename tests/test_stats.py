@@ -218,7 +218,12 @@ def test_run_stats_are_the_sum_of_step_reports():
     stats.add_step(StepReport(finished=[bad]))  # rejected before running: no step counted
     stats.add_step(StepReport(prompt_tokens=4, prefill=True, seconds=0.5))
     stats.add_step(StepReport(finished=[ok], decode_rows=1, seconds=0.25, cached_tokens=2))
-    stats.add_error_rows(2)
-    assert (stats.rows, stats.rows_error, stats.prompt_tokens, stats.output_tokens) == (4, 3, 13, 3)
+    assert (stats.rows, stats.prompt_tokens, stats.output_tokens) == (0, 13, 3)  # none written
+    stats.add_records([{"error": "too long"}, {"error": None}, {"error": "bad n: 0"}])
+    assert (stats.rows, stats.rows_error, stats.error_reasons) == (
+        3,
+        2,
+        {"too long": 1, "bad n: N": 1},
+    )
     assert (stats.steps, stats.decode_steps, stats.prefill_s, stats.decode_s) == (2, 1, 0.5, 0.25)
     assert (stats.computed_prompt_tokens, stats.cached_prompt_tokens) == (4, 2)

@@ -12,6 +12,7 @@ from helpers import (
     prompts,
     read_stats,
     rows_by_id,
+    run_cli,
     run_job,
     success,
     write_parquet,
@@ -68,3 +69,22 @@ def test_workers_judge_the_jobs_error_rate_once_over_every_shard(tmp_path, model
     assert_one_line_error(r, "3 of 8 rows (38%)", "--max-error-rate 0.3")
     assert success(out) and json.loads((out / VERDICT_FILE).read_text())["passed"] is False
     run_job(src, out, model, *workers, "--max-error-rate", 0.4)  # a rerun, accepted
+
+
+def test_merge_judges_the_error_rate_once_over_every_shard(tmp_path, model):
+    # a Slurm array's shards, each run as its task runs it (--max-error-rate 1: no task fails
+    # on its own shard's share); the merge judges the job: 3 null prompts in 8 rows, 38%
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(5) + [None] * 3})
+    out = tmp_path / "out"
+    for shard in ("0/2", "1/2"):
+        run_job(src, out, model, "--shard", shard, "--max-error-rate", 1)
+    r = run_cli("merge", out, "--max-error-rate", 0.3, exit_code=1)
+    assert_one_line_error(r, "3 of 8 rows (38%)", "--max-error-rate 0.3")
+    assert "error rows by reason:" in r.stderr and "total" in r.stdout
+    verdict = json.loads((out / VERDICT_FILE).read_text())
+    assert (verdict["rows"], verdict["error_rows"], verdict["passed"]) == (8, 3, False)
+    assert success(out)  # merged: every row is there, once; the verdict says they fail
+    run_cli("merge", out, "--max-error-rate", 0.4)  # accepted
+    assert json.loads((out / VERDICT_FILE).read_text())["passed"] is True
+    run_cli("merge", out)  # no rate asked: no verdict, and no stale one left behind
+    assert not (out / VERDICT_FILE).exists() and success(out)

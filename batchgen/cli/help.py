@@ -1,13 +1,26 @@
 """`run --help` and `plan --help` in sections: input, output, model, sampling, constraints,
-engine, scale-out, the options a job nearly always sets first in each. 55 options in one list
-put -o twentieth; in sections it is on the first screen. An option no section names lands in
-"Other options" (tests/test_user3_help.py keeps that to --help and a command's own)."""
+engine, scale-out, the options a job nearly always sets first in each; `run`'s exit codes. 55
+options in one list put -o twentieth; in sections it is on the first screen. An option no
+section names lands in "Other options" (tests/test_user3_help.py keeps that to --help and a
+command's own)."""
 
 from __future__ import annotations
 
 import click
 
 from batchgen.engine.config import EngineConfig
+
+# `run --help`'s epilog
+EXIT_CODES = """\b
+Exit codes:
+  0    done (or already complete)
+  1    a runtime failure: a full disk, another run holding OUTPUT, a too-long prompt under
+       --truncate error, a failed worker; what is finished is kept, rerun to resume;
+       or more error rows than --max-error-rate (every row written)
+  2    a usage or input error, reported before the model loads where it can be: a bad flag
+       or job spec value, an unreadable input, model or config.json, another job's OUTPUT
+  128+N  stopped by signal N (143: SIGTERM, 130: SIGINT); finished rows are saved, rerun to resume
+"""
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     "Input": (

@@ -13,23 +13,13 @@ from contextlib import contextmanager
 import click
 
 from batchgen.choices import Task
-from batchgen.cli.help import SectionedCommand
+from batchgen.cli.help import EXIT_CODES, SectionedCommand
 from batchgen.cli.jobspec import build_config
 from batchgen.cli.options import data_options, run_options
 from batchgen.errors import ConfigError, JobInterrupted, RuntimeFailure, UsageError
 from batchgen.job.precheck import precheck
 
 EXIT_USAGE = 2
-EXIT_CODES = """\b
-Exit codes:
-  0    done (or already complete)
-  1    a runtime failure: a full disk, another run holding OUTPUT, a too-long prompt under
-       --truncate error, a failed worker; what is finished is kept, rerun to resume;
-       or more error rows than --max-error-rate (every row written)
-  2    a usage or input error, reported before the model loads where it can be: a bad flag
-       or job spec value, an unreadable input, model or config.json, another job's OUTPUT
-  128+N  stopped by signal N (143: SIGTERM, 130: SIGINT); finished rows are saved, rerun to resume
-"""
 
 
 def _fail(msg: str, code: int) -> None:
@@ -213,12 +203,13 @@ def slurm_cmd(
     Examples:
       batchgen slurm jobs/label_sentiment.yaml --shards 8 -p gpu --gpus-per-task 1 --time 2:00:00
       batchgen slurm jobs/summarize.yaml --shards 4 --dry-run -- --limit 1000 --no-compile
-    Flags after -- go to every `batchgen run`. When all tasks are done: batchgen merge OUTPUT.
+    Flags after -- go to every `batchgen run`; when all tasks are done, run the merge it prints.
     """
     from batchgen.runner.split import check_split
     from batchgen.scaleout.slurm import (
         SbatchOptions,
         SlurmError,
+        merge_command,
         parse_only,
         sbatch_script,
         submit,
@@ -248,7 +239,7 @@ def slurm_cmd(
     click.echo(job_id)
     click.echo(
         f"submitted {sb.array} of {sb.shards} shards as job {job_id} (script {path}); "
-        f"logs in {path.parent}/; when all are done: batchgen merge {cfg.output}",
+        f"logs in {path.parent}/; when all are done: {merge_command(cfg)}",
         err=True,
     )
 
@@ -261,7 +252,13 @@ def slurm_cmd(
     help="Check and write the statistics, without .batchgen/merged.pq.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
-def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
+@click.option(
+    "--max-error-rate",
+    type=click.FloatRange(0, 1),
+    help="Exit 1 when more than this share of all shards' rows are error rows (after merging; "
+    "recorded in .batchgen/verdict.json). `batchgen slurm` prints the job's.",
+)
+def merge_cmd(output: str, stats_only: bool, as_json: bool, max_error_rate: float | None) -> None:
     """Check that every shard in OUTPUT finished and belongs to one job, then write
     OUTPUT/.batchgen/merged.pq and OUTPUT/.batchgen/stats.json (totals and a per-shard
     table). OUTPUT itself still reads as the dataset (pd.read_parquet(OUTPUT)), from the shards.
@@ -271,12 +268,15 @@ def merge_cmd(output: str, stats_only: bool, as_json: bool) -> None:
     from batchgen.scaleout.merge import merge
 
     try:
-        summary = merge(output, write_data=not stats_only)
+        summary = merge(output, write_data=not stats_only, max_error_rate=max_error_rate)
     except UsageError as e:
         _fail(str(e), EXIT_USAGE)
     except RuntimeFailure as e:
         _fail(str(e), 1)
     click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else summary.table())
+    if summary.verdict is not None and not summary.verdict.passed:  # the whole job's
+        click.echo("\n".join(["error rows by reason:", *summary.verdict.reason_lines()]), err=True)
+        _fail(summary.verdict.line(), 1)
 
 
 @main.command("report")

@@ -88,6 +88,12 @@ class Preparer:
         return self.id_column or DEFAULT_ID_COLUMN
 
     @property
+    def records_per_row(self) -> int:
+        """Output records a row gives: --n (an n column's rows: approximate), one with
+        --n-as-list."""
+        return 1 if self.as_list else self.cfg.n
+
+    @property
     def record_shape(self) -> RecordShape:
         return RecordShape(
             id_column=self.output_id_column,
@@ -142,7 +148,7 @@ class Preparer:
                 row_numbers = list(itertools.compress(row_numbers, keep))
             records, bad = decode_rows(compact_bias_column(batch), row_numbers)
             window = self._window(records, ids, done, bad)
-            window.skipped += other * self.cfg.n
+            window.skipped += other * self.records_per_row
             yield n_read, window
 
     def _window(
@@ -160,7 +166,7 @@ class Preparer:
             self._check_id(rid)
             n, n_error = self._num_samples(rec)
             todo = [k for k in range(n) if self._key(rid, k) not in done]
-            skipped += n - len(todo)
+            skipped += (not todo) if self.as_list else n - len(todo)  # records
             if not todo:
                 continue
             first = len(rows)

@@ -44,10 +44,12 @@ class ProgressLine:
         )
 
 
-def progress_bar(cfg: RunConfig, num_rows: int | None):
-    # Rows done by an earlier run count as they are read past, so total is every input row.
+def progress_bar(cfg: RunConfig, num_rows: int | None, records_per_row: int):
+    """Counts records, as stats.json's rows do: records_per_row for each input row (--n; an n
+    column: approximate; one with --n-as-list). Records done by an earlier run count as they
+    are read past, so total is every input row's."""
     from tqdm.auto import tqdm
 
     total = num_rows if cfg.limit is None else min(cfg.limit, num_rows or cfg.limit)
-    total = total * cfg.n if total is not None else None  # records (an n column: approximate)
+    total = total * records_per_row if total is not None else None
     return tqdm(total=total, unit="row", disable=cfg.quiet, dynamic_ncols=True, desc="batchgen")

@@ -4,7 +4,7 @@ written and counted.
 Each window's error rows are written as read; its requests go to the engine under indices of
 one stream, and each finished completion comes back to its row here, becomes a record, goes
 into the part buffer (with --n-as-list, a row's record once all its samples are in) and is
-counted in the stats (rows, error reasons) and the progress bar."""
+counted, as a record, in the stats (rows, error reasons) and the progress bar."""
 
 from __future__ import annotations
 
@@ -42,7 +42,6 @@ class RunRows:
         """Every window's requests as one stream; its error rows are written as read."""
         for _, window in windows:
             errors = window.errors
-            self.stats.add_error_rows(len(errors))
             self._write(errors, [self.shape.record(r, None) for r in errors])
             self.progress.update(window.skipped)
             for r in window.requests:
@@ -66,10 +65,12 @@ class RunRows:
         return self.lists.pending if self.lists is not None else 0
 
     def _write(self, rows: list[Row], records: list[dict]) -> None:
-        self.stats.add_error_reasons(records)
-        self.progress.update(len(rows))
+        """Samples' records into the part buffer, counted as records (--n-as-list: a row's
+        one record, once its last sample is in)."""
         if self.lists is not None:
             lists, pairs = self.lists, zip(rows, records, strict=True)
             gathered = (lists.add(r.id, r.num_samples, r.sample_index, rec) for r, rec in pairs)
             records = [rec for rec in gathered if rec is not None]
+        self.stats.add_records(records)
+        self.progress.update(len(records))
         self.buffer.add(records)

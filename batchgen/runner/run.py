@@ -128,7 +128,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     nvml = NvmlSampler(gpus).start() if device.type == "cuda" else None
     clear_steps(out.path)  # the timeline is this run's, as stats.json will be
     buffer = PartBuffer(out, cfg.rows_per_part, schema)
-    progress = progress_bar(cfg, source.num_rows)
+    progress = progress_bar(cfg, source.num_rows, prep.records_per_row)
     log_line = ProgressLine(cfg.progress_seconds)
 
     def timings(c) -> dict | None:

@@ -15,6 +15,8 @@ load_dataset(data_dir=OUT)) still read each row once, from the shards:
     OUT/.batchgen/stats.json  totals, throughput and a per-shard table; latency percentiles,
                          MFU and MBU over all shards (merge_metrics.py)
     OUT/.batchgen/steps.pq  every shard's step timeline on one clock, for `batchgen report`
+    OUT/.batchgen/verdict.json  with max_error_rate (`--workers`, `merge --max-error-rate`):
+                         the job's error-rate verdict over every shard's rows (data/verdict.py)
     OUT/.batchgen/SUCCESS  written last
 
 Shards and merges of batchgen 0.1 (_SUCCESS, _stats.json, merged.parquet ... at the top) are moved
@@ -41,6 +43,7 @@ import pyarrow.parquet as pq
 from batchgen.data.atomic import TMP_PREFIX
 from batchgen.data.layout import check_meta_dir, holds_unsharded_run
 from batchgen.data.source import DEFAULT_ID_COLUMN
+from batchgen.data.verdict import record_verdict
 from batchgen.data.writer import (
     JOB_FILE,
     MERGED_FILE,
@@ -48,6 +51,7 @@ from batchgen.data.writer import (
     STATS_FILE,
     STEPS_FILE,
     SUCCESS_FILE,
+    VERDICT_FILE,
     migrate_old_layout,
     write_file,
 )
@@ -111,8 +115,12 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
-def merge(out: str | os.PathLike[str], write_data: bool = True) -> MergeSummary:
-    """Check OUT's shards and, if all are complete and agree, merge them (see module doc)."""
+def merge(
+    out: str | os.PathLike[str], write_data: bool = True, max_error_rate: float | None = None
+) -> MergeSummary:
+    """Check OUT's shards and, if all are complete and agree, merge them (see module doc);
+    with max_error_rate, the job's verdict over every shard's rows (summary.verdict), judged
+    once here rather than by each shard on its own."""
     root = Path(out)
     if not root.is_dir():
         what = "is not a directory" if root.exists() else "no such directory"
@@ -125,7 +133,8 @@ def merge(out: str | os.PathLike[str], write_data: bool = True) -> MergeSummary:
         )
     _migrate_old_layout(root)
     reports = scan(root)
-    (root / SUCCESS_FILE).unlink(missing_ok=True)  # a new merge makes an old one stale
+    for stale in (SUCCESS_FILE, VERDICT_FILE):  # a new merge makes an old one's stale
+        (root / stale).unlink(missing_ok=True)
     _remove_temp_files(root)
     problems = check(reports)
     if problems:
@@ -142,6 +151,9 @@ def merge(out: str | os.PathLike[str], write_data: bool = True) -> MergeSummary:
     stats = {**summary.to_dict(), **merged_metrics(reports)}
     merge_steps(reports, root)
     write_file(root, STATS_FILE, lambda f: f.write(_json(stats)))
+    if max_error_rate is not None:  # recorded before SUCCESS, as a run does
+        parts = [str(r.path / p) for r in reports for p in r.parts]
+        summary.verdict = record_verdict(root, parts, max_error_rate)
     write_file(root, SUCCESS_FILE, lambda f: None)
     return summary
 

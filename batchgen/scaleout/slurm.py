@@ -3,7 +3,10 @@
 Task I of an N-task array runs `batchgen run SOURCE --shard I/N --quiet` with the Python that
 wrote the script, into OUT/shard-IIIII-of-NNNNN/, and logs to OUT/.batchgen/slurm/<job>_<task>.out,
 beside a copy of the script: hidden, so that OUT still reads as the result rows only.
-`batchgen merge OUT` then checks and combines the shards.
+`batchgen merge OUT --max-error-rate R` then checks and combines the shards and judges the job's
+error rate once, over every shard's rows (R: the job's --max-error-rate, printed at submit and
+written into the script); the tasks run with --max-error-rate 1, as --workers' do, so that no task
+fails on its own shard's share.
 
 Stopping and resuming. batchgen flushes its finished rows and exits 143 on SIGTERM, and a rerun
 of the same command resumes, so the script only has to get SIGTERM to it and get the task run
@@ -102,6 +105,13 @@ def _compile_cache_root(cfg: RunConfig) -> str:
     return OFF if root is None else str(root.resolve())
 
 
+def merge_command(cfg: RunConfig) -> str:
+    """What merges the array's shards once every task is done, with the job's error-rate
+    verdict over all of them."""
+    rate = f"{cfg.max_error_rate:g}"
+    return shlex.join(["batchgen", "merge", str(cfg.output), "--max-error-rate", rate])
+
+
 def sbatch_script(source: str, cfg: RunConfig, run_args: list[str], opts: SbatchOptions) -> str:
     """The script that runs `batchgen run SOURCE *run_args` (which make `cfg`) as an array."""
     if cfg.overwrite:
@@ -143,6 +153,8 @@ def sbatch_script(source: str, cfg: RunConfig, run_args: list[str], opts: Sbatch
     run = [sys.executable, "-m", "batchgen.cli", "run", source, *run_args]
     lines.append(f"""
 # Written by `batchgen slurm`; see batchgen/scaleout/slurm.py for how stopping and resuming work.
+# When every task is done: {merge_command(cfg)}
+# (each task leaves the error rate to it: --max-error-rate 1 here)
 set -u
 export PYTHONUNBUFFERED=1
 export BATCHGEN_COMPILE_CACHE={shlex.quote(_compile_cache_root(cfg))}
@@ -167,7 +179,7 @@ stop() {{
 trap 'stop USR1' USR1
 trap 'stop TERM' TERM
 
-{shlex.join(run)} --shard "$I/$N" --quiet &
+{shlex.join(run)} --max-error-rate 1 --shard "$I/$N" --quiet &
 pid=$!
 # A trapped signal ends `wait` early; wait again until batchgen has flushed and exited.
 wait "$pid"

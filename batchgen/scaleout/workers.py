@@ -26,7 +26,6 @@ import yaml
 
 from batchgen.choices import Choice
 from batchgen.data.layout import JOB_FILE
-from batchgen.data.verdict import record_verdict
 from batchgen.errors import ConfigError, JobInterrupted, WorkersFailed
 from batchgen.job.config import RunConfig
 from batchgen.job.shard import Shard, without_array_task
@@ -194,7 +193,4 @@ def run_workers(cfg: RunConfig) -> MergeSummary:
             f"worker(s) {', '.join(failed)} failed (their messages are above); the other shards "
             "are kept, and running the same command again redoes only what is missing"
         )
-    summary = merge(out)
-    parts = [str(s.path / p) for s in summary.shards for p in s.parts]
-    summary.verdict = record_verdict(out, parts, cfg.max_error_rate)
-    return summary
+    return merge(out, max_error_rate=cfg.max_error_rate)  # the job's verdict, once

@@ -1,7 +1,7 @@
 """Run statistics, built from values: what ran (`RunInfo`, once the model is loaded), the sum
 of the engine's step reports (`add_step`: counts, the rows' latencies (latency.py), model
-FLOPs and bytes (roofline.py), the step timeline (steps.py)), the rows that became error
-records before the engine (`add_error_rows`), and what the run ended with (`finish`: the KV
+FLOPs and bytes (roofline.py), the step timeline (steps.py)), the records written
+(`add_records`: rows, error rows), and what the run ended with (`finish`: the KV
 pool, peak memory, the GPU's samples). Derived rates are properties; `to_dict` is
 _stats.json, `table` the printed summary."""
 
@@ -63,7 +63,7 @@ class RunStats:
     # {max_new_tokens: {value, from}, ...}: option, generation_config.json or batchgen
     generation_defaults: dict[str, Any] | None = None
     info: RunInfo | None = None  # None: the run ended before loading the model
-    rows: int = 0  # rows written in this run (ok + error)
+    rows: int = 0  # records written in this run (ok + error; --n-as-list: one a row)
     rows_error: int = 0
     error_reasons: dict[str, int] = field(default_factory=dict)  # error records, by reason
     prompt_tokens: int = 0  # real prompt tokens of the rows run
@@ -114,17 +114,16 @@ class RunStats:
         self.roofline = Roofline(cost) if cost is not None else None
         self.peaks = peaks
 
-    def add_error_rows(self, n: int) -> None:
-        """Rows that became error records before reaching the engine."""
-        self.rows += n
-        self.rows_error += n
-
-    def add_error_reasons(self, records: list[dict[str, Any]]) -> None:
-        """The records written with an error, grouped by their reason with its numbers as N
-        ("prompt of N tokens ..."): failed rows and rows that keep their text with one (a
-        constrained row cut short), the same rows `rows_error` counts."""
+    def add_records(self, records: list[dict[str, Any]]) -> None:
+        """Records written in this run: the rows count records (with --n-as-list a row's one
+        record, once all its samples are in; else one a sample), as the part files and the
+        --max-error-rate verdict do. Error records (failed rows and rows that keep their text
+        with one, a constrained row cut short) group by their reason with its numbers as N
+        ("prompt of N tokens ...")."""
+        self.rows += len(records)
         for rec in records:
             if rec.get("error") is not None:
+                self.rows_error += 1
                 reason = error_reason(str(rec["error"]))
                 self.error_reasons[reason] = self.error_reasons.get(reason, 0) + 1
 
@@ -138,9 +137,8 @@ class RunStats:
         return reason_lines(self.error_reasons, ".batchgen/stats.json", most)
 
     def add_step(self, r: StepReport) -> None:
-        """One engine step: the rows it finished and what it ran."""
-        self.rows += len(r.finished)
-        self.rows_error += sum(c.error is not None for c in r.finished)
+        """One engine step: what it ran and its finished samples' tokens and latencies (their
+        records are counted as written, `add_records`)."""
         self.prompt_tokens += sum(c.prompt_tokens for c in r.finished)
         self.output_tokens += sum(c.completion_tokens for c in r.finished)
         for c in r.finished:
