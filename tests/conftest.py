@@ -23,6 +23,20 @@ def _no_peak_probe(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(request):
+    """Each test compiles as a fresh process would. Every engine compiles the same code object
+    (`Transformer.hidden`), and dynamo keeps at most 8 guarded graphs a code object: a test
+    worker that has compiled eight other tests' models would see the ninth fall back to eager
+    (its test then fails on `graph.failed`, as three of test_quant's did in a full run). Not
+    for GPU tests, whose module-scoped engines count CUDA graphs across their tests."""
+    import sys
+
+    if "torch._dynamo" in sys.modules and request.node.get_closest_marker("gpu") is None:
+        torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
     """(model_type, **config overrides) -> a tiny sharpened checkpoint of tiny_hf_models.py
