@@ -4,7 +4,10 @@ the file a baseline writes back (`write_baseline_output`: `id`, `token_ids`, `te
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -57,3 +60,23 @@ def write_baseline_output(path: str | Path, ids: pa.Array, tokens: list[list[int
         }
     )
     pq.write_table(table, path)
+
+
+def built_beside(model_dir: Path, suffix: str, marker: str, build: Callable[[Path], None]) -> Path:
+    """MODEL_DIR-SUFFIX beside the checkpoint: another engine's copy of it, built by
+    build(folder) on first use and again when the checkpoint's files (names, sizes, times)
+    change; the stamp they had is kept in the folder's `marker` file. Built under a temporary
+    name and renamed, so an interrupted build is never taken for a finished one."""
+    out = model_dir.with_name(f"{model_dir.name}-{suffix}")
+    stamp = sorted(
+        [p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in model_dir.iterdir() if p.is_file()
+    )
+    if (out / marker).is_file() and json.loads((out / marker).read_text()) == stamp:
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build(tmp)
+    (tmp / marker).write_text(json.dumps(stamp))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

@@ -23,42 +23,25 @@ issue-23 mixed job that was 1.4x faster than sorting by prompt length only.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from bench_workloads import write_baseline_output
+from bench_workloads import built_beside, write_baseline_output
 
 COMPUTE_TYPES = ("float32", "float16", "bfloat16", "int8", "int8_float32")
-
-
-def _stamp(model_dir: Path) -> list:
-    """What the conversion was made from: the checkpoint's files, sizes and times."""
-    return sorted(
-        [p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in model_dir.iterdir() if p.is_file()
-    )
 
 
 def converted(model_dir: Path, compute_type: str) -> Path:
     """The CTranslate2 model for model_dir at compute_type, converted on first use."""
     import ctranslate2
 
-    out = model_dir.with_name(f"{model_dir.name}-ct2-{compute_type}")
-    marker = out / "ct2_source.json"
-    stamp = _stamp(model_dir)
-    if marker.is_file() and json.loads(marker.read_text()) == stamp:
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    converter = ctranslate2.converters.TransformersConverter(str(model_dir))
-    converter.convert(str(tmp), quantization=compute_type)
-    (tmp / "ct2_source.json").write_text(json.dumps(stamp))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    def convert(tmp: Path) -> None:
+        converter = ctranslate2.converters.TransformersConverter(str(model_dir))
+        converter.convert(str(tmp), quantization=compute_type)
+
+    return built_beside(model_dir, f"ct2-{compute_type}", "ct2_source.json", convert)
 
 
 def generate(gen, prompts: list[list[str]], news: list[int], batch: int) -> dict[int, list[int]]:

@@ -25,44 +25,28 @@ Writes id, token_ids, text as hf_baseline.py does.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from bench_workloads import write_baseline_output
+from bench_workloads import built_beside, write_baseline_output
 
 F32 = "f32"
 
 
-def _stamp(model_dir: Path) -> list:
-    """What the export was made from: the checkpoint's files, sizes and times."""
-    return sorted(
-        [p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in model_dir.iterdir() if p.is_file()
-    )
-
-
 def exported(model_dir: Path) -> Path:
     """The OpenVINO IR of model_dir (fp32 weights), exported on first use."""
-    out = model_dir.with_name(f"{model_dir.name}-ov-fp32")
-    marker = out / "ov_source.json"
-    stamp = _stamp(model_dir)
-    if marker.is_file() and json.loads(marker.read_text()) == stamp:
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    cli = Path(sys.executable).with_name("optimum-cli")
-    cmd = [str(cli), "export", "openvino", "--model", str(model_dir)]
-    cmd += ["--task", "text-generation-with-past", "--weight-format", "fp32", str(tmp)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    (tmp / "ov_source.json").write_text(json.dumps(stamp))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+
+    def export(tmp: Path) -> None:
+        cli = Path(sys.executable).with_name("optimum-cli")
+        cmd = [str(cli), "export", "openvino", "--model", str(model_dir)]
+        cmd += ["--task", "text-generation-with-past", "--weight-format", "fp32", str(tmp)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+    return built_beside(model_dir, "ov-fp32", "ov_source.json", export)
 
 
 def pipeline(ir: Path, batched_tokens: int, threads: int, kv_gb: int):

@@ -67,7 +67,6 @@ class Engine:
         self.kv_pool: KVPool | None = None  # the KV cache as allocated, at the first request
         self.completions = Completions(detokenize, self.constrainer)
         self._window = runner.model.cfg.sliding_window  # attention's reach, for step_cost
-        self._vocab = runner.vocab_size  # the whole model's, not a tensor-parallel rank's share
         self.job_longest = 0  # the caller's whole job's longest row (CPU pool sizing), if known
 
     def reserve(self, longest: int) -> None:
@@ -167,7 +166,12 @@ class Engine:
             part.cache_salt = 1 if rope is not None and rope.is_long(part.prompt_len) else None
         longest = max(parts, key=lambda c: c.max_tokens)
         error = admission_error(
-            r, longest, self.runner.max_positions, self.scheduler, self.grammars, self._vocab
+            r,
+            longest,
+            self.runner.max_positions,
+            self.scheduler,
+            self.grammars,
+            self.runner.vocab_size,
         )
         if error is not None:
             return error_completion(r, error)
