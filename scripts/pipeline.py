@@ -38,12 +38,18 @@ def _load(run_dir: Path) -> tuple[list[dict], dict]:
     return rows, stats
 
 
+def _seconds(s: float) -> str:
+    """Seconds to three significant figures (0.0756, 12.3, 4210): a rate recomputed from the
+    printed time agrees with the printed rate, however short the run."""
+    return f"{s:.3g}" if s < 1000 else f"{s:.0f}"
+
+
 def _throughput(stats: dict) -> str:
     """The rates over the time they are rates of: the union of the shards' run intervals
     (merge's wall_s; shards run one after the other add up, side by side overlap once)."""
     return (
-        f"{stats['rows']} rows over {stats['shards']} shard(s) in {stats['wall_s']:.2f} s "
-        f"(the shards' run intervals; the slowest shard {stats['max_wall_s']:.2f} s): "
+        f"{stats['rows']} rows over {stats['shards']} shard(s) in {_seconds(stats['wall_s'])} s "
+        f"(the shards' run intervals; the slowest shard {_seconds(stats['max_wall_s'])} s): "
         f"{stats['rows_per_s']:.1f} rows/s, {stats['output_tokens_per_s']:.1f} output tokens/s"
     )
 
