@@ -170,4 +170,4 @@ def test_compiled_decode_with_the_options_equals_eager(model):
     llm = LLM(model, dtype="float32", device="cpu", compile=True, engine=engine)
     assert run(llm) == want
     assert llm.runner.graph.graphs <= 1 and not llm.runner.graph.failed
-    assert llm.runner.graph.sample_graphs <= 2
+    assert llm.runner.graph.sample_graphs <= 3  # greedy, sampled, filtered

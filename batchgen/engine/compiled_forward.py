@@ -15,8 +15,9 @@
 - The LM head and the final norm run eagerly on the sampled rows (`Transformer.logits`): their
   row count varies apart from T. Sampling is a small graph of its own over a symbolic row
   count, padded to `capture_sizes` rows: a grammar bitmask is always given and the top
-  alternatives always computed, so neither is a guard; `greedy_only` is one (a greedy step
-  skips the sort over the vocabulary), so a job has at most two sampling graphs.
+  alternatives always computed, so neither is a guard; `greedy_only` and `filters` are (a
+  greedy step, or one where no row asks for top-k, top-p or min-p, skips the sort over the
+  vocabulary), so a job has at most three sampling graphs, all compiled at warm-up.
 - Warm-up, after the KV pool is allocated and before the first row: the first call compiles
   (`compile_s`); on a GPU every token size and every sampling size then runs twice, a warm-up
   and a recording (`capture_s`). With a compile cache (engine/compile_cache.py) its
@@ -57,6 +58,11 @@ _COMPILE_FAILED = (
 )
 
 
+# The compiled sampling's graphs: greedy; sampled; sampled with a row filtering (top-k/p,
+# min-p).
+SAMPLING_MODES = ("greedy", "sampled", "filtered")
+
+
 def graph_counts() -> tuple[int, int]:
     """(graphs inductor compiled, graphs it loaded from its cache) in this process so far:
     torch's own counters, so a compile-cache hit means a compile avoided."""
@@ -83,9 +89,11 @@ def _options(device: torch.device, sizes: list[int]) -> dict | None:
     }
 
 
-def _sample(logits, temperature, top_k, top_p, seed, min_p, steps, ban, bitmask, greedy_only):
+def _sample(
+    logits, temperature, top_k, top_p, seed, min_p, steps, ban, bitmask, greedy_only, filters
+):
     sampling = SamplingTensors(temperature, top_k, top_p, seed, min_p, ban)
-    return sample_step(logits, sampling, steps, greedy_only, bitmask, top=True)
+    return sample_step(logits, sampling, steps, greedy_only, bitmask, True, filters)
 
 
 class CompiledForward:
@@ -103,7 +111,7 @@ class CompiledForward:
         self.sampler: Callable | None = None
         self.failed = False  # the symbolic graph could not be built: eager from then on
         self.graphs = 0  # the forward's graphs dynamo built (1 in steady state, whatever T)
-        self.sample_graphs = 0  # sampling's (greedy-only and sampled: 2 at most)
+        self.sample_graphs = 0  # sampling's (SAMPLING_MODES: 3 at most)
         # inductor's own cache while this forward compiles (engine/compile_cache.py)
         self.inductor_dir = cache.inductor_dir() if cache is not None else local_inductor_dir()
 
@@ -168,19 +176,20 @@ class CompiledForward:
             bitmask = torch.cat([bitmask, bitmask.new_full((b - bitmask.shape[0], words), -1)])
         s = samp
         args = (logits, s.temperature, s.top_k, s.top_p, s.seed, s.min_p, steps, s.ban, bitmask)
+        mode = (sampling.greedy_only, not sampling.greedy_only and sampling.filters)
         if self.failed or self.sampler is None:
-            return _sample(*args, sampling.greedy_only)
+            return _sample(*args, *mode)
         for t in args:
             torch._dynamo.mark_dynamic(t, 0)
         with inductor_scope(self.inductor_dir):
             before = dynamo_graphs()
             try:
-                return self.sampler(*args, sampling.greedy_only)
+                return self.sampler(*args, *mode)
             except _COMPILE_FAILED as e:
                 self._fail(e)
             finally:
                 self.sample_graphs += dynamo_graphs() - before
-        return _sample(*args, sampling.greedy_only)
+        return _sample(*args, *mode)
 
     def _fail(self, e: Exception) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -193,23 +202,24 @@ class CompiledForward:
 
     # ------------------------------------------------------------------ warm-up
 
-    def warm_up(self, run: Callable[[int | None, bool], None], max_rows: int) -> WarmUp:
-        """run(tokens, greedy): one step of that many tokens through the whole path (the
-        runner's: broadcast, forward, sampling; None: the largest prefill). Compile with the
-        first, then (CUDA) warm up and record every size."""
+    def warm_up(self, run: Callable[[int | None, str], None], max_rows: int) -> WarmUp:
+        """run(tokens, mode): one step of that many tokens through the whole path (the
+        runner's: broadcast, forward, sampling in mode, one of SAMPLING_MODES; None: the
+        largest prefill). Compile with the first, then (CUDA) warm up and record every size."""
         warm = WarmUp()
         t0 = time.perf_counter()
         before = graph_counts()
         with inductor_scope(self.inductor_dir):
-            run(None, True)  # the largest prefill (the warm-up's peak): the compile
-            run(max_rows, False)  # the largest decode, sampled: sampling's second graph
+            run(None, "greedy")  # the largest prefill (the warm-up's peak): the compile
+            for mode in SAMPLING_MODES[1:]:  # the largest decode: sampling's other graphs
+                run(max_rows, mode)
             _sync(self.device)
             t1 = time.perf_counter()
             if self.device.type == "cuda":
                 for t in sorted(set(self.token_sizes) | set(self.row_sizes)):
-                    for greedy in (True, False):
+                    for mode in SAMPLING_MODES:
                         for _ in range(2):  # cudagraph trees: a warm-up run, then the recording
-                            run(t, greedy)
+                            run(t, mode)
             _sync(self.device)
         warm.compile_seconds, warm.capture_seconds = t1 - t0, time.perf_counter() - t1
         after = graph_counts()

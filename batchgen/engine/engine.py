@@ -207,6 +207,7 @@ class Engine:
         sched.running.clear()
         sched.waiting.clear()
         sched.pending.clear()
+        self.runner.tables.clear()
         self.completions.clear()
         if self.constrainer is not None:
             self.constrainer.clear()
@@ -233,6 +234,7 @@ class Engine:
                     after = len(self.detokenize(seq.output_ids[:skip])) if skip else 0
                     sched.finish(seq, FinishReason.STOP, keep, matched_stop(text, stops, after))
                     finished.append(seq)
+        self.runner.release(finished)
         if constrainer is not None:
             for seq in finished:
                 constrainer.release(seq)
@@ -253,6 +255,7 @@ class Engine:
             new_shape=timing.new_shape,
             compiled=timing.compiled,
             collective_seconds=timing.collective_seconds,
+            host_gap_seconds=timing.host_gap_seconds,
             at=now,
             logits_rows=plan.num_sampled + sum(map(len, scored)),
             sampled=plan.num_sampled,

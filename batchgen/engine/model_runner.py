@@ -31,16 +31,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchgen.engine.block_pool import NULL_BLOCK
+from batchgen.engine.block_table import BlockTables
+from batchgen.engine.input_buffer import InputBuffer
 from batchgen.engine.penalties import TokenCounts, apply_penalties
-from batchgen.engine.sampler import SamplingColumns
+from batchgen.engine.sampler import SamplingColumns, plain_greedy
 from batchgen.engine.scored_logprobs import score_rows
-from batchgen.engine.sequence import ScoredChunk, StepPlan
-from batchgen.engine.step_inputs import (
-    StepInputs,
-    WarmUp,
-    pack_step,
-)
-from batchgen.engine.step_sampling import Sampled, sample_step, to_host, wants_top
+from batchgen.engine.sequence import ScoredChunk, Sequence, StepPlan
+from batchgen.engine.step_inputs import StepInputs, WarmUp, pack_step
+from batchgen.engine.step_sampling import Sampled, greedy_step, sample_step, to_host, wants_top
 from batchgen.engine.warmup import rewarm_attention, warm_up
 from batchgen.model.attention import (
     DecodeBackend,
@@ -66,6 +64,9 @@ class StepTiming:
     new_shape: bool = False  # a compile during the step (none expected after the warm-up)
     compiled: bool = False  # the forward ran the compiled graph
     collective_seconds: float = 0.0  # of seconds, in tensor-parallel collectives (where timed)
+    # from the end of the last step (its results read) to this step's launch: the host's
+    # time between device steps, which a GPU spends idle (None: the first step)
+    host_gap_seconds: float | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -102,6 +103,9 @@ class ModelRunner:
         # the logits' width: the whole model's (a tensor-parallel rank's cfg has its share)
         self.vocab_size = vocab_size or model.cfg.vocab_size
         self.counts = TokenCounts(self.vocab_size, self.device)  # no memory until used
+        self.tables = BlockTables()  # the running sequences' block tables, kept (block_table.py)
+        self.inputs = InputBuffer(self.device)  # a step's inputs in one copy (input_buffer.py)
+        self.last_step_end: float | None = None  # perf_counter when the last step's results came
         # The transformers backend (model/hf_backend.py) has no `hidden`: it runs eagerly.
         if compile and isinstance(model, Transformer):
             # imported here: torch._dynamo takes ~1 s to import, a tenth of a small eager job
@@ -182,33 +186,29 @@ class ModelRunner:
         """x's tokens padded to the compiled graph's size for them (before it reaches the
         other ranks, so every rank runs the same count): token 0 at position 0 into the
         scratch block."""
-        pad = self.graph.padded(len(x.tokens)) - len(x.tokens) if self.graph is not None else 0
-        x.tokens += [0] * pad
-        x.positions += [0] * pad
-        x.slots += [NULL_BLOCK * self.block_size] * pad
+        if self.graph is not None:
+            x.pad(self.graph.padded(len(x.tokens)), NULL_BLOCK * self.block_size)
+
+    def release(self, seqs: list[Sequence]) -> None:
+        """Finished sequences' block-table rows back (block_table.py)."""
+        for seq in seqs:
+            self.tables.release(seq)
 
     # ------------------------------------------------------------------ step
 
     def forward(self, x: StepInputs) -> torch.Tensor:
         """The float32 logits (len(x.logits_index), vocab) of one step's inputs (what a
         tensor-parallel rank other than 0 runs)."""
-        dev = self.device
+        d = self.inputs.upload(x)  # the step's one host -> device copy
         step = StepAttention(
             backend=self.attention,
             flex_compiled=self.graph is not None,
-            slots=torch.tensor(x.slots, device=dev),
+            slots=d.slots,
             num_decodes=sum(len(lens) for _, _, lens in x.decodes),
-            decodes=tuple(
-                DecodeGroup(q, torch.tensor(t, device=dev), torch.tensor(n, device=dev))
-                for q, t, n in x.decodes
-            ),
-            prefills=tuple(
-                PrefillSpan(q, n, c, None if b is None else torch.tensor(b, device=dev))
-                for q, n, c, b in x.prefills
-            ),
+            decodes=tuple(DecodeGroup(q, t, n) for q, t, n in d.decodes),
+            prefills=tuple(PrefillSpan(q, n, c, b) for q, n, c, b in d.prefills),
         )
-        tokens, positions = (torch.tensor(v, device=dev) for v in (x.tokens, x.positions))
-        index = torch.tensor(x.logits_index, device=dev)
+        tokens, positions, index = d.tokens, d.positions, d.logits_index
         if self.graph is None:  # eager: the same bind, hidden and logits (Transformer.forward)
             return self.model(tokens, positions, step, index)
         self.shapes.add(len(x.tokens))
@@ -247,10 +247,12 @@ class ModelRunner:
         # Flex reads every row's blocks in place: one group; the gather pads each group's
         # copy to its longest table, so it groups rows by width.
         groups = 1 if self.attention is DecodeBackend.FLEX else 4
-        packed = pack_step(plan, self.block_size, max_groups=groups, rope=self.rope_rows)
+        rope = self.rope_rows
+        packed = pack_step(plan, self.tables, self.block_size, max_groups=groups, rope=rope)
         dev, n = self.device, len(packed.sampled)
         self._pad(packed.inputs)
         t0 = time.perf_counter()
+        gap = None if self.last_step_end is None else t0 - self.last_step_end
         if self.broadcast is not None:
             self.broadcast(packed.inputs)
         logits = self.forward(packed.inputs)
@@ -258,22 +260,29 @@ class ModelRunner:
         per_chunk = score_rows(logits[n:], packed.targets, packed.scored, plan)
         if not n:  # prefill chunks that sample nothing
             _sync(dev)
-            return [], per_chunk, StepTiming(time.perf_counter() - t0)
-        sampling = SamplingColumns()
-        for s in packed.sampled:
-            sampling.add(s)
+            return [], per_chunk, self._timing(t0, gap)
         apply_penalties(logits[:n], packed.sampled, self.counts)
         nd = len(packed.decode_order)
         if bitmask is not None:  # to the packed order: decodes by width, then prefills
-            bitmask = bitmask[torch.tensor(packed.decode_order + list(range(nd, n)), device=dev)]
+            order = torch.tensor(packed.decode_order + list(range(nd, n)))
+            bitmask = bitmask[order.to(dev, non_blocking=True)]
         top = wants_top(packed.sampled)
-        if self.graph is not None:
-            result = self.graph.sample(logits[:n], sampling, bitmask)
+        if bitmask is None and plain_greedy(packed.sampled):  # the argmax: nothing to pass
+            result = greedy_step(logits[:n], top)
         else:
-            samp, steps = sampling.tensors(dev)
-            result = sample_step(logits[:n], samp, steps, sampling.greedy_only, bitmask, top)
+            sampling = SamplingColumns.of(packed.sampled)
+            if self.graph is not None:
+                result = self.graph.sample(logits[:n], sampling, bitmask)
+            else:
+                samp, steps = sampling.tensors(dev)
+                greedy, filters = sampling.greedy_only, sampling.filters
+                result = sample_step(logits[:n], samp, steps, greedy, bitmask, top, filters)
         out = to_host(result, packed.sampled, top)  # the step's one host read
         decoded = [None] * nd  # back to plan order
         for j, i in enumerate(packed.decode_order):
             decoded[i] = out[j]
-        return decoded + out[nd:], per_chunk, StepTiming(time.perf_counter() - t0)
+        return decoded + out[nd:], per_chunk, self._timing(t0, gap)
+
+    def _timing(self, t0: float, gap: float | None) -> StepTiming:
+        self.last_step_end = time.perf_counter()
+        return StepTiming(self.last_step_end - t0, host_gap_seconds=gap)

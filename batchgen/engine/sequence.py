@@ -274,6 +274,7 @@ class StepReport:
     cache_hits: int = 0  # of which found
     new_shape: bool = False  # the step ran a compiled shape for the first time
     collective_seconds: float = 0.0  # of seconds, in tensor-parallel collectives (where timed)
+    host_gap_seconds: float | None = None  # the host's time since the last step (None: first)
     # for the step timeline and the roofline (engine/step_cost.py)
     at: float = 0.0  # time.perf_counter() when the step ended
     logits_rows: int = 0  # positions that went through the LM head (sampled or scored)

@@ -1,4 +1,4 @@
-"""A step plan packed into the model's inputs, as plain Python lists (no torch).
+"""A step plan packed into the model's inputs, as numpy arrays (no torch).
 
 A step's tokens run flat: the decodes first, then each prefill chunk, packed with no padding
 rows and no padding tokens. Each token carries its position and its cache slot
@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from batchgen.engine.block_pool import NULL_BLOCK
+from batchgen.engine.block_table import BlockTables
 from batchgen.engine.sequence import Scheduled, StepPlan
 from batchgen.model.config import LongRopeRows
 
@@ -54,18 +57,33 @@ def token_sizes(max_tokens: int) -> list[int]:
     return capture_sizes(min(TOKEN_CAP, max_tokens))
 
 
+def _empty() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
+
+
 @dataclass(slots=True)
 class StepInputs:
-    """One forward's inputs. decodes: (first token, block tables (B, n), context lengths (B,))
-    per group; prefills: (first token, length, tokens already cached, blocks or None)."""
+    """One forward's inputs, numpy int64 arrays (T,) and (S,). decodes: (first token, block
+    tables (B, n), context lengths (B,)) per group; prefills: (first token, length, tokens
+    already cached, their blocks (n,) or None). The runner copies them to the device in one
+    piece (engine/input_buffer.py)."""
 
-    tokens: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)  # a longrope model's: RoPE table rows
-    slots: list[int] = field(default_factory=list)
-    logits_index: list[int] = field(default_factory=list)
-    decodes: list[tuple[int, list[list[int]], list[int]]] = field(default_factory=list)
-    prefills: list[tuple[int, int, int, list[int] | None]] = field(default_factory=list)
+    tokens: np.ndarray = field(default_factory=_empty)
+    positions: np.ndarray = field(default_factory=_empty)  # a longrope model's: RoPE table rows
+    slots: np.ndarray = field(default_factory=_empty)
+    logits_index: np.ndarray = field(default_factory=_empty)
+    decodes: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
+    prefills: list[tuple[int, int, int, np.ndarray | None]] = field(default_factory=list)
     save_compile_cache: bool = False  # the warm-up's last step: each rank saves its artifacts
+
+    def pad(self, tokens: int, slot: int) -> None:
+        """Pad to `tokens` tokens: token 0 at position 0, its key written at `slot`."""
+        n = tokens - len(self.tokens)
+        if n > 0:
+            zeros = np.zeros(n, dtype=np.int64)
+            self.tokens = np.concatenate([self.tokens, zeros])
+            self.positions = np.concatenate([self.positions, zeros])
+            self.slots = np.concatenate([self.slots, np.full(n, slot, dtype=np.int64)])
 
 
 @dataclass(slots=True)
@@ -93,18 +111,6 @@ def width_groups(
     return [*groups, (lo, len(widths))] if widths else []
 
 
-def _add_tokens(
-    s: Scheduled, inputs: StepInputs, block_size: int, rope: LongRopeRows | None
-) -> None:
-    table, stop = s.seq.block_table, s.start + s.num_tokens
-    for p in range(s.start, stop):
-        inputs.tokens.append(s.seq.token_ids[p])
-        inputs.slots.append(table[p // block_size] * block_size + p % block_size)
-    # a longrope model's tokens carry their RoPE table row (config.LongRopeRows)
-    rows = range(s.start, stop) if rope is None else rope.rows(s.seq.num_tokens, s.start, stop)
-    inputs.positions += rows
-
-
 def _scored_positions(s: Scheduled) -> range:
     """Positions of chunk s whose logits score a token (the next one, `Request.scored`): from
     the one before the first scored token to the one before the last."""
@@ -113,48 +119,76 @@ def _scored_positions(s: Scheduled) -> range:
     return range(lo, min(s.start + s.num_tokens, scored.stop - 1))
 
 
+def _pack_decodes(
+    decodes: list[Scheduled], tables: BlockTables, bs: int, max_groups: int, rope
+) -> tuple[StepInputs, list[int]]:
+    """The decodes, longest context first, in at most max_groups width groups: each group's
+    tables are one slice of the persistent block tables, as wide as its longest context."""
+    n = len(decodes)
+    pos = np.fromiter((s.start for s in decodes), dtype=np.int64, count=n)
+    order = np.argsort(-pos, kind="stable")
+    seqs = [decodes[i].seq for i in order.tolist()]
+    rows, pos = tables.rows(seqs), pos[order]
+    used = pos // bs + 1  # (B,) blocks each row reads, this token's included
+    x = StepInputs()
+    last = zip(seqs, pos.tolist(), strict=True)
+    x.tokens = np.fromiter((q.token_ids[p] for q, p in last), np.int64, n)
+    x.slots = tables.table[rows, pos // bs].astype(np.int64) * bs + pos % bs
+    x.positions = pos
+    if rope is not None:  # a longrope model's tokens carry their RoPE table row
+        x.positions = pos + np.fromiter(
+            (rope.rows(q.num_tokens, 0, 1)[0] for q in seqs), np.int64, n
+        )
+    for lo, hi in width_groups(used.tolist(), max_groups):
+        x.decodes.append((lo, tables.table[rows[lo:hi], : used[lo]], pos[lo:hi] + 1))
+    x.logits_index = np.arange(n, dtype=np.int64)
+    return x, order.tolist()
+
+
 def pack_step(
-    plan: StepPlan, block_size: int, max_groups: int = 4, rope: LongRopeRows | None = None
+    plan: StepPlan,
+    tables: BlockTables,
+    block_size: int,
+    max_groups: int = 4,
+    rope: LongRopeRows | None = None,
 ) -> PackedStep:
-    """The plan at its exact size (eager): decodes in at most max_groups width groups, then
-    prefill spans. rope: a longrope model's table rows, which its positions become."""
-    inputs = StepInputs()
-    sampled: list[Scheduled] = []
-    decodes = plan.decodes
-    order = sorted(range(len(decodes)), key=lambda i: -len(decodes[i].seq.block_table))
-    for lo, hi in width_groups([len(decodes[i].seq.block_table) for i in order], max_groups):
-        width = len(decodes[order[lo]].seq.block_table)
-        tables, lens = [], []
-        for i in order[lo:hi]:
-            s = decodes[i]
-            _add_tokens(s, inputs, block_size, rope)
-            sampled.append(s)
-            inputs.logits_index.append(len(inputs.tokens) - 1)
-            tables.append(s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)))
-            lens.append(s.start + 1)
-        inputs.decodes.append((lo, tables, lens))
-    packed = PackedStep(inputs, sampled, order)
-    score_rows: list[int] = []
+    """The plan at its exact size: decodes in at most max_groups width groups, then prefill
+    spans, as numpy arrays. tables: the persistent block tables, brought up to date here.
+    rope: a longrope model's table rows, which its positions become."""
+    bs = block_size
+    inputs, order = (
+        _pack_decodes(plan.decodes, tables, bs, max_groups, rope)
+        if plan.decodes
+        else (StepInputs(), [])
+    )
+    packed = PackedStep(inputs, [plan.decodes[i] for i in order], order)
+    tokens, positions, slots = [inputs.tokens], [inputs.positions], [inputs.slots]
+    index, score_rows, q_start = [inputs.logits_index], [], len(inputs.tokens)
     for s in plan.prefills:
-        q_start = len(inputs.tokens)
-        if s.seq.request.scored is not None:
+        seq, start, stop = s.seq, s.start, s.start + s.num_tokens
+        if seq.request.scored is not None:
             rows = _scored_positions(s)
-            packed.scored.append([q_start + p - s.start for p in rows])
-            packed.targets += [s.seq.token_ids[p + 1] for p in rows]
-        _add_tokens(s, inputs, block_size, rope)
-        blocks = None
-        if s.start:
-            n_blocks = -(-(s.start + s.num_tokens) // block_size)
-            blocks = s.seq.block_table[:n_blocks]
-        inputs.prefills.append((q_start, s.num_tokens, s.start, blocks))
+            packed.scored.append([q_start + p - start for p in rows])
+            packed.targets += [seq.token_ids[p + 1] for p in rows]
+        r, p = tables.row(seq), np.arange(start, stop, dtype=np.int64)
+        tokens.append(np.array(seq.token_ids[start:stop], dtype=np.int64))
+        slots.append(tables.table[r, p // bs].astype(np.int64) * bs + p % bs)
+        positions.append(p if rope is None else np.array(rope.rows(seq.num_tokens, start, stop)))
+        blocks = tables.table[r, : -(-stop // bs)].copy() if start else None
+        inputs.prefills.append((q_start, s.num_tokens, start, blocks))
+        q_start += s.num_tokens
         if s.samples:
-            sampled.append(s)
-            inputs.logits_index.append(len(inputs.tokens) - 1)
+            packed.sampled.append(s)
+            index.append(np.array([q_start - 1]))
     for rows in packed.scored:
         score_rows += rows
-    inputs.logits_index += score_rows
-    if not inputs.logits_index:  # prefill chunks that sample nothing: one row, not read
-        inputs.logits_index = [0]
+    index.append(np.array(score_rows, dtype=np.int64))
+    inputs.tokens, inputs.positions, inputs.slots = (
+        np.concatenate(v).astype(np.int64, copy=False) for v in (tokens, positions, slots)
+    )
+    inputs.logits_index = np.concatenate(index).astype(np.int64, copy=False)
+    if not len(inputs.logits_index):  # prefill chunks that sample nothing: one row, not read
+        inputs.logits_index = np.zeros(1, dtype=np.int64)
     return packed
 
 
@@ -162,11 +196,11 @@ def warmup_decode(rows: int, tokens: int, block_size: int) -> StepInputs:
     """A warm-up step of `tokens` tokens whose first `rows` decode (one group) and the rest
     pad: every token is token 0 at position 0, its key written to the scratch block."""
     return StepInputs(
-        tokens=[0] * tokens,
-        positions=[0] * tokens,
-        slots=[NULL_BLOCK * block_size] * tokens,
-        logits_index=list(range(rows)),
-        decodes=[(0, [[NULL_BLOCK] * 2] * rows, [1] * rows)],
+        tokens=np.zeros(tokens, dtype=np.int64),
+        positions=np.zeros(tokens, dtype=np.int64),
+        slots=np.full(tokens, NULL_BLOCK * block_size, dtype=np.int64),
+        logits_index=np.arange(rows, dtype=np.int64),
+        decodes=[(0, np.full((rows, 2), NULL_BLOCK, np.int32), np.ones(rows, np.int64))],
     )
 
 
@@ -194,10 +228,10 @@ def warmup_eager(max_tokens: int, max_rows: int, block_size: int, positions: int
     calls), which would otherwise land in the first real steps and their rows' TTFT."""
     spans = [(q, min(WARMUP_SPAN, max_tokens - q)) for q in range(0, max_tokens, WARMUP_SPAN)]
     prefill = StepInputs(
-        tokens=[0] * max_tokens,
-        positions=[p % positions for _, n in spans for p in range(n)],
-        slots=[NULL_BLOCK * block_size] * max_tokens,
-        logits_index=[q + n - 1 for q, n in spans],
+        tokens=np.zeros(max_tokens, dtype=np.int64),
+        positions=np.array([p % positions for _, n in spans for p in range(n)], dtype=np.int64),
+        slots=np.full(max_tokens, NULL_BLOCK * block_size, dtype=np.int64),
+        logits_index=np.array([q + n - 1 for q, n in spans], dtype=np.int64),
         prefills=[(q, n, 0, None) for q, n in spans],
     )
     return [prefill, warmup_decode(max_rows, max_rows, block_size)]

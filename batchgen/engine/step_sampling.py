@@ -1,6 +1,12 @@
 """A step's sampling on the device and its outputs on the host: the grammar mask applied,
 tokens drawn (engine/sampler.py), their log-probabilities and, for rows that ask, their top
-alternatives; then the one host read of the step."""
+alternatives; then the one host read of the step.
+
+A step pays only for what its rows ask: an all-greedy step with no ban, grammar or top
+alternatives is an argmax and a log-sum-exp (`greedy_step`); no sort over the vocabulary unless
+a row filters (top-k, top-p, min-p); the top alternatives only when a row keeps them. The
+log-probabilities are `logit - logsumexp(logits)`: a reduction over the vocabulary, not a
+(B, V) log-softmax written out."""
 
 from __future__ import annotations
 
@@ -15,6 +21,22 @@ from batchgen.engine.sequence import MAX_TOP_LOGPROBS, Scheduled, TopLogprobs
 Sampled = list[tuple[int, float, TopLogprobs | None]]
 
 
+def _logprobs(logits: torch.Tensor, tok: torch.Tensor, top: bool) -> tuple[torch.Tensor, ...]:
+    lse = logits.logsumexp(-1, keepdim=True)  # (B, 1)
+    lp = (logits.gather(-1, tok[:, None]) - lse)[:, 0]
+    if not top:
+        return tok, lp
+    vals, ids = logits.topk(min(MAX_TOP_LOGPROBS, logits.shape[-1]), dim=-1)
+    return tok, lp, vals - lse, ids
+
+
+def greedy_step(logits: torch.Tensor, top: bool = False) -> tuple[torch.Tensor, ...]:
+    """(tokens, their logprobs[, top logprobs, their ids]) of rows that are all greedy and
+    ban nothing: the argmax (max's index: the first of equal maxima, as argmax's, from a
+    reduction ~3x faster on the CPU)."""
+    return _logprobs(logits, logits.max(-1).indices, top)
+
+
 def sample_step(
     logits: torch.Tensor,
     sampling: SamplingTensors,
@@ -22,19 +44,16 @@ def sample_step(
     greedy_only: bool,
     bitmask: torch.Tensor | None,
     top: bool = False,
+    filters: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """(tokens, their logprobs) and, with top, the (B, MAX_TOP_LOGPROBS) likeliest logprobs
     and their token ids (of the same distribution: the model's, under the constraint and
-    min_tokens' ban)."""
+    min_tokens' ban). filters: a row asks for top-k, top-p or min-p."""
     if bitmask is not None:  # constrained rows: tokens outside their grammar get -inf
         logits = apply_bitmask(logits, bitmask)
     logits = ban_tokens(logits, sampling.ban)  # stop tokens below min_tokens get -inf
-    tok = sample(logits, sampling, steps, greedy_only)
-    logp = logits.log_softmax(-1)
-    lp = logp.gather(-1, tok[:, None])[:, 0]
-    if not top:
-        return tok, lp
-    return tok, lp, *logp.topk(min(MAX_TOP_LOGPROBS, logp.shape[-1]), dim=-1)
+    tok = sample(logits, sampling, steps, greedy_only, filters)
+    return _logprobs(logits, tok, top)
 
 
 def wants_top(sampled: list[Scheduled]) -> bool:
@@ -43,16 +62,25 @@ def wants_top(sampled: list[Scheduled]) -> bool:
 
 
 def to_host(result: tuple[torch.Tensor, ...], sampled: list[Scheduled], top: bool) -> Sampled:
-    """The step's outputs for the sequences `sampled` (its first rows), on the host; their top
-    alternatives only where top (a row asks)."""
+    """The step's outputs for the sequences `sampled` (its first rows), on the host, in one
+    read: tokens, logprobs and (where top) the alternatives side by side as float64 (exact for
+    token ids below 2**53); their top alternatives only for the rows that ask."""
     n = len(sampled)
-    toks, lps = result[0][:n].tolist(), result[1][:n].tolist()
+    cols = [result[0][:n, None].double(), result[1][:n, None].double()]
+    if top:
+        cols += [result[2][:n].double(), result[3][:n].double()]
+    rows = torch.cat(cols, dim=1).tolist()  # the step's one device -> host read
     if not top:
-        return [(t, lp, None) for t, lp in zip(toks, lps, strict=True)]
-    vals, ids = result[2][:n].tolist(), result[3][:n].tolist()
+        return [(int(t), lp, None) for t, lp in rows]
+    width = result[2].shape[1]
     out: Sampled = []
-    for i, s in enumerate(sampled):
+    for s, row in zip(sampled, rows, strict=True):
         k = s.seq.params.top_logprobs
-        top = list(zip(ids[i][:k], vals[i][:k], strict=True)) if k else None
-        out.append((toks[i], lps[i], top))
+        alts = None
+        if k:
+            alts = [
+                (int(i), v)
+                for v, i in zip(row[2 : 2 + k], row[2 + width : 2 + width + k], strict=True)
+            ]
+        out.append((int(row[0]), row[1], alts))
     return out

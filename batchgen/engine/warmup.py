@@ -52,13 +52,17 @@ def warm_up(runner: Runner, max_num_seqs: int, max_tokens: int) -> WarmUp:
     cuda = dev.type == "cuda"
     runner.build_graph(token_sizes(max_tokens) if cuda else [], capture_sizes(max_num_seqs))
 
-    def run(tokens: int | None, greedy: bool) -> None:
+    def run(tokens: int | None, mode: str) -> None:
+        """One step, its rows sampled in mode (compiled_forward.SAMPLING_MODES)."""
         x = prefill if tokens is None else warmup_decode(min(tokens, max_num_seqs), tokens, bs)
         logits = runner.run_warm(x)
         sampling = SamplingColumns()
-        sampling.pad(len(x.logits_index))
-        if not greedy:
-            sampling.temperature[:] = [1.0] * len(x.logits_index)
+        rows = len(x.logits_index)
+        sampling.pad(rows)
+        if mode != "greedy":
+            sampling.temperature[:] = [1.0] * rows
+        if mode == "filtered":
+            sampling.top_k[:] = [1] * rows
         graph.sample(logits, sampling, None)
 
     warm = graph.warm_up(run, max_num_seqs)

@@ -230,6 +230,8 @@ class RunStats:
             compiled_token_share=self.compiled_tokens / max(1, self.decode_rows + computed),
         )
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        # the host's time between device steps, which a GPU spends idle: p50 and total
+        d["host_gap_s"] = self.timeline.host_gaps()
         # the whole command as the user waits for it, and the engine's own share of the job
         d["total_wall_s"] = self.elapsed + (self.startup_s or 0.0)
         d["engine_s"] = self.prefill_s + self.decode_s

@@ -6,10 +6,11 @@ job's length). A merge writes the shards' on one clock as OUTPUT/.batchgen/steps
 earlier versions held it as .batchgen/steps/part-NNNNN.parquet or OUTPUT/.steps.parquet, which
 `read_steps` still reads (and opening the output renames).
 
-Recording a step appends ten numbers to ten `array`s (8 bytes each, no Python object per
-value): about 1.5 us a step measured (docs/metrics.md), against steps of milliseconds, and
-80 bytes a step of memory (a million steps, 80 MB). The timeline describes the last run of the
-output directory, as .batchgen/stats.json does: a run starts it anew (`clear_steps`).
+Recording a step appends twelve numbers to twelve `array`s (8 bytes each, no Python object
+per value): about 1.5 us a step measured (docs/metrics.md), against steps of milliseconds, and
+under 100 bytes a step of memory (a million steps, under 100 MB). The timeline describes the
+last run of the output directory, as .batchgen/stats.json does: a run starts it anew
+(`clear_steps`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ COLUMNS = {
     "preemptions": ("q", pa.int32(), "sequences preempted by the step"),
     "waiting": ("q", pa.int32(), "sequences waiting after the step"),
     "compiled": ("b", pa.bool_(), "the step's forward ran the compiled graph"),
+    "host_gap_s": ("d", pa.float64(), "the host's time since the last step ended (NaN: first)"),
 }
 
 
@@ -75,6 +77,16 @@ class StepRecorder:
         c["preemptions"].append(r.preempted)
         c["waiting"].append(r.waiting)
         c["compiled"].append(r.compiled)
+        gap = r.host_gap_seconds
+        c["host_gap_s"].append(float("nan") if gap is None else gap)
+
+    def host_gaps(self) -> dict[str, float] | None:
+        """The host's time between device steps (`host_gap_s`): p50 and total; None before
+        a second step."""
+        gaps = sorted(g for g in self.cols["host_gap_s"] if g == g)  # NaN: the first step
+        if not gaps:
+            return None
+        return {"p50": gaps[len(gaps) // 2], "total": sum(gaps)}
 
     def table(self, start: int = 0) -> pa.Table:
         """The steps from `start` on."""
