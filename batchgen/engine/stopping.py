@@ -78,7 +78,7 @@ def token_finish(
     stop_reason), (STOP, tok) at a stop token id, (LENGTH, None) at max_new_tokens, else
     (None, None). Below min_tokens neither stop kind counts (it was banned anyway)."""
     p = seq.params
-    if not seq.below_min_tokens:
+    if not p.min_tokens or not seq.below_min_tokens:
         if tok in eos and not p.ignore_eos:
             return FinishReason.STOP, None
         if tok in p.stop_token_ids:
