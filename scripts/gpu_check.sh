@@ -5,7 +5,8 @@
 #   2. the job, bf16, random weights: scripts/bench.py on a 0.5B shape (a 55M one when less
 #      than 300 s are left), whole processes, batchgen with an empty compile cache (cold)
 #      against transformers' sorted generate; then batchgen again on the same cache (warm).
-#      The summary gives the ratio, compile_s / capture_s cold and warm, and the cache's hit;
+#      The summary gives the ratio, compile_s / capture_s cold and warm, the cache's hit,
+#      MBU, the host's time between steps (host_gap_s p50) and compiled_token_share;
 #   3. the GPU-marked tests (`pytest -m gpu`: CUDA graphs and no recompiles, NVML stats,
 #      bf16 agreement with transformers, quantized paths, penalties on the device), and with 2+ GPUs tensor
 #      parallelism at TP=2 (the summary says plainly when the device has one GPU);
@@ -200,23 +201,25 @@ selected flex && step "flex kernel options sweep" 60 "$OUT/flex.log" \
     fi
     "$PY" - "$OUT/bench.json" "$OUT/bench-warm.json" <<'PYEOF' 2>/dev/null
 import json, sys
-print("\n| batchgen run | compile_s | capture_s | compile cache | output tok/s | MBU |")
-print("| --- | ---: | ---: | --- | ---: | ---: |")
+print("\n| batchgen run | compile_s | capture_s | compile cache | output tok/s | MBU | host gap p50 ms | compiled share |")
+print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
 for name, path in zip(("cold", "warm"), sys.argv[1:]):
     try:
         report = json.load(open(path))
     except (OSError, ValueError):
-        print(f"| {name} | - | - | not run | - | - |")
+        print(f"| {name} | - | - | not run | - | - | - | - |")
         continue
     workloads = report.get("workloads", [])
     runs = [r for w in workloads for r in w.get("runs", []) if r.get("engine") == "batchgen"]
     runs = runs or [p for w in workloads for p in w.get("sweep", [])]
     for r in runs[:1]:
         s = r.get("stats", r)
-        mbu = s.get("mbu")
+        mbu, gap = s.get("mbu"), (s.get("host_gap_s") or {}).get("p50")
+        share = s.get("compiled_token_share")
         print(f"| {name} | {s.get('compile_s', 0):.1f} | {s.get('capture_s', 0):.1f} | "
               f"{s.get('compile_cache')} | {s.get('output_tokens_per_s', s.get('out_tok_s', 0)):.0f} | "
-              f"{'-' if mbu is None else f'{mbu:.1%}'} |")
+              f"{'-' if mbu is None else f'{mbu:.1%}'} | {'-' if gap is None else f'{gap * 1e3:.2f}'} | "
+              f"{'-' if share is None else f'{share:.2f}'} |")
 PYEOF
     for md in "$TMP/bench.md"; do
         [ -f "$md" ] && {

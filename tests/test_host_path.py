@@ -196,3 +196,8 @@ def test_stats_give_the_hosts_time_between_steps(model, tmp_path):
     gaps = np.array(steps["host_gap_s"])
     assert np.isnan(gaps[0]) and (gaps[1:] > 0).all()
     assert gaps[1:].sum() == pytest.approx(gap["total"])
+    # the report's time breakdown shows it as a phase of its own
+    from batchgen.report.charts import phases
+
+    shown = {label: sec for label, sec, _ in phases(stats)}
+    assert shown["the host between steps (a GPU's idle time)"] == pytest.approx(gap["total"])

@@ -139,16 +139,15 @@ class Sequence:
     first_token_at: float = 0.0  # perf_counter at the end of the step sampling its first token
     eos_ids: frozenset[int] = frozenset()  # the model's (the scheduler's), ignore_eos or not
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    prompt_len: int = field(init=False, default=0)  # the request's, kept: read every step
+    # the request's, kept: read for every row of every step
+    prompt_len: int = field(init=False, default=0)
+    params: DecodeParams = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.request.prompt_ids)
         self.prompt_len = self.request.prompt_len
-
-    @property
-    def params(self) -> DecodeParams:
-        return self.request.params
+        self.params = self.request.params
 
     @property
     def num_tokens(self) -> int:

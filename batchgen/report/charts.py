@@ -80,11 +80,13 @@ def phases(stats: dict[str, Any]) -> list[tuple[str, float, str]]:
     """(label, seconds, colour) of each phase that took time, then "other" (reading input,
     writing parts, the scheduler) up to the whole job's wall time."""
     got = [(label, float(stats.get(k) or 0.0), c) for k, label, c in PHASES]
+    gap = float((stats.get("host_gap_s") or {}).get("total") or 0.0)
+    got.append(("the host between steps (a GPU's idle time)", gap, "tab:red"))
     got = [p for p in got if p[1] > 0]
     total = float(stats.get("total_wall_s") or 0.0) or float(
         (stats.get("startup_s") or 0.0) + (stats.get("wall_s") or 0.0)
     )
     rest = total - sum(s for _, s, _ in got)
     if rest > 0:
-        got.append(("other (input, output, scheduling)", rest, "tab:cyan"))
+        got.append(("other (input, output)", rest, "tab:cyan"))
     return got

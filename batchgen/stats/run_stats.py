@@ -16,7 +16,7 @@ import torch
 
 from batchgen.data.verdict import ErrorVerdict, error_reason, reason_lines
 from batchgen.engine.sequence import KVPool, StepReport
-from batchgen.stats.latency import Latencies
+from batchgen.stats.latency import Latencies, LogHistogram
 from batchgen.stats.nvml import gpu_rows
 from batchgen.stats.peaks import Peaks, utilisation_text
 from batchgen.stats.roofline import ModelCost, Roofline
@@ -95,6 +95,7 @@ class RunStats:
     started: float = field(default_factory=time.perf_counter)
     started_unix: float = field(default_factory=time.time)  # to line shards up in a merge
     latencies: Latencies = field(default_factory=Latencies)
+    host_gaps: LogHistogram = field(default_factory=LogHistogram)  # between steps (host_gap_s)
     roofline: Roofline | None = None  # once the model is loaded
     peaks: Peaks | None = None
     timeline: StepRecorder | None = None
@@ -165,6 +166,8 @@ class RunStats:
         self.preemptions += r.preempted
         self.compiled_shapes += r.new_shape
         self.collective_s += r.collective_seconds
+        if r.host_gap_seconds is not None:
+            self.host_gaps.add(r.host_gap_seconds)
         if r.prefill:
             self.prefill_s += r.seconds
         else:
@@ -209,7 +212,7 @@ class RunStats:
     def to_dict(self) -> dict[str, Any]:
         """_stats.json: the counts, the derived rates, what ran and what it ended with."""
         skip = ("started", "info", "kv_pool", "gpu", "openai_unsupported_fields")
-        skip += ("latencies", "roofline", "peaks", "timeline", "verdict")
+        skip += ("latencies", "roofline", "peaks", "timeline", "verdict", "host_gaps")
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         d.update(self.latencies.summary())  # ttft_s, tpot_s, latency_s: {p50, ..., max}
         d["latency_histograms"] = self.latencies.to_dict()
@@ -231,7 +234,12 @@ class RunStats:
         )
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         # the host's time between device steps, which a GPU spends idle: p50 and total
-        d["host_gap_s"] = self.timeline.host_gaps()
+        gaps = self.host_gaps
+        d["host_gap_s"] = (
+            {"p50": gaps.quantile(0.5), "p90": gaps.quantile(0.9), "total": gaps.total}
+            if gaps.n
+            else None
+        )
         # the whole command as the user waits for it, and the engine's own share of the job
         d["total_wall_s"] = self.elapsed + (self.startup_s or 0.0)
         d["engine_s"] = self.prefill_s + self.decode_s

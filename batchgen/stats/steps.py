@@ -80,14 +80,6 @@ class StepRecorder:
         gap = r.host_gap_seconds
         c["host_gap_s"].append(float("nan") if gap is None else gap)
 
-    def host_gaps(self) -> dict[str, float] | None:
-        """The host's time between device steps (`host_gap_s`): p50 and total; None before
-        a second step."""
-        gaps = sorted(g for g in self.cols["host_gap_s"] if g == g)  # NaN: the first step
-        if not gaps:
-            return None
-        return {"p50": gaps[len(gaps) // 2], "total": sum(gaps)}
-
     def table(self, start: int = 0) -> pa.Table:
         """The steps from `start` on."""
         schema = pa.schema(
