@@ -58,9 +58,9 @@ def stub_model(vocab: int, max_positions: int) -> Transformer:
 
 def run(seqs: int, context: int, steps: int, vocab: int, budget: int) -> list[float]:
     """Host seconds of each decode-only step of `seqs` rows of `context` prompt tokens."""
-    # rows decode while later rows prefill: enough new tokens that every row is past its
-    # prompt for `steps` steps at the end
-    new = steps + -(-seqs * context // budget) + 1
+    # rows decode while later rows prefill (in what the decodes leave of the budget): enough
+    # new tokens that every row is past its prompt for `steps` steps at the end
+    new = steps + -(-seqs * context // max(1, budget - seqs)) + 2
     model = stub_model(vocab, context + new + 16)
     runner = ModelRunner(model, block_size=16)
     cfg = EngineConfig(

@@ -165,6 +165,8 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Give seq the blocks for n more tokens; False if the pool has too few free."""
+        if seq.num_computed + n <= len(seq.block_table) * self.block_size:
+            return True  # most steps: the blocks it holds have room
         need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
         if need > self.pool.num_free:
             return False
