@@ -86,8 +86,12 @@ def describe(q: dict) -> str:
     if method == "fp8":
         block = q.get("weight_block_size")
         return f"fp8 (blocks of {block})" if block else "fp8 (per-tensor scales)"
-    if method in ("gptq", "awq"):
-        return f"{method} ({q.get('bits')}-bit, group {q.get('group_size')})"
+    if method == "gptq":
+        fmt = q.get("checkpoint_format", "gptq")
+        order = ", desc_act" if q.get("desc_act") else ""
+        return f"gptq ({q.get('bits')}-bit, group {q.get('group_size')}, {fmt} format{order})"
+    if method == "awq":
+        return f"awq ({q.get('bits')}-bit, group {q.get('group_size')}, {q.get('version')})"
     if method == "modelopt":
         return f"modelopt ({q.get('quant_algo')})"
     return method
