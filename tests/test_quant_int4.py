@@ -189,3 +189,13 @@ def test_resident_bytes_are_the_checkpoints_and_plan_counts_half_a_byte(
     norms = sum(p.numel() * 4 for k, p in llm.model.named_parameters() if "norm" in k)
     assert plan["weights_bytes_per_rank"] == stats["weights_bytes_per_rank"] - pairs - norms
     assert "gptq" in plan["weights_stored_as"]
+
+
+def test_a_gpt2_int4_checkpoint_is_refused(tiny_dirs, tmp_path):
+    d = tmp_path / "gpt2-gptq"
+    shutil.copytree(tiny_dirs["gpt2"], d)
+    hf = json.loads((d / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (d / "config.json").write_text(json.dumps(hf))
+    r = run_job(prompt_file(tmp_path, 2), tmp_path / "out", d, exit_code=2)
+    assert_one_line_error(r, "GPT-2 model (Conv1D layers)", "--quantize")

@@ -179,6 +179,13 @@ def checkpoint_scheme(
             f"{path} holds a pre-quantized checkpoint ({quant.description}), which batchgen "
             f"does not load{where}; {FIX}"
         )
+    if stored.int4 is not None and hf.get("model_type") == "gpt2":
+        # GPT-2's Conv1D weights are stored (in, out); INT4 packers transpose them to a
+        # Linear's first, which the loader's Conv1D mapping would transpose again
+        raise ModelLoadError(
+            f"{path}: {quant.description} weights of a GPT-2 model (Conv1D layers) are not "
+            f"loaded; {FIX}"
+        )
     if quantize != "none":
         raise ModelLoadError(
             f"{path} is already quantized ({quant.description}); drop --quantize {quantize}"
