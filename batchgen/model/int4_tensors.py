@@ -34,14 +34,16 @@ from batchgen.model.quiet_import import quiet_torchao
 log = logging.getLogger(__name__)
 
 TINYGEMM_GROUPS = (256, 128, 64, 32)  # the group sizes the CPU int4 kernel takes
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 _AWQ_UNDO = [AWQ_ORDER.index(i) for i in range(8)]  # column j sits in nibble _AWQ_UNDO[j]
 
 
 def nibbles(words: torch.Tensor) -> torch.Tensor:
-    """(..., n) int32 words -> (..., 8n) their 4-bit values 0..15, the lowest nibble first."""
-    values = (words.unsqueeze(-1) >> _SHIFTS.to(words.device)) & 0xF
-    return values.reshape(*words.shape[:-1], -1)
+    """(..., n) int32 words -> (..., 8n) int8, their 4-bit values 0..15, the lowest nibble
+    first; one nibble of every word at a time, so no int32 copy of all the values is made."""
+    out = torch.empty((*words.shape, 8), dtype=torch.int8, device=words.device)
+    for k in range(8):
+        out[..., k] = (words >> (4 * k)) & 0xF
+    return out.reshape(*words.shape[:-1], -1)
 
 
 def _int(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -97,14 +99,12 @@ def unpack_layer(
             f"the checkpoint's {prefix} is {out}x{n_in} with {tuple(s.shape)} scales, which "
             f"its quantization_config ({layout.source}, {layout.granularity}) does not describe"
         )
-    if g_idx is not None and not _in_order(g_idx, width):
-        if not layout.act_order:
-            _check_in_order(g_idx, layout, prefix)
+    if g_idx is not None and not _in_order(g_idx, width):  # act-order (else refused before)
         groups = g_idx.long()  # act-order: each column's own group
         w = (q - z[:, groups]).float() * s[:, groups]
         return {f"{prefix}.weight": w.to(dtype)}
-    d = (q - z.repeat_interleave(width, dim=1)).to(torch.int8)
-    return {f"{prefix}.weight": d, f"{prefix}.weight_scale": s}
+    d = q.reshape(out, -1, width) - z.unsqueeze(-1)  # int8, -15..15
+    return {f"{prefix}.weight": d.reshape(out, n_in).contiguous(), f"{prefix}.weight_scale": s}
 
 
 def unpacked(
@@ -122,8 +122,8 @@ def unpacked(
         if part not in layout.parts:
             yield name, tensor, file
             continue
-        if part == "g_idx" and not layout.act_order and prefix not in pending:
-            with reading(file):  # after the rest of its layer: in order, as the config says
+        if part == "g_idx" and not layout.act_order:  # in order, as the config says
+            with reading(file):
                 _check_in_order(tensor[...], layout, prefix)
             continue
         with reading(file):
@@ -163,7 +163,7 @@ def int4_weight(d: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
             from torchao.prototype.quantization.int4 import Int4OpaqueTensor
             from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
 
-            groups = d.view(out, -1, group)
+            groups = d.reshape(out, -1, group)
             c = -groups.amin(-1)  # (out, groups): q - z + c lies in 0..15
             q = (groups + c.unsqueeze(-1)).reshape(out, n_in).to(torch.int32)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
