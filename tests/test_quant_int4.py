@@ -1,10 +1,10 @@
 """INT4 weight-only checkpoints loaded as stored (model/int4_formats.py, int4_tensors.py), made
 from the sharpened tiny Llama: compressed-tensors pack-quantized W4A16 (groups, channel, zero
-points), written by compressed-tensors itself and compared with transformers on the same
-checkpoint; GPTQ (v1 and v2 zero points, act-order) and AWQ GEMM, written by hand as their
-packers write them (int4_checkpoints.py) and compared with the float model they describe.
-One altered scale changes the tokens; variants batchgen does not load are refused in one
-line before any weight is read."""
+points), written by compressed-tensors itself and compared with its own decompression (and,
+symmetric, with transformers on the same checkpoint); GPTQ (v1 and v2 zero points,
+act-order) and AWQ GEMM, written by hand as their packers write them (int4_checkpoints.py)
+and compared with the float model they describe. One altered scale changes the tokens;
+variants batchgen does not load are refused in one line before any weight is read."""
 
 import json
 import shutil
@@ -30,6 +30,8 @@ from safetensors.torch import load_file, save_file
 
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
+from batchgen.model.int4_formats import Int4Layout
+from batchgen.model.int4_tensors import unpack_layer
 from batchgen.model.loader import load_model
 from batchgen.model.transformer import LINEAR_LAYERS
 
@@ -75,6 +77,8 @@ def _hf_logits(model_dir, row: list[int]) -> torch.Tensor:
 def test_greedy_tokens_and_logits_equal_the_reference(name, int4_dirs):
     d, ref = int4_dirs(name)
     assert _tokens(d) == hf_greedy(ref, PROMPTS, MAX_NEW)
+    if name in ("w4a16-group", "w4a16-channel"):  # transformers loads these right
+        assert _tokens(d) == hf_greedy(d, PROMPTS, MAX_NEW)
     row = PROMPTS[3]
     # tinygemm computes (q' - 8) s + m, not (q - z) s: float32 rounding apart
     torch.testing.assert_close(
@@ -199,3 +203,21 @@ def test_a_gpt2_int4_checkpoint_is_refused(tiny_dirs, tmp_path):
     (d / "config.json").write_text(json.dumps(hf))
     r = run_job(prompt_file(tmp_path, 2), tmp_path / "out", d, exit_code=2)
     assert_one_line_error(r, "GPT-2 model (Conv1D layers)", "--quantize")
+
+
+def test_packing_orders_are_the_formats_own():
+    """One word per format, written from its packer's source: AutoGPTQ's `pack` puts input
+    row 8r + k in nibble k of qweight[r] (and zero points minus 1); AutoAWQ's GEMM packer
+    puts output column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i] in nibble i of qweight[:, c]."""
+    ones = torch.ones(1, 8, dtype=torch.float16)
+    gptq = Int4Layout("gptq", "gptq", 8, False, zero_offset=1)
+    words = torch.full((1, 8), 0x76543210, dtype=torch.int32)  # (in/8, out)
+    zeros = torch.full((1, 1), 0x77777777, dtype=torch.int32)  # z = 7 + 1
+    parts = {"qweight": words, "qzeros": zeros, "scales": ones}
+    d = unpack_layer(gptq, parts, "gptq", torch.float32)["gptq.weight"]  # (out, in)
+    assert torch.equal(d, (torch.arange(8) - 8).to(torch.int8).expand(8, 8))
+    awq = Int4Layout("awq", "awq", 8, False)
+    words = torch.full((8, 1), 0x75316420, dtype=torch.int32)  # (in, out/8)
+    parts = {"qweight": words, "qzeros": torch.zeros(1, 1, dtype=torch.int32), "scales": ones}
+    d = unpack_layer(awq, parts, "awq", torch.float32)["awq.weight"]
+    assert torch.equal(d, torch.arange(8, dtype=torch.int8)[:, None].expand(8, 8))

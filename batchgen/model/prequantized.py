@@ -1,6 +1,9 @@
 """Pre-quantized checkpoints loaded as they are stored: each decoder linear's fp8 or int8
 weight and its scales become one torchao weight tensor (Float8Tensor, Int8Tensor: the tensors
 `--quantize fp8|int8` produces), so the model holds the checkpoint's bytes, never a float copy.
+INT4 formats (compressed-tensors W4A16, GPTQ, AWQ: int4_formats.py) reach the loader unpacked
+to int8 q - z and group scales (int4_tensors.py) and become Int4OpaqueTensor where a kernel
+takes them.
 
 Which checkpoints: the scheme is read from the checkpoint's quantization_config
 (`stored_scheme`), never guessed; one this module does not take is refused before loading
