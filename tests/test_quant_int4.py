@@ -17,6 +17,7 @@ from helpers import (
     cached,
     cpu_llm,
     hf_greedy,
+    make_adapter,
     prompt_file,
     random_prompts,
     read_stats,
@@ -44,6 +45,8 @@ HAND = {
     "gptq-act-order": dict(method="gptq", sym=True, act_order=True),
     "gptq-channel": dict(method="gptq", group=-1),
     "awq": dict(method="awq"),
+    # groups of 16, which tinygemm's CPU kernel does not take: kept as Int8Tensor of q - z
+    "gptq-group16": dict(method="gptq", group=16),
 }
 
 
@@ -86,13 +89,38 @@ def test_greedy_tokens_and_logits_equal_the_reference(name, int4_dirs):
     )
     q = cpu_llm(d).quant.to_dict()
     assert q["method"] == "int4"
-    act_order = name == "gptq-act-order"  # dequantized at load: float weights
-    assert q["weight_format"] == ("Parameter" if act_order else "Int4OpaqueTensor")
+    # act-order: dequantized at load, float weights
+    formats = {"gptq-act-order": "Parameter", "gptq-group16": "Int8Tensor"}
+    assert q["weight_format"] == formats.get(name, "Int4OpaqueTensor")
     assert q["granularity"] == {
         "w4a16-channel": "per channel",
         "gptq-channel": "per channel",
         "gptq-act-order": "groups of 32, act-order",
+        "gptq-group16": "groups of 16",
     }.get(name, "groups of 32")
+
+
+SAID = {"gptq-act-order": "dequantized at load to float32", "gptq-group16": "kept as int8 q - z"}
+
+
+@pytest.mark.parametrize(("name", "said"), SAID.items())
+def test_layers_not_kept_at_4_bits_are_said_in_one_line(name, said, int4_dirs, caplog):
+    with caplog.at_level("WARNING"):
+        cpu_llm(int4_dirs(name)[0])
+    assert len([r for r in caplog.records if said in r.getMessage()]) == 1
+    assert said in caplog.text
+
+
+def test_lora_and_the_transformers_backend_are_refused(int4_dirs, hf_dirs, tmp_path):
+    import peft
+
+    d, src = int4_dirs("gptq")[0], prompt_file(tmp_path, 2)
+    adapter = tmp_path / "adapter"  # made on the float model the checkpoint was made from
+    make_adapter(hf_dirs("llama"), adapter, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    r = run_job(src, tmp_path / "o1", d, "--lora", adapter, exit_code=2)
+    assert_one_line_error(r, "LoRA adapter cannot be merged", "gptq", "unquantized release")
+    r = run_job(src, tmp_path / "o2", d, "--model-impl", "transformers", exit_code=2)
+    assert_one_line_error(r, "gptq")
 
 
 @pytest.mark.parametrize(
