@@ -30,10 +30,12 @@ from quant_checkpoints import CT_INT4, compress
 from safetensors.torch import load_file, save_file
 
 from batchgen.engine.sequence import SamplingParams
+from batchgen.errors import ModelLoadError
 from batchgen.llm import LLM
 from batchgen.model.int4_formats import Int4Layout
 from batchgen.model.int4_tensors import unpack_layer
 from batchgen.model.loader import load_model
+from batchgen.model.tensor_parallel import TPShard
 from batchgen.model.transformer import LINEAR_LAYERS
 
 PROMPTS = random_prompts([3, 11, 6, 17, 1])
@@ -249,3 +251,11 @@ def test_packing_orders_are_the_formats_own():
     parts = {"qweight": words, "qzeros": torch.zeros(1, 1, dtype=torch.int32), "scales": ones}
     d = unpack_layer(awq, parts, "awq", torch.float32)["awq.weight"]
     assert torch.equal(d, torch.arange(8, dtype=torch.int8)[:, None].expand(8, 8))
+
+
+def test_a_rank_split_inside_a_group_is_refused_before_loading(hf_dirs, tmp_path):
+    """Groups of 64: two ranks would split the attention output's 64 input columns at 32."""
+    d, _ = write_int4(hf_dirs("llama"), tmp_path / "g64", "gptq", group=64)
+    (d / "model.safetensors").write_bytes(b"not a weights file")
+    with pytest.raises(ModelLoadError, match="attention output 32.*64-column scale blocks"):
+        load_model(d, tp=TPShard(0, 2))
