@@ -78,14 +78,18 @@ def _bnb(w: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
 # how one linear's weight is stored)
 FORMATS = {
     "ct-fp8-kv-cache": (_ct("float-quantized", 8, "float", "channel"), None, _static_fp8),
-    "ct-w4a16": (_ct("pack-quantized", 4, "int", "group", 32), None, _packed),
+    "ct-w3a16": (_ct("pack-quantized", 3, "int", "group", 32), None, _packed),
     "modelopt-nvfp4": (
         None,
         {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4"}},
         _static_fp8,
     ),
-    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}, None, _gptq),
-    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}, None, _gptq),
+    "gptq-3bit": ({"quant_method": "gptq", "bits": 3, "group_size": 32}, None, _gptq),
+    "awq-gemv": (
+        {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"},
+        None,
+        _gptq,
+    ),
     "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_8bit": True}, None, _bnb),
     "undeclared-fp8": (None, None, _fp8),
 }
@@ -127,6 +131,14 @@ CT_SCHEMES = {
     "w8a8": dict(weights={**INT, "strategy": "channel"}, input_activations={**INT, **TOKEN}),
     "w8a16-group": dict(weights={**INT, "strategy": "group", "group_size": 16}),
 }
+# W4A16 (llm-compressor's preset, groups of 32 here), per channel, and with zero points;
+# compressed-tensors writes them pack-quantized (tests/test_quant_int4.py)
+INT4 = dict(num_bits=4, type="int")
+CT_INT4 = {
+    "w4a16-group": dict(weights={**INT4, "strategy": "group", "group_size": 32}),
+    "w4a16-channel": dict(weights={**INT4, "strategy": "channel"}),
+    "w4a16-asym": dict(weights={**INT4, "strategy": "group", "group_size": 32, "symmetric": False}),
+}
 
 
 def _minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,8 +179,8 @@ def _calibrate_inputs(model, args, calculate_qparams) -> None:
 
 def compress(src: Path, dst: Path, scheme: str) -> Path:
     """dst: src's checkpoint quantized and saved by compressed-tensors as `scheme` of
-    CT_SCHEMES (weights' scales from their min and max, as llm-compressor's default observer
-    sets them; lm_head left in float), loadable by transformers."""
+    CT_SCHEMES or CT_INT4 (weights' scales from their min and max, as llm-compressor's default
+    observer sets them; lm_head left in float), loadable by transformers."""
     import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -179,7 +191,7 @@ def compress(src: Path, dst: Path, scheme: str) -> Path:
     from compressed_tensors.quantization.utils import calculate_qparams
 
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    group = QuantizationScheme(targets=["Linear"], **CT_SCHEMES[scheme])
+    group = QuantizationScheme(targets=["Linear"], **{**CT_SCHEMES, **CT_INT4}[scheme])
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": group}, ignore=["lm_head"])
     )

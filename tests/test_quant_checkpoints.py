@@ -13,10 +13,10 @@ from batchgen.model.loader import load_model
 # family -> words the refusal names
 REFUSED = {
     "ct-fp8-kv-cache": ("compressed-tensors float-quantized", "8-bit float"),
-    "ct-w4a16": ("compressed-tensors pack-quantized", "4-bit int", "per group"),
+    "ct-w3a16": ("compressed-tensors pack-quantized", "3-bit int", "per group"),
     "modelopt-nvfp4": ("modelopt", "NVFP4"),
-    "gptq": ("gptq", "4-bit"),
-    "awq": ("awq", "4-bit"),
+    "gptq-3bit": ("gptq", "3-bit"),
+    "awq-gemv": ("awq", "4-bit", "gemv"),
     "bitsandbytes": ("bitsandbytes",),
     "undeclared-fp8": ("weight_scale (F32)", "declares no quantization_config"),
 }

@@ -51,7 +51,9 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
     kv_bytes = None if blocks is None else blocks * eng.block_size * kv_per_token  # a rank's
     weights = weight_bytes(spec.model_cfg, spec.dtype.itemsize, tp)  # a rank's
     if spec.quant.checkpoint:  # a pre-quantized checkpoint's linears, as stored
-        weights = stored_bytes(local_config(spec.model_cfg, TPShard(0, tp)), spec.dtype.itemsize)
+        weights = stored_bytes(
+            local_config(spec.model_cfg, TPShard(0, tp)), spec.dtype.itemsize, spec.quant.stored
+        )
     hf = read_hf_config(spec.model_dir, native=False)
     dtype = str(spec.dtype).removeprefix("torch.")
     return {

@@ -86,8 +86,12 @@ def describe(q: dict) -> str:
     if method == "fp8":
         block = q.get("weight_block_size")
         return f"fp8 (blocks of {block})" if block else "fp8 (per-tensor scales)"
-    if method in ("gptq", "awq"):
-        return f"{method} ({q.get('bits')}-bit, group {q.get('group_size')})"
+    if method == "gptq":
+        fmt = q.get("checkpoint_format", "gptq")
+        order = ", desc_act" if q.get("desc_act") else ""
+        return f"gptq ({q.get('bits')}-bit, group {q.get('group_size')}, {fmt} format{order})"
+    if method == "awq":
+        return f"awq ({q.get('bits')}-bit, group {q.get('group_size')}, {q.get('version')})"
     if method == "modelopt":
         return f"modelopt ({q.get('quant_algo')})"
     return method
@@ -174,6 +178,13 @@ def checkpoint_scheme(
         raise ModelLoadError(
             f"{path} holds a pre-quantized checkpoint ({quant.description}), which batchgen "
             f"does not load{where}; {FIX}"
+        )
+    if stored.int4 is not None and hf.get("model_type") == "gpt2":
+        # GPT-2's Conv1D weights are stored (in, out); INT4 packers transpose them to a
+        # Linear's first, which the loader's Conv1D mapping would transpose again
+        raise ModelLoadError(
+            f"{path}: {quant.description} weights of a GPT-2 model (Conv1D layers) are not "
+            f"loaded; {FIX}"
         )
     if quantize != "none":
         raise ModelLoadError(

@@ -34,6 +34,7 @@ from batchgen.model.checkpoint_names import weight_slot
 from batchgen.model.config import ModelConfig
 from batchgen.model.gemma import decoder_class
 from batchgen.model.hf_config import config_from_hf, read_hf_config
+from batchgen.model.int4_tensors import unpacked
 from batchgen.model.memory import check_allocation
 from batchgen.model.prequantized import (
     INPUT_SCALE,
@@ -69,7 +70,8 @@ def load_state_dict(
     scales: list[tuple[str, Any, Path]] = []  # (its weight's checkpoint name, scale, file)
     stored_shapes: dict[str, tuple[int, int]] = {}  # checkpoint shapes of stored weights
     inputs: dict[str, list[torch.Tensor]] = {}  # static input scales, by our weight's name
-    for name, tensor, file in iter_tensors(files):
+    int4 = stored.int4 if stored is not None else None  # INT4 layers come unpacked to int8
+    for name, tensor, file in unpacked(iter_tensors(files), int4, dtype):
         if stored is not None and name.endswith(f".{stored.scale_suffix}"):
             scales.append((name.removesuffix(stored.scale_suffix) + "weight", tensor, file))
             continue

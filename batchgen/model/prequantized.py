@@ -1,6 +1,9 @@
 """Pre-quantized checkpoints loaded as they are stored: each decoder linear's fp8 or int8
 weight and its scales become one torchao weight tensor (Float8Tensor, Int8Tensor: the tensors
 `--quantize fp8|int8` produces), so the model holds the checkpoint's bytes, never a float copy.
+INT4 formats (compressed-tensors W4A16, GPTQ, AWQ: int4_formats.py) reach the loader unpacked
+to int8 q - z and group scales (int4_tensors.py) and become Int4OpaqueTensor where a kernel
+takes them.
 
 Which checkpoints: the scheme is read from the checkpoint's quantization_config
 (`stored_scheme`), never guessed; one this module does not take is refused before loading
@@ -26,12 +29,15 @@ import torch
 
 from batchgen.errors import ModelLoadError
 from batchgen.model.config import ModelConfig
+from batchgen.model.int4_formats import Int4Layout, int4_layout
+from batchgen.model.int4_tensors import int4_weight, say_kept_as
 from batchgen.model.quiet_import import quiet_torchao
 from batchgen.model.tensor_parallel import Copy
 
 SCALE = ".scale"  # our key of a weight's scale rows: "layers.0.attn.wqkv.weight.scale"
 INPUT_SCALE = ".input_scale"  # our key of a layer's static input scale, by its weight's
-_DTYPES = {"fp8": (torch.float8_e4m3fn,), "int8": (torch.int8,)}
+# the stored weights' dtypes; INT4 layers come unpacked to int8 q - z (int4_tensors.py)
+_DTYPES = {"fp8": (torch.float8_e4m3fn,), "int8": (torch.int8,), "int4": (torch.int8,)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +45,7 @@ class StoredScheme:
     """How a checkpoint stores its decoder linears' weights, as its config declares."""
 
     source: str  # "compressed-tensors float-quantized", "fp8 (DeepSeek/Qwen3 blocks)"
-    weights: str  # "fp8" | "int8"
+    weights: str  # "fp8" | "int8" | "int4"
     granularity: str  # "per channel", "per tensor", "blocks of 128x128"
     scale_suffix: str  # the checkpoint's scale name after the module's: "weight_scale"
     block: tuple[int, int] | None = None  # (rows, columns) a block (or group) scale covers
@@ -47,6 +53,7 @@ class StoredScheme:
     # the layers' inputs quantized as the checkpoint does (activation_quant.py): "dynamic"
     # (a scale per token) or "static" (the checkpoint's input_scale per layer); None: not
     act: str | None = None
+    int4: Int4Layout | None = None  # an INT4 format's packing (int4_formats.py)
 
     def describe(self) -> str:
         return f"{self.source}, {self.granularity}; activations: {self.activations}"
@@ -124,9 +131,19 @@ def _modelopt(q: dict) -> StoredScheme | None:
     return StoredScheme("modelopt FP8", "fp8", "per tensor", "weight_scale", None, static, "static")
 
 
+def _int4(layout: Int4Layout) -> StoredScheme:
+    block = (1, layout.group) if layout.group else None
+    return StoredScheme(
+        layout.source, "int4", layout.granularity, "weight_scale", block, int4=layout
+    )
+
+
 def stored_scheme(q: dict) -> StoredScheme | None:
     """The scheme a quantization_config declares, if batchgen loads it; None otherwise."""
     method = q.get("quant_method")
+    layout = int4_layout(q)
+    if layout is not None:
+        return _int4(layout)
     if method == "compressed-tensors":
         return _compressed_tensors(q)
     if method == "fp8":
@@ -174,6 +191,8 @@ def scale_copy(copy: Copy, s: StoredScheme) -> Copy:
 def quantized_weight(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, s: StoredScheme):
     """The torchao weight tensor of a (out, in) stored weight and its (out, k) scale rows,
     computing in dtype."""
+    if s.weights == "int4":
+        return int4_weight(qdata, scale, dtype)
     block = [1, qdata.shape[1] // scale.shape[1]]
     with quiet_torchao():
         if s.weights == "fp8":
@@ -205,17 +224,21 @@ def attach_scales(sd: dict[str, torch.Tensor], dtype: torch.dtype, s: StoredSche
         )
     for k in stored:
         sd[k] = quantized_weight(sd[k], scales[k], dtype, s)
+    if s.int4 is not None:
+        say_kept_as((sd[k] for k in stored), s.int4)
     return stored
 
 
-def stored_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+def stored_bytes(cfg: ModelConfig, dtype_bytes: int, s: StoredScheme | None = None) -> int:
     """Bytes of cfg's parameters (one rank's config) with the decoder linears stored at a byte
-    a weight and the rest at dtype_bytes; the scales (4 bytes a row, or a row's block) are
-    left out, under 1% for layers 256 or more wide."""
+    a weight (half a byte: INT4, s) and the rest at dtype_bytes; the scales (4 bytes a row, or
+    a row's block) are left out, under 1% for layers 256 or more wide."""
     d, hd = cfg.dim, cfg.head_dim
     attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * hd * d
     mlp = (3 if cfg.gated_mlp else 2) * cfg.intermediate_size * d
-    return cfg.num_params * dtype_bytes - cfg.n_layers * (attn + mlp) * (dtype_bytes - 1)
+    linears = cfg.n_layers * (attn + mlp)
+    stored = linears // 2 if s is not None and s.weights == "int4" else linears
+    return (cfg.num_params - linears) * dtype_bytes + stored
 
 
 def check_widths(cfg: ModelConfig, s: StoredScheme) -> None:
