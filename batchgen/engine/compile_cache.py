@@ -8,6 +8,8 @@ AOT autograd's, Triton's compiled kernels), are written to `<root>/<key>/artifac
 next process with the same key loads them into the inductor folder its compile reads (a
 local one, `local_inductor_dir() / key`, on the CPU as on a GPU), and inductor compiles no
 graph: torch's counters say so (`graphs_compiled` in the stats; "hit" means none compiled).
+On the CPU the C++ kernels those graphs were built into travel too, in `kernels.tar.gz`
+(engine/compile_kernels.py): without them a hit still ran the compiler for every kernel.
 
 The key hashes everything that changes the graphs (`key_parts`, written beside as `key.json`):
 the model's config, dtype, quantization, LoRA adapter, block size, attention path, TP size

@@ -47,7 +47,7 @@ def header_dir() -> Path:
 
 def pack(inductor_dir: Path) -> bytes | None:
     """The built kernels under inductor_dir and the precompiled headers, as a gzip'd tar; None
-    when there is none (a GPU's compile: its kernels are Triton's, in the artifacts)."""
+    when the folder has no `.so` (a GPU's kernels are Triton's, in the artifacts)."""
     kernels = _files(inductor_dir, _SUFFIXES[KERNELS], recurse=True)
     if not kernels:
         return None
