@@ -8,6 +8,8 @@ AOT autograd's, Triton's compiled kernels), are written to `<root>/<key>/artifac
 next process with the same key loads them into the inductor folder its compile reads (a
 local one, `local_inductor_dir() / key`, on the CPU as on a GPU), and inductor compiles no
 graph: torch's counters say so (`graphs_compiled` in the stats; "hit" means none compiled).
+On the CPU the C++ kernels those graphs were built into travel too, in `kernels.tar.gz`
+(engine/compile_kernels.py): without them a hit still ran the compiler for every kernel.
 
 The key hashes everything that changes the graphs (`key_parts`, written beside as `key.json`):
 the model's config, dtype, quantization, LoRA adapter, block size, attention path, TP size
@@ -45,6 +47,7 @@ from typing import Any
 
 import torch
 
+from batchgen.engine import compile_kernels
 from batchgen.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -125,15 +128,17 @@ class CompileCache:
     def artifacts(self) -> Path:
         return self.dir / "artifacts.bin"
 
+    @property
+    def kernels(self) -> Path:
+        return self.dir / "kernels.tar.gz"  # the built C++ kernels (engine/compile_kernels.py)
+
     def load(self) -> str:
         """Load the key's artifacts into this process's compile caches (inside the inductor
         folder the compile reads): "loaded", "missing", or "bad" (not a regular file, empty,
         too large or unreadable by torch: a miss whose file the next save replaces). Raises
         ConfigError for a root, key folder or file another user owns or can write."""
-        for path in (self.root, self.dir):
-            if path.exists():
-                check_private(path, "compile cache folder")
-        data = _read_artifacts(self.artifacts)
+        self._check_folders()
+        data = _read_cache_file(self.artifacts)
         if data is None:
             return "missing" if not os.path.lexists(self.artifacts) else "bad"
         try:
@@ -143,6 +148,19 @@ class CompileCache:
             return "bad"
         return "loaded" if loaded is not None else "bad"
 
+    def restore_kernels(self) -> int | None:
+        """Put the key's built C++ kernels back into its inductor folder before the compile
+        reads it: the files written, None for a missing or bad file (a miss: the compile
+        builds them). Checked as the artifacts are (load)."""
+        self._check_folders()
+        data = _read_cache_file(self.kernels)
+        return None if data is None else compile_kernels.restore(data, self.inductor_dir())
+
+    def _check_folders(self) -> None:
+        for path in (self.root, self.dir):
+            if path.exists():
+                check_private(path, "compile cache folder")
+
     def save(self) -> bool:
         """Write this process's compile artifacts under the key, over any earlier file (this
         process compiled: the file did not serve it). True if written; a read-only or full
@@ -150,11 +168,20 @@ class CompileCache:
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             return False
+        key = json.dumps(self.parts, indent=1, default=str).encode()
+        return self._write(self.dir / "key.json", key) and self._write(self.artifacts, saved[0])
+
+    def save_kernels(self) -> bool:
+        """Keep the C++ kernels built in this key's inductor folder, and the precompiled
+        headers they were built with, beside the artifacts (none on a GPU: False)."""
+        data = compile_kernels.pack(self.inductor_dir())
+        return data is not None and self._write(self.kernels, data)
+
+    def _write(self, path: Path, data: bytes) -> bool:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             check_private(self.dir, "compile cache folder")
-            _publish(self.dir / "key.json", json.dumps(self.parts, indent=1, default=str).encode())
-            _publish(self.artifacts, saved[0])
+            _publish(path, data)
         except OSError as e:
             log.warning("compile cache not written to %s: %s", self.dir, e)
             return False
@@ -210,7 +237,7 @@ def check_private(path: Path, what: str) -> None:
         )
 
 
-def _read_artifacts(path: Path) -> bytes | None:
+def _read_cache_file(path: Path) -> bytes | None:
     """The artifacts file's bytes; None when it is missing or not worth reading (a link, not
     a regular file, empty, too large). Opened without following a link and without blocking
     (a FIFO would hang the job), then checked on the open file."""

@@ -104,6 +104,7 @@ class CompiledForward:
         cache: where its compiled artifacts are kept across processes (None: not kept)."""
         self.eager_hidden, self.device, self.cache = hidden, device, cache
         self.loaded = False  # the compile cache's artifacts were loaded (build)
+        self.kernels: int | None = None  # C++ kernel files it restored (None: none kept)
         self.counts_at_build = (0, 0)  # graph_counts() when built
         self.token_sizes: list[int] = []  # CUDA graphs' token counts (none on the CPU)
         self.row_sizes: list[int] = [2]  # sampling's padded row counts
@@ -122,6 +123,7 @@ class CompiledForward:
         self.counts_at_build = graph_counts()
         if self.cache is not None:
             with inductor_scope(self.inductor_dir):
+                self.kernels = self.cache.restore_kernels()
                 self.loaded = self.cache.load() == "loaded"
         self.token_sizes, self.row_sizes = token_sizes, row_sizes
         dev = self.device
@@ -233,10 +235,17 @@ class CompiledForward:
 
     def save(self) -> None:
         """Keep this process's artifacts in the compile cache if it compiled a graph since
-        `build` (the cache's file, if any, did not serve it: it is replaced)."""
-        if self.cache is not None and graph_counts()[0] > self.counts_at_build[0]:
+        `build` (the cache's file, if any, did not serve it: it is replaced), and the C++
+        kernels then too, or when none were kept (an entry from before they were)."""
+        if self.cache is None:
+            return
+        compiled = graph_counts()[0] > self.counts_at_build[0]
+        if compiled:
             self.cache.save()
             self.counts_at_build = graph_counts()
+        if compiled or self.kernels is None:  # kept now, or nothing to keep (a GPU's)
+            self.cache.save_kernels()
+            self.kernels = 0
 
 
 def _sync(device: torch.device) -> None:

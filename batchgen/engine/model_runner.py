@@ -112,6 +112,10 @@ class ModelRunner:
             from batchgen.engine.compiled_forward import CompiledForward
 
             self.graph = CompiledForward(model.hidden, self.device, compile_cache)
+        elif compile:  # the transformers backend: it says so once, and runs eagerly
+            from batchgen.model.hf_backend import warn_compile_eager
+
+            warn_compile_eager()
 
     def allocate(self, num_blocks: int) -> None:
         """Allocate the paged cache: num_blocks blocks per layer, block 0 scratch. Again, it

@@ -41,6 +41,7 @@ from batchgen.model.quiet_import import quiet_torchao
 from batchgen.model.sdpa import AttnParams
 
 ATTN_IMPLEMENTATION = "batchgen"
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -173,6 +174,16 @@ class HFModel(nn.Module):
             batchgen_step=ctx,
         )
         return out.logits[0].float()
+
+
+def warn_compile_eager() -> None:
+    """--compile on this backend: one line that it runs eagerly (its forward is
+    transformers' own, with no `hidden` seam for engine/compiled_forward.py to compile;
+    the stats' compiled_token_share is 0)."""
+    log.warning(
+        "--compile: the transformers backend (--model-impl transformers) runs eagerly, "
+        "uncompiled (compiled_token_share 0); a native family compiles"
+    )
 
 
 @contextlib.contextmanager
