@@ -18,6 +18,7 @@ import contextlib
 import os
 import shutil
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -88,15 +89,17 @@ class StepRecorder:
         values = self.cols[name][start:]
         return pa.array([bool(v) for v in values] if kind == pa.bool_() else values, type=kind)
 
-    def append_to(self, directory: str | os.PathLike[str]) -> None:
-        """Write the steps recorded since the last call as the next part of directory's
-        timeline (atomically, as every file of an output directory)."""
+    def take_part(self, directory: str | os.PathLike[str]) -> Callable[[], None] | None:
+        """The steps recorded since the last call, taken now, and the write of them as the
+        next part of directory's timeline (atomically, as every file of an output directory),
+        to run later (on the run's writer thread, while this goes on recording); None: no new
+        steps."""
         if len(self) == self.written:
-            return
+            return None
         table = self.table(self.written)
         name = f"{STEPS_DIR}/{steps_part_name(self.parts)}"
-        write_file(directory, name, lambda f: pq.write_table(table, f))
         self.written, self.parts = len(self), self.parts + 1
+        return lambda: write_file(directory, name, lambda f: pq.write_table(table, f))
 
 
 def clear_steps(directory: str | os.PathLike[str]) -> None:
