@@ -24,6 +24,7 @@ from helpers import (
 from batchgen.runner import run as run_module
 from batchgen.runner.background import Prefetch, SerialWorker
 from batchgen.stats.run_stats import RunStats
+from batchgen.stats.steps import read_steps
 
 N = 16
 # Two sequences at a time, a part every 2 finished rows, no part by the clock: a job of 8 parts
@@ -223,3 +224,23 @@ def test_serial_worker_runs_in_order_and_raises_a_failed_task_once():
         worker.close()
     worker.close()  # raised once
     assert done == [0, 1, 2, 3, 4] and not worker._thread.is_alive()
+
+
+def test_the_step_timeline_held_in_memory_does_not_grow_with_the_job(
+    tmp_path, src, model, monkeypatch
+):
+    """Issue 38 item 23: steps written to the timeline's parts leave memory, so the recorder
+    holds the steps since the last flush (here every step's), not the job's; the parts on disk
+    still hold every step once."""
+    add_step, held = RunStats.add_step, []
+
+    def counting_add_step(self, report):
+        add_step(self, report)
+        held.append(len(self.timeline))
+
+    monkeypatch.setattr(RunStats, "add_step", counting_add_step)
+    out = tmp_path / "out"
+    run_job(src, out, model, *FLAGS, "--flush-seconds", 0)
+    steps = read_stats(out)["steps"]
+    assert steps > 10 and max(held) <= 1
+    assert read_steps(out).num_rows == steps
