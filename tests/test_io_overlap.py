@@ -207,6 +207,22 @@ def test_prefetch_closed_early_stops_its_producer():
     assert not p._thread.is_alive() and cleaned.is_set()
 
 
+def test_prefetch_makes_at_most_depth_items_ahead():
+    made = []
+
+    def counted():
+        for i in range(10):
+            made.append(i)
+            yield i
+
+    with Prefetch(counted(), depth=1, name="t-prefetch") as p:
+        items = iter(p)
+        assert next(items) == 0
+        time.sleep(0.3)  # room for the producer to run ahead, if it would
+        assert len(made) <= 2  # the one taken and the next
+        assert list(items) == list(range(1, 10))
+
+
 def test_serial_worker_runs_in_order_and_raises_a_failed_task_once():
     done: list[int] = []
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
-_POLL_S = 0.1  # how often a producer blocked on a full queue looks for a stop
+_POLL_S = 0.1  # how often a producer waiting for room looks for a stop
 
 
 class _End:
@@ -30,12 +30,14 @@ class _End:
 
 
 class Prefetch(Generic[T]):
-    """Iterate `items` on a thread, at most `depth` items ahead of the consumer (plus the one
-    the producer is making). Items come out in order, once; iterate it once."""
+    """Iterate `items` on a thread, at most `depth` items ahead of the consumer: made and
+    waiting, or being made (with depth 1, the next item is made while the consumer works on
+    this one). Items come out in order, once; iterate it once."""
 
     def __init__(self, items: Iterable[T], depth: int, name: str) -> None:
         self._items = items
-        self._queue: queue.Queue[T | _End] = queue.Queue(maxsize=depth)
+        self._room = threading.Semaphore(depth)  # taken by the producer before each item
+        self._queue: queue.Queue[T | _End] = queue.Queue()  # bounded by _room
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name=name, daemon=True)
 
@@ -53,6 +55,7 @@ class Prefetch(Generic[T]):
                 if item.error is not None:
                     raise item.error  # the producer's exception, on the consumer's thread
                 return
+            self._room.release()  # the producer may make the next one
             yield item
 
     def close(self) -> None:
@@ -64,25 +67,25 @@ class Prefetch(Generic[T]):
     def _produce(self) -> None:
         it = iter(self._items)
         try:
-            for item in it:
-                if not self._put(item):
-                    return  # closed: the consumer wants no more
-            self._put(_End())
+            while self._wait_for_room():
+                try:
+                    item = next(it)
+                except StopIteration:
+                    self._queue.put(_End())
+                    return
+                self._queue.put(item)
         except BaseException as e:  # noqa: BLE001 (handed to the consumer, raised there)
-            self._put(_End(e))
+            self._queue.put(_End(e))
         finally:
             close = getattr(it, "close", None)  # a generator's own cleanup, on its own thread
             if close is not None:
                 close()
 
-    def _put(self, item: T | _End) -> bool:
-        """Put item, waiting for room; False once closed."""
+    def _wait_for_room(self) -> bool:
+        """Wait until the consumer is fewer than depth items behind; False once closed."""
         while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=_POLL_S)
+            if self._room.acquire(timeout=_POLL_S):
                 return True
-            except queue.Full:
-                continue
         return False
 
 

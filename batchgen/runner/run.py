@@ -37,8 +37,8 @@ from batchgen.stats.steps import clear_steps
 
 log = logging.getLogger(__name__)
 
-# Windows read, rendered and tokenized ahead of the engine: one waiting in the queue, one
-# being made (each --window-rows rows; 8192 by default).
+# Windows read, rendered and tokenized ahead of the engine (each --window-rows rows, 8192 by
+# default): the next one is made while the engine takes this one's requests.
 READ_AHEAD_WINDOWS = 1
 
 
