@@ -1,4 +1,7 @@
-"""run(config): reader -> prepare -> engine -> writer, with stats alongside."""
+"""run(config): reader -> prepare -> engine -> writer, with stats alongside.
+
+The engine steps on this thread; the next window is read and prepared on a reader thread and
+the parts are written on a writer thread (background.py, sink.py), so neither holds a step."""
 
 from __future__ import annotations
 
@@ -107,7 +110,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     with _stop_on_signals() as signals, sink:
         try:
             with Prefetch(prep.windows(done), READ_AHEAD_WINDOWS, "batchgen-read-ahead") as windows:
-                _generate(llm, rows, windows, signals)
+                _generate(llm, rows, windows, sink, signals)
             complete = True
         except BaseException:
             watchdog.arm_fatal()  # the writes below get seconds, not forever
@@ -126,13 +129,17 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
 
 
 def _generate(
-    llm: LLM, rows: RunRows, windows: Iterable[tuple[int, Window]], signals: list[int]
+    llm: LLM,
+    rows: RunRows,
+    windows: Iterable[tuple[int, Window]],
+    sink: ResultSink,
+    signals: list[int],
 ) -> None:
     """The step loop: each step's finished rows counted and written, a part at least every
     --flush-seconds, a stop between steps once a signal came."""
     for report in llm.engine.generate(rows.requests(windows)):
         rows.step(report)
-        rows.sink.tick()
+        sink.tick()
         if signals:
             raise JobInterrupted(signals[0])
     if rows.pending_lists:  # cannot happen: every sample finishes
