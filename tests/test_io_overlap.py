@@ -5,12 +5,16 @@ and no thread outlives the job, however it ends."""
 import errno
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pyarrow.parquet as pq
 import pytest
 from helpers import (
+    FAST,
+    ROOT,
     assert_one_line_error,
     prompts,
     read_output,
@@ -18,6 +22,7 @@ from helpers import (
     rows_by_id,
     run_job,
     success,
+    wait_for_part,
     write_parquet,
 )
 
@@ -173,6 +178,43 @@ def test_sigterm_writes_every_finished_row_and_leaves_no_thread(tmp_path, src, m
     finished = sum(len(s.finished) for s in steps)
     assert read_stats(out)["rows"] == len(saved) == finished
     assert not success(out)
+
+
+# The CLI in a process of its own whose part writes take 0.3 s each (the timeline's do not).
+SLOW_PARTS_CLI = """
+import sys, time
+import pyarrow.parquet as pq
+write_table = pq.write_table
+def slow(table, where, *a, **kw):
+    if "step_s" not in table.schema.names:
+        time.sleep(0.3)
+    return write_table(table, where, *a, **kw)
+pq.write_table = slow
+from batchgen.cli.main import main
+sys.argv[0] = "batchgen"
+main()
+"""
+
+
+def test_sigterm_with_parts_waiting_to_be_written(tmp_path, src, model):
+    """A real process sent SIGTERM while parts wait for the slow writer: it waits for them,
+    exits 143 in one line, and every row it counted is in the parts once; a rerun finishes."""
+    out = tmp_path / "out"
+    flags = (*FLAGS, "--flush-seconds", 600)
+    args = ["run", src, "-o", out, "--model", model, *FAST, *flags]
+    cmd = [sys.executable, "-c", SLOW_PARTS_CLI, *map(str, args)]
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=pipe, stderr=pipe, text=True)
+    wait_for_part(out, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr and "SIGTERM" in stderr.strip().splitlines()[-1]
+    saved = rows_by_id(out)  # fails on a row written twice
+    assert 0 < len(saved) < N and read_stats(out)["rows"] == len(saved)
+    assert not success(out)
+    run_job(src, out, model, *flags)
+    assert sorted(rows_by_id(out)) == list(range(N)) and success(out)
 
 
 def test_prefetch_raises_the_producers_error_where_consumed():
