@@ -274,8 +274,6 @@ def test_serial_worker_runs_in_order_and_raises_a_failed_task_once():
     worker = SerialWorker(depth=1, name="t-worker")
     for i in range(5):
         worker.submit(lambda i=i: done.append(i))
-    worker.drain()
-    assert done == [0, 1, 2, 3, 4]
     worker.submit(fail)
     worker.submit(lambda: done.append(99))  # after the failure: dropped
     with pytest.raises(OSError, match="disk gone"):

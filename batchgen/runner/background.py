@@ -5,10 +5,10 @@ and neither runs further ahead than its queue.
 `Prefetch` iterates a producer (the prepared windows) on its thread; `SerialWorker` runs
 submitted tasks (part and timeline writes) one at a time, in order, on its thread. Either's
 error is raised on the engine's thread, as the same exception (type and message unchanged):
-where the consumer takes the failed item, or at the next submit, drain or close. Both are
-context managers whose exit leaves no thread behind, however the job ends (normally, on an
-error, on a signal); the threads are daemons only so that a process ended by a deadline
-(deadline.py) is not held up by one.
+where the consumer takes the failed item, or at the next submit or the close. Leaving a
+Prefetch's block and closing a SerialWorker end their threads, however the job ends
+(normally, on an error, on a signal); the threads are daemons only so that a process ended by
+a deadline (deadline.py) is not held up by one.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ _STOP = object()
 class SerialWorker:
     """Run submitted tasks one at a time, in submission order, on a thread; `submit` waits
     while `depth` tasks wait already. After a task fails the rest are dropped and the error is
-    raised by the next submit, drain or close (once)."""
+    raised by the next submit or the close (once)."""
 
     def __init__(self, depth: int, name: str) -> None:
         self._queue: queue.Queue[Callable[[], None] | object] = queue.Queue(maxsize=depth)
@@ -104,20 +104,9 @@ class SerialWorker:
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
-    def __enter__(self) -> SerialWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def submit(self, task: Callable[[], None]) -> None:
         self._check()
         self._queue.put(task)
-
-    def drain(self) -> None:
-        """Wait until every task submitted so far has run."""
-        self._queue.join()
-        self._check()
 
     def close(self) -> None:
         """Run what was submitted, end the thread, raise a task's error."""
@@ -132,14 +121,10 @@ class SerialWorker:
             raise self._error
 
     def _work(self) -> None:
-        while True:
-            task = self._queue.get()
+        while (task := self._queue.get()) is not _STOP:
+            if self._error is not None:
+                continue  # a task failed: the rest are dropped
             try:
-                if task is _STOP:
-                    return
-                if self._error is None:
-                    task()  # type: ignore[operator]
+                task()  # type: ignore[operator]
             except BaseException as e:  # noqa: BLE001 (raised on the submitting thread)
                 self._error = e
-            finally:
-                self._queue.task_done()
