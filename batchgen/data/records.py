@@ -5,7 +5,7 @@ the output directory a part's worth at a time."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -243,7 +243,15 @@ class PartBuffer:
     types the same even when a part's column is all null.
     """
 
-    def __init__(self, output: OutputDir, rows_per_part: int, schema: pa.Schema) -> None:
+    def __init__(
+        self,
+        output: OutputDir,
+        rows_per_part: int,
+        schema: pa.Schema,
+        write: Callable[[list[dict[str, Any]]], None] | None = None,
+    ) -> None:
+        """write: takes each part's rows instead of writing them at once (the run hands them
+        to its writer thread, runner/sink.py)."""
         if rows_per_part < 1:
             raise ValueError(f"rows_per_part must be >= 1, got {rows_per_part}")
         self.output = output
@@ -251,6 +259,8 @@ class PartBuffer:
         self.schema = schema
         self._names = set(schema.names)
         self._rows: list[dict[str, Any]] = []
+        self._write = write or self.write_part
+        self._parts = 0  # parts handed to _write
 
     def add(self, rows: Iterable[dict[str, Any]]) -> None:
         for row in rows:
@@ -263,15 +273,18 @@ class PartBuffer:
             self._rows.append(row)
         while len(self._rows) >= self.rows_per_part:
             self._write(self._rows[: self.rows_per_part])
+            self._parts += 1
             self._rows = self._rows[self.rows_per_part :]
 
     def flush(self, final: bool = False) -> None:
         """Write the rows held. final: the job is complete; an output that would have no part
         (no rows at all) gets one empty part, so readers see the schema, not a frame without
         columns."""
-        if self._rows or (final and not self.output.part_files()):
+        if self._rows or (final and not self._parts and not self.output.part_files()):
             self._write(self._rows)
+            self._parts += 1
             self._rows = []
 
-    def _write(self, rows: list[dict[str, Any]]) -> None:
+    def write_part(self, rows: list[dict[str, Any]]) -> None:
+        """Write rows as the output's next part."""
         self.output.write_part(pa.Table.from_pylist(rows, schema=self.schema))

@@ -91,3 +91,4 @@ def deadlines(grace: float = SIGNAL_GRACE_S) -> Iterator[Watchdog]:
         signal.set_wakeup_fd(old_fd)
         dog.end()
         write.close()  # the thread's recv returns b"" and it ends
+        thread.join()  # at once: no thread outlives the run

@@ -44,6 +44,25 @@ class ProgressLine:
         )
 
 
+class Progress:
+    """The bar, and the plain line off a terminal: records counted as written."""
+
+    def __init__(self, cfg: RunConfig, num_rows: int | None, records_per_row: int) -> None:
+        self.bar = progress_bar(cfg, num_rows, records_per_row)
+        self.line = ProgressLine(cfg.progress_seconds)
+
+    def update(self, records: int) -> None:
+        self.bar.update(records)
+
+    def finished(self, stats: RunStats, report) -> None:
+        """A step finished rows (already counted in stats)."""
+        self.bar.set_postfix_str(postfix(stats, report), refresh=False)
+        self.line.maybe(self.bar, stats)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def progress_bar(cfg: RunConfig, num_rows: int | None, records_per_row: int):
     """Counts records, as stats.json's rows do: records_per_row for each input row (--n; an n
     column: approximate; one with --n-as-list). Records done by an earlier run count as they

@@ -3,42 +3,36 @@ written and counted.
 
 Each window's error rows are written as read; its requests go to the engine under indices of
 one stream, and each finished completion comes back to its row here, becomes a record, goes
-into the part buffer (with --n-as-list, a row's record once all its samples are in) and is
-counted, as a record, in the stats (rows, error reasons) and the progress bar."""
+to the result sink (sink.py; with --n-as-list, a row's record once all its samples are in)
+and is counted, as a record, in the stats (rows, error reasons) and the progress bar."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
 
-from batchgen.data import PartBuffer
 from batchgen.data.records import RecordShape, Row
 from batchgen.data.sample_lists import SampleLists
 from batchgen.engine.constraints import as_written
-from batchgen.engine.sequence import Completion, Constraint, Request
+from batchgen.engine.sequence import Completion, Constraint, Request, StepReport
 from batchgen.job.prepare import Window
+from batchgen.runner.progress import Progress
+from batchgen.runner.sink import ResultSink
+from batchgen.stats.latency import row_timings
 from batchgen.stats.run_stats import RunStats
 
 
 class RunRows:
     def __init__(
-        self,
-        shape: RecordShape,
-        buffer: PartBuffer,
-        stats: RunStats,
-        progress: Any,  # a tqdm bar (disabled when quiet)
-        as_list: bool,
-        timings: Callable[[Completion], dict | None],
+        self, shape: RecordShape, sink: ResultSink, stats: RunStats, progress: Progress
     ) -> None:
-        self.shape, self.buffer, self.stats, self.progress = shape, buffer, stats, progress
-        self.timings = timings
-        self.lists = SampleLists() if as_list else None
+        self.shape, self.sink, self.stats, self.progress = shape, sink, stats, progress
+        self.lists = SampleLists() if shape.as_list else None
         self._rows: dict[int, Row] = {}  # rows in flight, by request index
         self._choices: dict[int, Constraint] = {}  # their constraints (a label as written)
         self._n = 0
 
-    def requests(self, windows: Iterator[tuple[int, Window]]) -> Iterator[Request]:
+    def requests(self, windows: Iterable[tuple[int, Window]]) -> Iterator[Request]:
         """Every window's requests as one stream; its error rows are written as read."""
         for _, window in windows:
             errors = window.errors
@@ -51,13 +45,20 @@ class RunRows:
                 yield dataclasses.replace(r, index=self._n)
                 self._n += 1
 
+    def step(self, report: StepReport) -> None:
+        """One engine step: its cost and its finished rows counted, their records written."""
+        self.stats.add_step(report)
+        if report.finished:
+            self.finish(report.finished)
+            self.progress.finished(self.stats, report)
+
     def finish(self, completions: list[Completion]) -> None:
         """The engine finished these requests: their records written and counted."""
         rows = [self._rows.pop(c.index) for c in completions]
         for c in completions:
             c.text = as_written(self._choices.pop(c.index, None), c.text)
         pairs = zip(rows, completions, strict=True)
-        self._write(rows, [self.shape.record(r, c, self.timings(c)) for r, c in pairs])
+        self._write(rows, [self.shape.record(r, c, self._timings(c)) for r, c in pairs])
 
     @property
     def pending_lists(self) -> int:
@@ -73,4 +74,7 @@ class RunRows:
             records = [rec for rec in gathered if rec is not None]
         self.stats.add_records(records)
         self.progress.update(len(records))
-        self.buffer.add(records)
+        self.sink.add(records)
+
+    def _timings(self, c: Completion) -> dict | None:
+        return row_timings(c, self.stats.started) if self.shape.with_timings else None

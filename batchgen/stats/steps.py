@@ -8,9 +8,9 @@ earlier versions held it as .batchgen/steps/part-NNNNN.parquet or OUTPUT/.steps.
 
 Recording a step appends twelve numbers to twelve `array`s (8 bytes each, no Python object
 per value): about 1.5 us a step measured (docs/metrics.md), against steps of milliseconds, and
-under 100 bytes a step of memory (a million steps, under 100 MB). The timeline describes the
-last run of the output directory, as .batchgen/stats.json does: a run starts it anew
-(`clear_steps`).
+under 100 bytes a step of memory until the step is taken for a part (`take_part`): a flush
+interval's steps, not the job's. The timeline describes the last run of the output directory,
+as .batchgen/stats.json does: a run starts it anew (`clear_steps`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import contextlib
 import os
 import shutil
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -57,11 +58,12 @@ class StepRecorder:
     def __init__(self, origin: float) -> None:
         """origin: time.perf_counter() at the job's start."""
         self.origin = origin
-        self.cols = {name: array(code) for name, (code, _, _) in COLUMNS.items()}
-        self.written = 0  # steps already in part files
+        self.cols = {name: array(code) for name, (code, _, _) in COLUMNS.items()}  # unwritten
+        self.written = 0  # steps taken for part files (and dropped from cols)
         self.parts = 0
 
     def __len__(self) -> int:
+        """Steps recorded and not yet taken for a part: what the recorder holds."""
         return len(self.cols["t_s"])
 
     def add(self, r: StepReport) -> None:
@@ -80,27 +82,32 @@ class StepRecorder:
         gap = r.host_gap_seconds
         c["host_gap_s"].append(float("nan") if gap is None else gap)
 
-    def table(self, start: int = 0) -> pa.Table:
-        """The steps from `start` on."""
+    def table(self) -> pa.Table:
+        """The steps held (not yet taken for a part)."""
         schema = pa.schema(
             [pa.field(n, t, metadata={"doc": d}) for n, (_, t, d) in COLUMNS.items()]
         )
-        cols = {n: self._column(n, schema.field(n).type, start) for n in COLUMNS}
+        cols = {n: self._column(n, schema.field(n).type) for n in COLUMNS}
         return pa.table(cols, schema=schema)
 
-    def _column(self, name: str, kind: pa.DataType, start: int) -> pa.Array:
-        values = self.cols[name][start:]
+    def _column(self, name: str, kind: pa.DataType) -> pa.Array:
+        values = self.cols[name]
         return pa.array([bool(v) for v in values] if kind == pa.bool_() else values, type=kind)
 
-    def append_to(self, directory: str | os.PathLike[str]) -> None:
-        """Write the steps recorded since the last call as the next part of directory's
-        timeline (atomically, as every file of an output directory)."""
-        if len(self) == self.written:
-            return
-        table = self.table(self.written)
+    def take_part(self, directory: str | os.PathLike[str]) -> Callable[[], None] | None:
+        """The steps recorded since the last call, taken now, and the write of them as the
+        next part of directory's timeline (atomically, as every file of an output directory),
+        to run later (on the run's writer thread, while this goes on recording); None: no new
+        steps. The steps taken leave memory: the recorder holds a flush interval's steps, not
+        the job's (a long job's 80 bytes a step, kept to its end, were most of its growth)."""
+        if not len(self):
+            return None
+        table = self.table()
+        for values in self.cols.values():
+            del values[:]
         name = f"{STEPS_DIR}/{steps_part_name(self.parts)}"
-        write_file(directory, name, lambda f: pq.write_table(table, f))
-        self.written, self.parts = len(self), self.parts + 1
+        self.written, self.parts = self.written + table.num_rows, self.parts + 1
+        return lambda: write_file(directory, name, lambda f: pq.write_table(table, f))
 
 
 def clear_steps(directory: str | os.PathLike[str]) -> None:
