@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from batchgen.engine.params import Pooling
-from batchgen.errors import ConfigError
+from batchgen.errors import ConfigError, ModelLoadError
 from batchgen.model.st_config import read_st_embedding
 
 
@@ -41,6 +41,8 @@ def embed_options(
     """The options given (None: not given) over the checkpoint's own. ConfigError for a bad
     pooling name or dimensions outside 1..hidden_size."""
     st = read_st_embedding(model_dir)
+    if pooling is None and st is not None and st.refused:
+        raise ModelLoadError(st.refused)
     if pooling is None:
         pooling = (st and st.pooling) or Pooling.LAST.value
     try:

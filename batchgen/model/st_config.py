@@ -28,28 +28,32 @@ class StEmbedding:
     pooling: str | None  # "last", "mean", "cls"; None: modules.json has no Pooling module
     normalize: bool  # a Normalize module follows the pooling
     prompt: str = ""  # the default prompt encode puts before each text
+    refused: str | None = None  # why its pooling is not one batchgen runs (a flag may choose)
 
 
 def read_st_embedding(model_dir: str | Path) -> StEmbedding | None:
     """The checkpoint's sentence-transformers description (None: not a sentence-transformers
-    checkpoint). ModelLoadError for modules batchgen does not run (a Dense projection, a
-    pooling mode other than last, mean or cls)."""
+    checkpoint). ModelLoadError for modules batchgen does not run (a Dense projection); a
+    pooling mode other than last, mean or cls is `refused`."""
     root = Path(model_dir)
     if not (root / "modules.json").is_file():
         return None
-    pooling, normalize = None, False
+    pooling, normalize, refused = None, False, None
     for m in json.loads((root / "modules.json").read_text()):
         kind = str(m.get("type", "")).rsplit(".", 1)[-1]
         if kind == "Normalize":
             normalize = True
         elif kind == "Pooling":
-            pooling = _pooling_mode(root / m.get("path", "") / "config.json")
+            try:
+                pooling = _pooling_mode(root / m.get("path", "") / "config.json")
+            except ModelLoadError as e:
+                refused = str(e)
         elif kind not in ("Transformer", "Pooling"):
             raise ModelLoadError(
                 f"{root / 'modules.json'} has a {kind} module, which batchgen does not run "
                 "(it runs Transformer, Pooling and Normalize); embed with sentence-transformers"
             )
-    return StEmbedding(pooling, normalize, _default_prompt(root))
+    return StEmbedding(pooling, normalize, _default_prompt(root), refused)
 
 
 def _pooling_mode(path: Path) -> str:

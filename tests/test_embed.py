@@ -1,0 +1,142 @@
+"""Embeddings (task embed, `LLM.embed`): a prompt's final hidden states (after the final norm)
+pooled last / mean / cls, equal to sentence-transformers' `encode` of the same checkpoint
+(cosine >= 0.99999, float32) on the sharpened tiny Llama and Qwen2 saved as base models
+(`LlamaModel`, no `model.` prefix, no LM head, as embedding models ship), for mixed lengths,
+chunked prompts and a prefix-cache hit; the pooling read from the checkpoint's own
+modules.json; Matryoshka dimensions truncated then normalized; and `batchgen run --task
+embed`'s fixed-size float32 `embedding` column, read back with DuckDB."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers import cpu_llm
+
+from batchgen.errors import ConfigError, ModelLoadError
+
+FAMILIES = ("llama", "qwen2")
+MODES = {"last": "lasttoken", "mean": "mean", "cls": "cls"}
+TEXTS = [
+    "the quick brown fox",
+    "a",
+    "hello world and all the people in it " * 6,  # chunked at 16 tokens a step
+    "the quick brown fox jumps over the lazy dog",
+]
+
+
+def save_base_model(causal_dir: Path, out: Path) -> Path:
+    """causal_dir's decoder saved alone (transformers' AutoModel), with its tokenizer less
+    its chat template (sentence-transformers 5 would wrap each text in it)."""
+    transformers.AutoModel.from_pretrained(causal_dir).save_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(causal_dir)
+    tok.chat_template = None
+    tok.save_pretrained(out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out
+
+
+def save_st_model(base: Path, out: Path, mode: str, normalize: bool = True) -> Path:
+    """A sentence-transformers checkpoint around base: Transformer, Pooling(mode), Normalize."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    t = Transformer(str(base))
+    mods = [t, Pooling(t.get_embedding_dimension(), pooling_mode=mode)]
+    st = SentenceTransformer(modules=mods + [Normalize()] * normalize, device="cpu")
+    st.save(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bases(sharp_dirs, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("base")
+    return {f: save_base_model(sharp_dirs[f], root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def st_dirs(bases, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("st")
+    return {
+        (f, m): save_st_model(bases[f], root / f"{f}-{m}", st)
+        for f in FAMILIES
+        for m, st in MODES.items()
+    }
+
+
+def st_encode(model_dir: Path, texts: list[str], **kw) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(model_dir), device="cpu").encode(texts, **kw)
+
+
+def assert_same_directions(got, want) -> None:
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cos.min() >= 0.99999, cos
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_embed_equals_sentence_transformers(st_dirs, family, mode):
+    """Mixed lengths, a prompt chunked over several steps: the pooling and the normalization
+    come from the checkpoint's modules.json and 1_Pooling/config.json."""
+    d = st_dirs[family, mode]
+    with cpu_llm(d, max_num_batched_tokens=16, block_size=4) as llm:
+        out = llm.embed(TEXTS)
+    assert [o.index for o in out] == list(range(len(TEXTS)))
+    assert max(len(o.prompt_token_ids) for o in out) > 16  # one prompt ran in chunks
+    got = np.array([o.outputs.embedding for o in out])
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)  # its Normalize module
+    assert_same_directions(got, st_encode(d, TEXTS))
+
+
+def test_embed_equals_automodel_pooled_hidden_states_with_a_prefix_cache_hit(bases):
+    """Last-token pooling reads the last token only: a row whose prefix is in the cache runs
+    its tail and is still equal to transformers' AutoModel; flags choose the pooling."""
+    prefix = "the quick brown fox jumps over the lazy dog " * 3
+    texts = [prefix + "and runs", prefix + "then sleeps all day"]
+    model = transformers.AutoModel.from_pretrained(bases["llama"], dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(bases["llama"])
+    with torch.no_grad():
+        want = [model(**tok(t, return_tensors="pt")).last_hidden_state[0] for t in texts]
+    with cpu_llm(bases["llama"], block_size=4) as llm:
+        first = llm.embed(texts[:1], pooling="last")
+        second = llm.embed(texts[1:], pooling="last")
+        mean = llm.embed(texts[1:], pooling="mean")  # reads every token: no hit
+    assert second[0].completion.cached_tokens > 0
+    assert mean[0].completion.cached_tokens == 0
+    got = [o.outputs.embedding for o in first + second]
+    assert_same_directions(got, [h[-1].numpy() for h in want])
+    assert_same_directions([mean[0].outputs.embedding], [want[1].mean(0).numpy()])
+    # no Normalize module, none asked for: the raw pooled state
+    assert np.allclose(got[0], want[0][-1].numpy(), atol=1e-4)
+
+
+def test_matryoshka_dimensions_truncate_then_normalize(st_dirs):
+    d = st_dirs["llama", "mean"]
+    want = st_encode(d, TEXTS, normalize_embeddings=False)[:, :8]
+    want = want / np.linalg.norm(want, axis=1, keepdims=True)
+    with cpu_llm(d) as llm:
+        out = llm.embed(TEXTS, dimensions=8)
+        raw = llm.embed(TEXTS, normalize=False)
+        with pytest.raises(ConfigError, match="dimensions"):
+            llm.embed(TEXTS, dimensions=33)
+        with pytest.raises(ConfigError, match="pooling"):
+            llm.embed(TEXTS, pooling="max")
+    got = np.array([o.outputs.embedding for o in out])
+    assert got.shape == (len(TEXTS), 8)
+    assert_same_directions(got, want)
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    # normalize=False overrides the checkpoint's Normalize module: mean pooling's own norm
+    assert not np.allclose(np.linalg.norm([o.outputs.embedding for o in raw], axis=1), 1.0)
+
+
+def test_a_pooling_batchgen_does_not_run_is_refused(bases, tmp_path):
+    d = save_st_model(bases["llama"], tmp_path / "st-max", "max")
+    with cpu_llm(d) as llm:
+        with pytest.raises(ModelLoadError, match="max"):
+            llm.embed(TEXTS)
+        assert len(llm.embed(TEXTS, pooling="last")) == len(TEXTS)  # a flag overrides it
