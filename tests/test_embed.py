@@ -9,10 +9,18 @@ embed`'s fixed-size float32 `embedding` column, read back with DuckDB."""
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 import transformers
-from helpers import cpu_llm
+from helpers import (
+    assert_one_line_error,
+    cpu_llm,
+    read_output,
+    rows_by_id,
+    run_job,
+    write_parquet,
+)
 
 from batchgen.errors import ConfigError, ModelLoadError
 
@@ -140,3 +148,63 @@ def test_a_pooling_batchgen_does_not_run_is_refused(bases, tmp_path):
         with pytest.raises(ModelLoadError, match="max"):
             llm.embed(TEXTS)
         assert len(llm.embed(TEXTS, pooling="last")) == len(TEXTS)  # a flag overrides it
+
+
+def test_cli_embed_column_read_back_with_duckdb(st_dirs, tmp_path):
+    """`batchgen run --task embed`: a fixed-size float32 list column, equal to
+    sentence-transformers' encode (its pooling and Normalize read from the checkpoint), in
+    pyarrow, pandas and DuckDB; --dimensions and --embedding-dtype float16."""
+    import duckdb
+
+    d = st_dirs["qwen2", "mean"]
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": TEXTS, "topic": list("abcd")})
+    run_job(src, tmp_path / "out", d, "--task", "embed", "--max-num-batched-tokens", "16")
+    table = read_output(tmp_path / "out")
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 32)
+    rows = rows_by_id(tmp_path / "out")
+    assert [rows[i]["topic"] for i in range(4)] == list("abcd")
+    assert {r["finish_reason"] for r in rows.values()} == {"stop"}
+    assert_same_directions([rows[i]["embedding"] for i in range(4)], st_encode(d, TEXTS))
+    assert len(table.to_pandas()["embedding"][0]) == 32
+    parts = str(tmp_path / "out" / "*.parquet")
+    got = duckdb.sql(f"SELECT id, embedding FROM read_parquet('{parts}') ORDER BY id").fetchall()
+    assert [i for i, _ in got] == [0, 1, 2, 3]
+    assert_same_directions([e for _, e in got], st_encode(d, TEXTS))
+
+    run_job(
+        src,
+        tmp_path / "f16",
+        d,
+        "--task",
+        "embed",
+        "--dimensions",
+        "8",
+        "--embedding-dtype",
+        "float16",
+        "--pooling",
+        "last",
+        "--no-normalize",
+    )
+    f16 = read_output(tmp_path / "f16")
+    assert f16.schema.field("embedding").type == pa.list_(pa.float16(), 8)
+    with cpu_llm(d) as llm:
+        want = [o.outputs.embedding for o in llm.embed(TEXTS, pooling="last", normalize=False)]
+    got16 = rows_by_id(tmp_path / "f16")
+    for i in range(4):
+        assert np.allclose(got16[i]["embedding"], want[i][:8], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (("--dimensions", "4"), ("--dimensions", "--task embed")),
+        (("--task", "embed", "--n", "2"), ("samples nothing", "--n")),
+        (("--task", "embed", "--dimensions", "999"), ("dimensions", "32")),
+        (("--task", "classify"), ("classifier head",)),
+    ],
+)
+def test_cli_embed_refuses_options_that_mean_nothing(st_dirs, tmp_path, flags, words):
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": TEXTS})
+    r = run_job(src, tmp_path / "out", st_dirs["llama", "last"], *flags, exit_code=None)
+    assert r.exit_code != 0
+    assert_one_line_error(r, *words)

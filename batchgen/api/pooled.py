@@ -5,12 +5,12 @@ Both run prefill only, pooled rows (engine/pooling.py); nothing is sampled."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from batchgen.api.prompts import Prompt, as_prompt_list
+from batchgen.data.pooled_columns import softmax
 from batchgen.engine.params import DecodeParams, Pooling
 from batchgen.engine.sequence import Completion, Request
 from batchgen.errors import RequestError
@@ -57,13 +57,6 @@ class PoolingRequestOutput:
 
 
 EmbeddingRequestOutput = ClassificationRequestOutput = PoolingRequestOutput
-
-
-def softmax(logits: list[float]) -> list[float]:
-    top = max(logits)
-    w = [math.exp(x - top) for x in logits]
-    total = math.fsum(w)
-    return [x / total for x in w]
 
 
 def classification(labels: Sequence[str], logits: list[float]) -> ClassificationOutput:

@@ -1,6 +1,7 @@
-"""Task embed's options, resolved once for a job (or an `LLM.embed` call): the pooling (the
-flag, else the sentence-transformers checkpoint's own, else the last token's), whether to
-normalize, Matryoshka `dimensions`, the instruction prefix; and a pooled vector -> the row's
+"""The pooled tasks' options, resolved once for a job (`pooled_task`) or an `LLM.embed` call
+(`embed_options`): task embed's pooling (the flag, else the sentence-transformers checkpoint's
+own, else the last token's), whether to normalize, Matryoshka `dimensions`, the instruction
+prefix; task classify's labels (model/classifier_head.py). A pooled vector -> the row's
 embedding: truncated to `dimensions`, then L2-normalized (the order Matryoshka embeddings are
 meant to be used in; sentence-transformers' `truncate_dim` with `normalize_embeddings`)."""
 
@@ -11,8 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
+from batchgen.choices import EmbeddingDtype, ModelImpl, PoolingChoice, Task
+from batchgen.data.pooled_columns import PooledColumns, finish_embedding
 from batchgen.engine.params import Pooling
 from batchgen.errors import ConfigError, ModelLoadError
+from batchgen.job.config import RunConfig
+from batchgen.job.model_spec import ModelSpec
+from batchgen.model.classifier_head import classifier_labels
 from batchgen.model.st_config import read_st_embedding
 
 
@@ -25,10 +31,7 @@ class EmbedOptions:
 
     def finish(self, pooled: list[float]) -> np.ndarray:
         """The row's embedding (float32) from its pooled vector."""
-        v = np.asarray(pooled, dtype=np.float32)[: self.dimensions]
-        if self.normalize:  # as torch.nn.functional.normalize: x / max(||x||, 1e-12)
-            v = v / max(float(np.linalg.norm(v)), 1e-12)
-        return v
+        return finish_embedding(pooled, self.dimensions, self.normalize)
 
 
 def embed_options(
@@ -56,3 +59,38 @@ def embed_options(
     if normalize is None:
         normalize = bool(st and st.normalize)
     return EmbedOptions(mode, normalize, dimensions, st.prompt if st else "")
+
+
+@dataclass(frozen=True, slots=True)
+class PooledTask:
+    """A job of task embed or classify: how its rows pool, its columns, the text put before
+    each prompt (a sentence-transformers checkpoint's default prompt)."""
+
+    pooling: Pooling
+    columns: PooledColumns
+    prefix: str = ""
+
+
+def pooled_task(cfg: RunConfig, spec: ModelSpec) -> PooledTask | None:
+    """The job's pooled task (None: it generates or scores). ConfigError for a model that
+    cannot run it."""
+    if not cfg.task.pooled:
+        return None
+    if spec.model_cfg.impl is ModelImpl.TRANSFORMERS:
+        raise ConfigError(
+            f"task {cfg.task.value} runs on batchgen's own decoder, not the transformers "
+            "backend; pass --model-impl native (or auto) with a family batchgen runs"
+        )
+    if cfg.task is Task.CLASSIFY:
+        labels = classifier_labels(spec.model_dir)
+        if labels is None:
+            raise ConfigError(
+                f"task classify needs a classifier head: {spec.model_dir}/config.json's "
+                "architectures name no *ForSequenceClassification"
+            )
+        return PooledTask(Pooling.CLASSIFY, PooledColumns(labels=labels))
+    dim = spec.model_cfg.dim
+    pooling = None if cfg.pooling is PoolingChoice.AUTO else cfg.pooling.value
+    o = embed_options(spec.model_dir, dim, pooling, cfg.normalize, cfg.dimensions)
+    f16 = cfg.embedding_dtype is EmbeddingDtype.FLOAT16
+    return PooledTask(o.pooling, PooledColumns(o.dimensions or dim, o.normalize, f16), o.prompt)

@@ -12,6 +12,7 @@ from batchgen.data.reader import OpenAIBatchSource
 from batchgen.engine.constraints import ConstraintError
 from batchgen.errors import ConfigError
 from batchgen.job.config import RunConfig
+from batchgen.job.embedding import pooled_task
 from batchgen.job.generation import KEYS as GENERATION_KEYS
 from batchgen.job.generation import GenerationDefaults
 from batchgen.job.ids import check_unique_ids
@@ -99,7 +100,8 @@ def open_job(cfg: RunConfig) -> Job:
         per_token = rank.kv_bytes_per_token(spec.dtype.itemsize)  # each rank holds its KV heads
         what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
         check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", spec.device)
-    prep = Preparer(cfg, source, spec.tokenizer, max_prompt, limit)
+    pooled = pooled_task(cfg, spec)  # task embed / classify (None: neither)
+    prep = Preparer(cfg, source, spec.tokenizer, max_prompt, limit, pooled)
     if prep.id_column and source.format is not InputFormat.OPENAI:  # custom_ids: when parsed
         check_unique_ids(source, prep.id_column, cfg.limit)
     if (
@@ -123,7 +125,7 @@ def prompt_limits(cfg: RunConfig, positions: int) -> tuple[int, int, str]:
             "(max_position_embeddings); pass at most that"
         )
     model_len = cfg.max_model_len or positions
-    # a prompt-logprobs row is its prompt alone
+    # a prompt-logprobs, embed or classify row is its prompt alone
     room = {Task.GENERATE: cfg.max_new_tokens, Task.SCORE: 1}.get(cfg.task, 0)
     if model_len - room < 1:
         where = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
@@ -22,6 +22,7 @@ from batchgen.engine.sequence import Request
 from batchgen.errors import InputError, RowError
 from batchgen.job.bias_column import compact_bias_column, compact_field
 from batchgen.job.config import RunConfig
+from batchgen.job.embedding import PooledTask
 from batchgen.job.ids import ROW_NUMBERS_FIX, check_id_type
 from batchgen.job.passthrough import passthrough_columns
 from batchgen.job.prompt_builders import make_prompt_builder, openai_prompt_builders
@@ -50,8 +51,10 @@ class Preparer:
         tokenizer,
         max_prompt_len: int,
         limit_name: str = "--max-prompt-len",  # what max_prompt_len comes from, for errors
+        pooled: PooledTask | None = None,  # task embed / classify (job/embedding.py)
     ) -> None:
         self.cfg, self.source, self.tokenizer = cfg, source, tokenizer
+        self.pooled = pooled
         self.chat_builder: PromptBuilder | None = None  # chat rows of an OpenAI batch file
         if source.format is InputFormat.OPENAI:
             self.builder, self.chat_builder = openai_prompt_builders(cfg, tokenizer)
@@ -99,6 +102,7 @@ class Preparer:
             id_column=self.output_id_column,
             score=self.score,
             prompt_logprobs=self.options.defaults.prompt_logprobs,  # task prompt-logprobs: k
+            pooled=self.pooled.columns if self.pooled else None,
             samples=self.samples,
             as_list=self.as_list,
             with_token_ids=self.cfg.with_token_ids,
@@ -183,7 +187,8 @@ class Preparer:
                 else:
                     builder, chat = self.builder, bool(self.cfg.messages_column)
                 try:
-                    texts.append(builder.render(rec))
+                    prefix = self.pooled.prefix if self.pooled else ""  # an instruction
+                    texts.append(prefix + builder.render(rec))
                     chats.append(chat)
                     pending.append((first, rec, todo))
                 except RowError as e:
@@ -216,6 +221,11 @@ class Preparer:
                     continue
                 samples[0].prompt_tokens, samples[0].labels = len(ids_), labels
                 requests.append(Request(first, ids_, params[0], candidates=cands))
+                continue
+            if self.pooled is not None:  # its prompt pooled: nothing scored, nothing sampled
+                samples[0].prompt_tokens = len(ids_)
+                pooled = replace(params[0], pooling=self.pooled.pooling)
+                requests.append(Request(first, ids_, pooled, score_from=len(ids_)))
                 continue
             if params[0].prompt_logprobs is not None:  # the prompt scored from its 2nd token
                 samples[0].prompt_tokens = len(ids_)
