@@ -6,6 +6,7 @@ chunked prompts and a prefix-cache hit; the pooling read from the checkpoint's o
 modules.json; Matryoshka dimensions truncated then normalized; and `batchgen run --task
 embed`'s fixed-size float32 `embedding` column, read back with DuckDB."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -208,3 +209,43 @@ def test_cli_embed_refuses_options_that_mean_nothing(st_dirs, tmp_path, flags, w
     r = run_job(src, tmp_path / "out", st_dirs["llama", "last"], *flags, exit_code=None)
     assert r.exit_code != 0
     assert_one_line_error(r, *words)
+
+
+def embeddings_line(cid: str, text, **body) -> str:
+    line = {"custom_id": cid, "method": "POST", "url": "/v1/embeddings"}
+    return json.dumps({**line, "body": {"model": "emb", "input": text, **body}}) + "\n"
+
+
+def test_openai_embeddings_lines(st_dirs, tmp_path):
+    """/v1/embeddings request lines (`vllm run-batch`'s): OpenAI's embeddings responses, each
+    equal to sentence-transformers' encode; a list input is its line's error; completion
+    lines are refused in an embed job, and embeddings lines outside one."""
+    d = st_dirs["llama", "last"]
+    lines = [embeddings_line(f"r{i}", t) for i, t in enumerate(TEXTS)]
+    lines.insert(2, embeddings_line("many", ["a", "b"]))
+    src = tmp_path / "req.jsonl"
+    src.write_text("".join(lines))
+    out = tmp_path / "out"
+    run_job(src, out, d, "--task", "embed", "--output-format", "openai")
+    got = [json.loads(x) for x in (out / ".batchgen" / "results.jsonl").read_text().splitlines()]
+    assert [g["custom_id"] for g in got] == ["r0", "r1", "many", "r2", "r3"]
+    bad = got.pop(2)
+    assert bad["response"]["status_code"] == 400 and "input is a list" in bad["error"]["message"]
+    want = st_encode(d, TEXTS)
+    for g, w in zip(got, want, strict=True):
+        body = g["response"]["body"]
+        assert g["response"]["status_code"] == 200 and g["error"] is None
+        assert body["object"] == "list" and body["model"] == "emb"
+        (data,) = body["data"]
+        assert data["object"] == "embedding" and data["index"] == 0
+        assert_same_directions([data["embedding"]], [w])
+        usage = body["usage"]
+        assert usage["prompt_tokens"] == usage["total_tokens"] > 0
+
+    r = run_job(src, tmp_path / "gen", d, exit_code=None)
+    assert_one_line_error(r, "/v1/embeddings", "--task embed")
+    mixed = tmp_path / "mixed.jsonl"
+    completion = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "hi"}}
+    mixed.write_text(lines[0] + json.dumps(completion) + "\n")
+    r = run_job(mixed, tmp_path / "mixed", d, "--task", "embed", exit_code=None)
+    assert_one_line_error(r, "completion lines")

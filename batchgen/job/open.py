@@ -83,6 +83,8 @@ def open_job(cfg: RunConfig) -> Job:
             f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is "
             "not an OpenAI batch request file (lines with custom_id and body)"
         )
+    if isinstance(source, OpenAIBatchSource):
+        check_openai_task(cfg.task, source.requests.column("embeddings").to_pylist())
     if isinstance(source, OpenAIBatchSource) and source.asks_logprobs:
         # The lines that ask get each token's logprob: the parts keep them whatever the output
         # format, so a rerun that adds --output-format openai is the same job and can write them.
@@ -158,3 +160,16 @@ def check_weights(spec: ModelSpec) -> None:
         "--quantize or --dtype)",
         spec.device,
     )
+
+
+def check_openai_task(task: Task, embeddings: list[bool | None]) -> None:
+    """An OpenAI batch file's lines (embeddings: each line's, None for a malformed one) and
+    the job's task agree: /v1/embeddings lines are a --task embed job's, and only they are."""
+    kinds = {e for e in embeddings if e is not None}
+    if True in kinds and task is not Task.EMBED:
+        raise ConfigError("the batch file has /v1/embeddings lines: run it with --task embed")
+    if task is Task.EMBED and False in kinds:
+        raise ConfigError(
+            "task embed runs /v1/embeddings lines, and the batch file has completion lines; "
+            "run those in a job of their own"
+        )

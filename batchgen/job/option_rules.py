@@ -111,5 +111,7 @@ def _check_pooled(cfg: RunOptions) -> None:
         raise ConfigError(f"{what}; drop --choice / --regex / --json-schema")
     if cfg.n != 1 or cfg.n_as_list:
         raise ConfigError(f"{what}; drop --n / --n-as-list")
+    if cfg.task is Task.CLASSIFY and cfg.output_format is OutputFormat.OPENAI:
+        raise ConfigError(f"{what}; OpenAI batch output has no classify endpoint")
     if cfg.dimensions is not None and cfg.dimensions < 1:
         raise ConfigError(f"dimensions must be >= 1, got {cfg.dimensions}")
