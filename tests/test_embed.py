@@ -19,11 +19,14 @@ from helpers import (
     cpu_llm,
     read_output,
     rows_by_id,
+    run_cli,
     run_job,
     write_parquet,
 )
 
 from batchgen.errors import ConfigError, ModelLoadError
+from batchgen.report import plots, tables
+from batchgen.report.load import load
 
 FAMILIES = ("llama", "qwen2")
 MODES = {"last": "lasttoken", "mean": "mean", "cls": "cls"}
@@ -249,3 +252,27 @@ def test_openai_embeddings_lines(st_dirs, tmp_path):
     mixed.write_text(lines[0] + json.dumps(completion) + "\n")
     r = run_job(mixed, tmp_path / "mixed", d, "--task", "embed", exit_code=None)
     assert_one_line_error(r, "completion lines")
+
+
+def test_report_of_an_embed_job_has_no_decode_plots(st_dirs, tmp_path):
+    """A prefill-only job's page: prompt tokens/s, its latency alone, no decoding rows, TPOT
+    or decode ceiling (nothing was decoded)."""
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": TEXTS * 3})
+    out = tmp_path / "out"
+    run_job(src, out, st_dirs["llama", "last"], "--task", "embed")
+    run_cli("report", out)
+    assert (out / ".batchgen" / "report.html").stat().st_size > 0
+    data = load(out)
+    s = data.stats
+    assert tables.prefill_only(s) and s["prompt_tokens"] > 0
+    names = [k for k, _ in tables.stats_rows(s)]
+    assert "prompt tokens / s" in names and "output tokens / s" not in names
+    assert not any(k.startswith(("TPOT", "TTFT", "MBU")) for k in names)
+
+    def labels(fig) -> list[str]:
+        return [x for ax in fig.axes for x in ax.get_legend_handles_labels()[1]]
+
+    assert labels(plots.throughput(data.steps, s)) == ["prompt tokens/s computed"]
+    assert "decoding rows" not in labels(plots.occupancy(data.steps, decodes=False))
+    assert [a.get_title() for a in plots.distributions(s).axes] == ["latency"]
+    assert not any("decode" in x for x in labels(plots.roofline(data.steps, s)))
