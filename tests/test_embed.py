@@ -247,11 +247,17 @@ def test_openai_embeddings_lines(st_dirs, tmp_path):
 
     r = run_job(src, tmp_path / "gen", d, exit_code=None)
     assert_one_line_error(r, "/v1/embeddings", "--task embed")
-    mixed = tmp_path / "mixed.jsonl"
     completion = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "hi"}}
-    mixed.write_text(lines[0] + json.dumps(completion) + "\n")
-    r = run_job(mixed, tmp_path / "mixed", d, "--task", "embed", exit_code=None)
+    completions = tmp_path / "completions.jsonl"
+    completions.write_text(json.dumps(completion) + "\n")
+    r = run_job(completions, tmp_path / "c", d, "--task", "embed", exit_code=None)
     assert_one_line_error(r, "completion lines")
+    mixed = tmp_path / "mixed.jsonl"  # the other kind's lines: error rows
+    mixed.write_text(lines[0] + json.dumps(completion) + "\n")
+    run_job(mixed, tmp_path / "mixed", d, "--task", "embed", "--max-error-rate", "1")
+    rows = rows_by_id(tmp_path / "mixed", "custom_id")
+    assert rows["r0"]["error"] is None and len(rows["r0"]["embedding"]) == 32
+    assert "runs /v1/embeddings lines only" in rows["c"]["error"]
 
 
 def test_report_of_an_embed_job_has_no_decode_plots(st_dirs, tmp_path):

@@ -238,7 +238,7 @@ def test_malformed_lines_become_error_rows(tmp_path, model):
     assert sorted(rows) == ["line-2", "ok0", "ok1", "t", "u"]
     for cid, words in {
         "line-2": ["line 2", "not JSON"],
-        "u": ["line 3", "url"],
+        "u": ["url", "--task embed"],  # an embeddings line (a --task embed job's)
         "t": ["line 4", "temperature"],
     }.items():
         row = rows[cid]

@@ -94,3 +94,13 @@ def pooled_task(cfg: RunConfig, spec: ModelSpec) -> PooledTask | None:
     o = embed_options(spec.model_dir, dim, pooling, cfg.normalize, cfg.dimensions)
     f16 = cfg.embedding_dtype is EmbeddingDtype.FLOAT16
     return PooledTask(o.pooling, PooledColumns(o.dimensions or dim, o.normalize, f16), o.prompt)
+
+
+def endpoint_error(embeddings: bool, embed_job: bool) -> str | None:
+    """Why an OpenAI batch line cannot run in this job (None: it can): /v1/embeddings lines
+    run in a --task embed job, and only they do."""
+    if embeddings and not embed_job:
+        return "url /v1/embeddings: an embeddings line runs in a --task embed job"
+    if embed_job and not embeddings:
+        return "a completion line: a --task embed job runs /v1/embeddings lines only"
+    return None

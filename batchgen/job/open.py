@@ -164,12 +164,14 @@ def check_weights(spec: ModelSpec) -> None:
 
 def check_openai_task(task: Task, embeddings: list[bool | None]) -> None:
     """An OpenAI batch file's lines (embeddings: each line's, None for a malformed one) and
-    the job's task agree: /v1/embeddings lines are a --task embed job's, and only they are."""
+    the job's task agree where all its lines are of one kind: /v1/embeddings lines are a --task
+    embed job's, and only they are. In a mixed file the other kind's lines are error rows
+    (job/embedding.py's endpoint_error)."""
     kinds = {e for e in embeddings if e is not None}
-    if True in kinds and task is not Task.EMBED:
+    if kinds == {True} and task is not Task.EMBED:
         raise ConfigError("the batch file has /v1/embeddings lines: run it with --task embed")
-    if task is Task.EMBED and False in kinds:
+    if task is Task.EMBED and kinds == {False}:
         raise ConfigError(
-            "task embed runs /v1/embeddings lines, and the batch file has completion lines; "
-            "run those in a job of their own"
+            "task embed runs /v1/embeddings lines, and the batch file has completion lines "
+            "only; run it without --task embed"
         )
