@@ -7,6 +7,7 @@ modules.json; Matryoshka dimensions truncated then normalized; and `batchgen run
 embed`'s fixed-size float32 `embedding` column, read back with DuckDB."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -282,3 +283,20 @@ def test_report_of_an_embed_job_has_no_decode_plots(st_dirs, tmp_path):
     assert "decoding rows" not in labels(plots.occupancy(data.steps, decodes=False))
     assert [a.get_title() for a in plots.distributions(s).axes] == ["latency"]
     assert not any("decode" in x for x in labels(plots.roofline(data.steps, s)))
+
+
+def test_default_prompt_of_a_sentence_transformers_checkpoint(st_dirs, tmp_path):
+    """config_sentence_transformers.json's default prompt goes before each text, as encode
+    puts it (an instruction-tuned embedding model's query prefix)."""
+    d = tmp_path / "prompted"
+    shutil.copytree(st_dirs["llama", "mean"], d)
+    cfg_path = d / "config_sentence_transformers.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(prompts={"query": "query: the ", "document": ""}, default_prompt_name="query")
+    cfg_path.write_text(json.dumps(cfg))
+    with cpu_llm(d) as llm:
+        got = [o.outputs.embedding for o in llm.embed(TEXTS)]
+    assert_same_directions(got, st_encode(d, TEXTS))
+    with cpu_llm(st_dirs["llama", "mean"]) as llm:  # without the prompt: other embeddings
+        plain = [o.outputs.embedding for o in llm.embed(TEXTS)]
+    assert not np.allclose(got, plain, atol=1e-3)
