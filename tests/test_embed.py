@@ -300,3 +300,12 @@ def test_default_prompt_of_a_sentence_transformers_checkpoint(st_dirs, tmp_path)
     with cpu_llm(st_dirs["llama", "mean"]) as llm:  # without the prompt: other embeddings
         plain = [o.outputs.embedding for o in llm.embed(TEXTS)]
     assert not np.allclose(got, plain, atol=1e-3)
+
+
+def test_embed_at_two_tensor_parallel_ranks(st_dirs):
+    """Two ranks over gloo (this process rank 0): rank 0 pools the reduced hidden states, and
+    runs the LM head's all-gather with the other rank (it would wait for it otherwise)."""
+    d = st_dirs["llama", "last"]
+    with cpu_llm(d, max_num_batched_tokens=16, tensor_parallel_size=2) as llm:
+        got = [o.outputs.embedding for o in llm.embed(TEXTS)]
+    assert_same_directions(got, st_encode(d, TEXTS))

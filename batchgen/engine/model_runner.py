@@ -261,7 +261,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.broadcast is not None:
             self.broadcast(packed.inputs)
-        pool = pooled_step(self.model, plan, packed.inputs.prefills)
+        # tensor parallel: the other ranks run the LM head's all-gather, so rank 0 runs it too
+        pool = pooled_step(self.model, plan, packed.inputs.prefills, self.broadcast is None)
         logits = self.forward(packed.inputs, pool)
         if logits is None:  # pooled rows only: no scored token, nothing sampled
             _sync(dev)

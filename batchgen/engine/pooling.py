@@ -95,10 +95,14 @@ class PooledStep:
 
 
 def pooled_step(
-    model: torch.nn.Module, plan: StepPlan, spans: list[tuple[int, int, int, list[int] | None]]
+    model: torch.nn.Module,
+    plan: StepPlan,
+    spans: list[tuple[int, int, int, list[int] | None]],
+    skip_head: bool = True,
 ) -> PooledStep | None:
     """The step's pooled chunks (None: none). spans: the packed prefills, in plan order (their
-    first packed row first)."""
+    first packed row first). skip_head: a step of pooled rows only runs no LM head (False
+    where other ranks run it in step: tensor parallelism's collectives)."""
     chunks = [
         _Chunk(s, q)
         for s, (q, *_) in zip(plan.prefills, spans, strict=True)
@@ -107,4 +111,4 @@ def pooled_step(
     if not chunks:
         return None
     others = plan.decodes or any(s.seq.params.pooling is None for s in plan.prefills)
-    return PooledStep(model, chunks, only=not others)
+    return PooledStep(model, chunks, only=skip_head and not others)
