@@ -96,9 +96,7 @@ class PoolingCalls:
     ) -> list[PoolingRequestOutput]:
         """Each prompt's class probabilities from the checkpoint's classifier head (a
         *ForSequenceClassification model) on its last token."""
-        from batchgen.model.classifier_head import classifier_labels
-
-        labels = classifier_labels(self.spec.model_dir)
+        labels = self.spec.model_cfg.labels
         if labels is None or getattr(self.model, "score", None) is None:
             raise RequestError(
                 f"{self.spec.model_dir} has no classifier head (config.json's architectures "

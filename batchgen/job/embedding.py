@@ -18,7 +18,6 @@ from batchgen.engine.params import Pooling
 from batchgen.errors import ConfigError, ModelLoadError
 from batchgen.job.config import RunConfig
 from batchgen.job.model_spec import ModelSpec
-from batchgen.model.classifier_head import classifier_labels
 from batchgen.model.st_config import read_st_embedding
 
 
@@ -82,7 +81,7 @@ def pooled_task(cfg: RunConfig, spec: ModelSpec) -> PooledTask | None:
             "backend; pass --model-impl native (or auto) with a family batchgen runs"
         )
     if cfg.task is Task.CLASSIFY:
-        labels = classifier_labels(spec.model_dir)
+        labels = spec.model_cfg.labels
         if labels is None:
             raise ConfigError(
                 f"task classify needs a classifier head: {spec.model_dir}/config.json's "

@@ -2,20 +2,19 @@
 Linear(dim, num_labels) without bias, which transformers runs on the last prompt token's
 hidden state after the final norm; its labels are config.json's `id2label`. A one-label head
 is a reward model's: its raw logit is the row's score. The loader adds the head where
-config.json's architectures name one (task classify reads it: engine/pooling.py)."""
+config.json's architectures name one (`ModelConfig.labels`; task classify reads it through
+engine/pooling.py)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 
-def classifier_labels(model_dir: str | Path) -> tuple[str, ...] | None:
-    """The labels of the checkpoint's classifier head, in logit order (None: no head)."""
-    path = Path(model_dir) / "config.json"
-    hf = json.loads(path.read_text()) if path.is_file() else {}
+def classifier_labels(hf: dict[str, Any]) -> tuple[str, ...] | None:
+    """The labels of a config.json's classifier head, in logit order (None: no head)."""
     if not any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures", [])):
         return None
     id2label = {str(k): str(v) for k, v in (hf.get("id2label") or {}).items()}
@@ -25,4 +24,6 @@ def classifier_labels(model_dir: str | Path) -> tuple[str, ...] | None:
 
 def add_classifier_head(model: nn.Module, num_labels: int) -> None:
     """Give the model (built on the meta device, before its weights) its `score` head."""
+    from torch import nn  # here: config.json's reader (hf_config.py) imports no torch
+
     model.score = nn.Linear(model.cfg.dim, num_labels, bias=False)
