@@ -124,4 +124,8 @@ class PoolingCalls:
             _, x = self._checker.prompt(i, p)
             ids.append(x)
             requests.append(Request(i, x, params, score_from=len(x)))
-        return ids, self._run(requests, use_tqdm)
+        done = self._run(requests, use_tqdm)
+        for c in done:  # a row the engine could not run (its KV cache too small for it)
+            if c.pooled is None:
+                raise RequestError(f"prompt {c.index}: {c.error}")
+        return ids, done
