@@ -158,21 +158,27 @@ def test_a_pooling_batchgen_does_not_run_is_refused(bases, tmp_path):
 def test_cli_embed_column_read_back_with_duckdb(st_dirs, tmp_path):
     """`batchgen run --task embed`: a fixed-size float32 list column, equal to
     sentence-transformers' encode (its pooling and Normalize read from the checkpoint), in
-    pyarrow, pandas and DuckDB; --dimensions and --embedding-dtype float16."""
+    pyarrow, pandas and DuckDB; a row without a prompt an error record with a null embedding;
+    --dimensions and --embedding-dtype float16."""
     import duckdb
 
     d = st_dirs["qwen2", "mean"]
-    src = write_parquet(tmp_path / "in.parquet", {"prompt": TEXTS, "topic": list("abcd")})
-    run_job(src, tmp_path / "out", d, "--task", "embed", "--max-num-batched-tokens", "16")
+    columns = {"prompt": [*TEXTS, None], "topic": list("abcde")}
+    src = write_parquet(tmp_path / "in.parquet", columns)
+    flags = ("--task", "embed", "--max-num-batched-tokens", "16", "--max-error-rate", "1")
+    run_job(src, tmp_path / "out", d, *flags)
     table = read_output(tmp_path / "out")
     assert table.schema.field("embedding").type == pa.list_(pa.float32(), 32)
     rows = rows_by_id(tmp_path / "out")
-    assert [rows[i]["topic"] for i in range(4)] == list("abcd")
-    assert {r["finish_reason"] for r in rows.values()} == {"stop"}
+    assert [rows[i]["topic"] for i in range(5)] == list("abcde")
+    assert [rows[i]["finish_reason"] for i in range(5)] == ["stop"] * 4 + ["error"]
+    assert rows[4]["embedding"] is None and rows[4]["error"]
     assert_same_directions([rows[i]["embedding"] for i in range(4)], st_encode(d, TEXTS))
-    assert len(table.to_pandas()["embedding"][0]) == 32
+    frame = table.to_pandas().set_index("id")
+    assert len(frame.loc[0, "embedding"]) == 32 and frame.loc[4, "embedding"] is None
     parts = str(tmp_path / "out" / "*.parquet")
-    got = duckdb.sql(f"SELECT id, embedding FROM read_parquet('{parts}') ORDER BY id").fetchall()
+    query = f"SELECT id, embedding FROM read_parquet('{parts}') WHERE error IS NULL ORDER BY id"
+    got = duckdb.sql(query).fetchall()
     assert [i for i, _ in got] == [0, 1, 2, 3]
     assert_same_directions([e for _, e in got], st_encode(d, TEXTS))
 
