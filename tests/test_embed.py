@@ -158,8 +158,8 @@ def test_a_pooling_batchgen_does_not_run_is_refused(bases, tmp_path):
 def test_cli_embed_column_read_back_with_duckdb(st_dirs, tmp_path):
     """`batchgen run --task embed`: a fixed-size float32 list column, equal to
     sentence-transformers' encode (its pooling and Normalize read from the checkpoint), in
-    pyarrow, pandas and DuckDB; a row without a prompt an error record with a null embedding;
-    --dimensions and --embedding-dtype float16."""
+    pyarrow, pandas, datasets and DuckDB; a row without a prompt an error record with a null
+    embedding; --dimensions and --embedding-dtype float16."""
     import duckdb
 
     d = st_dirs["qwen2", "mean"]
@@ -181,6 +181,12 @@ def test_cli_embed_column_read_back_with_duckdb(st_dirs, tmp_path):
     got = duckdb.sql(query).fetchall()
     assert [i for i, _ in got] == [0, 1, 2, 3]
     assert_same_directions([e for _, e in got], st_encode(d, TEXTS))
+    import datasets
+
+    ds = datasets.Dataset.from_parquet(parts, cache_dir=str(tmp_path / "hf-cache"))
+    assert ds.features["embedding"].length == 32  # a fixed-size Sequence of float32
+    lens = [0 if e is None else len(e) for e in ds.to_pandas().sort_values("id")["embedding"]]
+    assert lens == [32] * 4 + [0]
 
     run_job(
         src,
