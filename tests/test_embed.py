@@ -321,3 +321,21 @@ def test_embed_at_two_tensor_parallel_ranks(st_dirs):
     with cpu_llm(d, max_num_batched_tokens=16, tensor_parallel_size=2) as llm:
         got = [o.outputs.embedding for o in llm.embed(TEXTS)]
     assert_same_directions(got, st_encode(d, TEXTS))
+
+
+def test_job_spec_keys_and_plan_of_an_embed_job(st_dirs, tmp_path):
+    """`task: embed` with pooling, normalize, dimensions and embedding_dtype as job-spec keys;
+    `batchgen plan` counts no output tokens."""
+    d = st_dirs["llama", "last"]
+    src = write_parquet(tmp_path / "in.parquet", {"prompt": TEXTS})
+    out = tmp_path / "out"
+    spec = tmp_path / "job.yaml"
+    keys = "task: embed\npooling: mean\nnormalize: true\ndimensions: 8\nembedding_dtype: float32\n"
+    spec.write_text(f"input: {src}\noutput: {out}\nmodel: {d}\n{keys}")
+    plan = json.loads(run_cli("plan", spec, "--json").stdout)
+    assert plan["max_output_tokens"] == 0
+    run_cli("run", spec, "--quiet")
+    rows = rows_by_id(out)
+    want = st_encode(st_dirs["llama", "mean"], TEXTS, normalize_embeddings=False)[:, :8]
+    assert_same_directions([rows[i]["embedding"] for i in range(4)], want)
+    assert np.allclose(np.linalg.norm([rows[i]["embedding"] for i in range(4)], axis=1), 1.0)
