@@ -148,11 +148,20 @@ def test_matryoshka_dimensions_truncate_then_normalize(st_dirs):
 
 
 def test_a_pooling_batchgen_does_not_run_is_refused(bases, tmp_path):
+    """Max pooling (unless a flag chooses another) and a Dense projection are refused."""
     d = save_st_model(bases["llama"], tmp_path / "st-max", "max")
     with cpu_llm(d) as llm:
         with pytest.raises(ModelLoadError, match="max"):
             llm.embed(TEXTS)
         assert len(llm.embed(TEXTS, pooling="last")) == len(TEXTS)  # a flag overrides it
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Dense
+
+    st = SentenceTransformer(str(save_st_model(bases["llama"], tmp_path / "st", "lasttoken")))
+    st.append(Dense(32, 8))  # a projection after the pooling: not run by batchgen
+    st.save(str(tmp_path / "st-dense"))
+    with cpu_llm(tmp_path / "st-dense") as llm, pytest.raises(ModelLoadError, match="Dense"):
+        llm.embed(TEXTS, pooling="last")
 
 
 def test_cli_embed_column_read_back_with_duckdb(st_dirs, tmp_path):
