@@ -56,6 +56,24 @@ class Task(Choice):
     GENERATE = "generate"  # sample a completion per row (and sample)
     SCORE = "score"  # the probability of each --choice label given the prompt; nothing sampled
     PROMPT_LOGPROBS = "prompt-logprobs"  # each prompt token's logprob, perplexity; no sampling
+    EMBED = "embed"  # the prompt's final hidden states pooled into an embedding; no sampling
+    CLASSIFY = "classify"  # a classifier head's label probabilities (or a reward score)
+
+    @property
+    def pooled(self) -> bool:
+        return self in (Task.EMBED, Task.CLASSIFY)
+
+
+class PoolingChoice(Choice):
+    AUTO = "auto"  # the sentence-transformers checkpoint's own (1_Pooling), else last
+    LAST = "last"  # the last prompt token's final hidden state
+    MEAN = "mean"  # the mean over the prompt's tokens
+    CLS = "cls"  # the first token's
+
+
+class EmbeddingDtype(Choice):
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
 
 
 class OutputFormat(Choice):

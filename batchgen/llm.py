@@ -20,6 +20,7 @@ import torch
 
 from batchgen.api.engine_args import parse_engine_args
 from batchgen.api.outputs import RequestOutput, completion_output
+from batchgen.api.pooled import PoolingCalls
 from batchgen.api.prompts import (
     Message,
     Prompt,
@@ -48,8 +49,8 @@ from batchgen.quant import weight_bytes
 log = logging.getLogger(__name__)
 
 
-class LLM:
-    """A model loaded and an engine over it."""
+class LLM(PoolingCalls):
+    """A model loaded and an engine over it (`embed`, `classify`: api/pooled.py)."""
 
     def __init__(self, model: str | Path | None = None, **options: Any) -> None:
         """model: a local save_pretrained directory or a `builtin:` one (None: the embedded

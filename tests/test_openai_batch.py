@@ -87,6 +87,7 @@ def test_parse_chat_line_maps_every_field():
         "repetition_penalty": None,
         "logit_bias": '{"1": 2}',  # JSON text: the row's logit_bias column
         "model": "any",
+        "embeddings": False,  # a chat line, not /v1/embeddings
         OPENAI_ERROR_COLUMN: None,
     }
     assert unsupported == ["tools"]
@@ -118,7 +119,7 @@ def test_parse_completion_line():
         ({"body": {"prompt": "x"}, "url": COMPLETIONS}, "line-5", ["no custom_id"]),
         ({"custom_id": 3, "url": COMPLETIONS, "body": {}}, "line-5", ["custom_id is 3"]),
         ({"custom_id": "c", "url": COMPLETIONS}, "c", ["no body"]),
-        ({"custom_id": "c", "url": "/v1/embeddings", "body": {"input": "x"}}, "c", ["url"]),
+        ({"custom_id": "c", "url": "/v1/rerank", "body": {"input": "x"}}, "c", ["url"]),
         ({"custom_id": "c", "url": CHAT, "body": {"prompt": "x"}}, "c", ["messages"]),
         ({"custom_id": "c", "url": COMPLETIONS, "body": {"messages": []}}, "c", ["no prompt"]),
         ({"custom_id": "c", "url": COMPLETIONS, "body": {"prompt": [1, 2]}}, "c", ["list"]),
@@ -237,7 +238,7 @@ def test_malformed_lines_become_error_rows(tmp_path, model):
     assert sorted(rows) == ["line-2", "ok0", "ok1", "t", "u"]
     for cid, words in {
         "line-2": ["line 2", "not JSON"],
-        "u": ["line 3", "url"],
+        "u": ["url", "--task embed"],  # an embeddings line (a --task embed job's)
         "t": ["line 4", "temperature"],
     }.items():
         row = rows[cid]

@@ -80,6 +80,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "task",
         "prompt_logprobs",
     ),
+    "Embeddings": ("pooling", "normalize", "dimensions", "embedding_dtype"),
     "Constraints": ("choice", "regex", "json_schema", "json_any_whitespace"),
     "Engine": (
         "compile",

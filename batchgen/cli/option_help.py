@@ -81,8 +81,24 @@ HELP: dict[str, str] = {
         "label (or choice column) given the prompt, in `scores` and `label` columns; nothing "
         "is sampled. prompt-logprobs: each prompt token's log-probability given the tokens "
         "before it, in `prompt_logprobs`, `prompt_nll` and `perplexity` columns; nothing is "
-        "sampled."
+        "sampled. embed: the prompt's final hidden states pooled (--pooling) into an "
+        "`embedding` column. classify: a *ForSequenceClassification checkpoint's head on the "
+        "last token, in `label` and `probs` columns (a one-label reward head: `score`)."
     ),
+    "pooling": (
+        "With --task embed: last (the last token's hidden state), mean or cls (the first "
+        "token's), after the final norm. Default: the sentence-transformers checkpoint's own "
+        "(modules.json, 1_Pooling/config.json), else last."
+    ),
+    "normalize": (
+        "With --task embed: L2-normalize each embedding. Default: where the checkpoint has a "
+        "sentence-transformers Normalize module."
+    ),
+    "dimensions": (
+        "With --task embed: keep each embedding's first N values (Matryoshka), then normalize "
+        "where asked."
+    ),
+    "embedding_dtype": "With --task embed: the embedding column's floats (float32 or float16).",
     "prompt_logprobs": (
         "With --task prompt-logprobs: also keep each prompt position's K likeliest tokens, "
         "in a `prompt_top_logprobs` column (0-20; 0 = none)."

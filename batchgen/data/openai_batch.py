@@ -48,6 +48,7 @@ SCHEMA = pa.schema(
         ("repetition_penalty", pa.float64()),  # vLLM's extra parameter
         ("logit_bias", pa.string()),  # the body's {"token id": bias} as JSON text
         ("model", pa.string()),  # the body's model, echoed in the output lines
+        ("embeddings", pa.bool_()),  # a /v1/embeddings line (task embed)
         (OPENAI_ERROR_COLUMN, pa.string()),
     ]
 )
@@ -71,6 +72,8 @@ MAPPED_FIELDS = frozenset(
         "frequency_penalty",
         "repetition_penalty",
         "logit_bias",
+        "input",  # /v1/embeddings
+        "encoding_format",
     }
 )
 _PARSE_ROWS = 4096  # lines per Arrow batch while parsing

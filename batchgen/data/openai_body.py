@@ -14,6 +14,7 @@ from batchgen.choices import MAX_N  # a line asking for more is an error line
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"  # a job of --task embed: `input`, one string a line
 
 
 class LineError(Exception):
@@ -21,6 +22,10 @@ class LineError(Exception):
 
 
 def parse_body(url: Any, body: dict[str, Any], record: dict[str, Any]) -> None:
+    record["embeddings"] = url == EMBEDDINGS_URL
+    if url == EMBEDDINGS_URL:
+        _embedding_input(body, record)
+        return
     if url == CHAT_URL:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -36,7 +41,7 @@ def parse_body(url: Any, body: dict[str, Any], record: dict[str, Any]) -> None:
             )
         record["prompt"] = prompt
     else:
-        raise LineError(f"url {url!r} is not {CHAT_URL} or {COMPLETIONS_URL}")
+        raise LineError(f"url {url!r} is not {CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL}")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     record["max_new_tokens"] = _int(max_tokens, "max_tokens", minimum=1)
     record["temperature"] = _number(body.get("temperature"), "temperature")
@@ -50,6 +55,26 @@ def parse_body(url: Any, body: dict[str, Any], record: dict[str, Any]) -> None:
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         record[name] = _number(body.get(name), name)  # ranges: checked with the row's options
     record["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    model = body.get("model")
+    record["model"] = model if isinstance(model, str) else None
+
+
+def _embedding_input(body: dict[str, Any], record: dict[str, Any]) -> None:
+    """An embeddings body: one `input` string (a list, OpenAI's several inputs a request, is
+    refused: one line is one row here), `encoding_format` float (OpenAI's default)."""
+    text = body.get("input")
+    if isinstance(text, list):
+        raise LineError(
+            f"input is a list of {len(text)}; batchgen embeds one input string a line: write "
+            "each input as its own line (its own custom_id)"
+        )
+    if not isinstance(text, str) or not text:
+        what = "no input" if text is None else f"input is {type(text).__name__}"
+        raise LineError(f"{what}; a {EMBEDDINGS_URL} body needs an input string")
+    fmt = body.get("encoding_format", "float")
+    if fmt != "float":
+        raise LineError(f"encoding_format {fmt!r}: batchgen writes float embeddings only")
+    record["prompt"] = text
     model = body.get("model")
     record["model"] = model if isinstance(model, str) else None
 

@@ -12,7 +12,9 @@ bytes, top_logprobs}), a completion's `tokens`/`token_logprobs`/`text_offset`/`t
 without the EOS token that ended it (it is not in the text either). `top_logprobs` holds each
 token's likeliest alternatives where the request asked for some (the parts' `top_logprobs`
 column), else `[]` (chat) or null (completion). The body's `model` is the request's own where
-it named one, else the local model's path.
+it named one, else the local model's path. A task embed job's lines (/v1/embeddings) get an
+embeddings response: `{"object": "list", "data": [{"object": "embedding", "index": 0,
+"embedding": [...]}], "model", "usage": {"prompt_tokens", "total_tokens"}}`.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def write_results(
     body's model of a request whose line named none."""
     created = int(time.time()) if created is None else created
     # sample_index: several results of one request (n samples), where the job has it.
-    extra = ("sample_index", "token_ids", "logprobs", "top_logprobs")
+    extra = ("sample_index", "token_ids", "logprobs", "top_logprobs", "embedding")
     columns = [c for c in (*_RESULT_COLUMNS, *extra) if c in results.schema.names]
     by_id: dict[Any, list[dict[str, Any]]] = {}
     for r in results.select(columns).to_pylist():
@@ -104,6 +106,11 @@ def output_line(
         line["response"] = {"status_code": 400, "request_id": request_id, "body": None}
         line["error"] = {"code": "invalid_request", "message": failed["error"]}
         return line
+    if "embedding" in rows[0]:  # task embed: an embeddings response
+        line["response"] = {"status_code": 200, "request_id": request_id}
+        line["response"]["body"] = embeddings_body(rows[0], model)
+        line["error"] = None
+        return line
     choices = []
     for i, row in enumerate(rows):
         if chat:
@@ -130,6 +137,14 @@ def output_line(
     line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     line["error"] = None
     return line
+
+
+def embeddings_body(row: dict[str, Any], model: str) -> dict[str, Any]:
+    """A /v1/embeddings response body, OpenAI's shape, for one input."""
+    data = [{"object": "embedding", "index": 0, "embedding": row["embedding"]}]
+    n = row["prompt_tokens"]
+    usage = {"prompt_tokens": n, "total_tokens": n}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
 
 
 def _logprobs(

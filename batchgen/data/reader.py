@@ -120,8 +120,8 @@ class OpenAIBatchSource(InputSource):
     @property
     def requests(self) -> pa.Table:
         """Every line's custom_id, messages (null for a completion), whether it asked for
-        logprobs and its body's model, in input order."""
-        return self._table.select(["custom_id", "messages", "logprobs", "model"])
+        logprobs, its body's model and whether it is an embeddings line, in input order."""
+        return self._table.select(["custom_id", "messages", "logprobs", "model", "embeddings"])
 
     def _read(self, batch_rows: int, columns: Sequence[str] | None) -> Iterator[pa.RecordBatch]:
         table = self._table if columns is None else self._table.select(list(columns))

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from batchgen.data import prompt_logprob_columns as prompt_lp
+from batchgen.data.pooled_columns import PooledColumns
 from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.data.writer import OutputDir
 from batchgen.errors import InputError
@@ -61,6 +62,7 @@ class Result(Protocol):
     token_ids: list[int]
     logprobs: list[float] | None
     scores: list[float] | None
+    pooled: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
     error: str | None
     stop_reason: str | int | None
@@ -80,6 +82,7 @@ class RecordShape:
     id_column: str = DEFAULT_ID_COLUMN
     score: bool = False  # the labels' probabilities (`label`, `scores`) in place of the text
     prompt_logprobs: int | None = None  # the prompt's logprobs, k alternatives each (no text)
+    pooled: PooledColumns | None = None  # task embed's embedding, classify's label (no text)
     samples: bool = False  # a record per sample, keyed by (id, sample_index)
     as_list: bool = False  # a record per row, its samples' fields as lists
     with_token_ids: bool = False
@@ -98,6 +101,7 @@ class RecordShape:
             id_column=self.id_column,
             score=self.score,
             prompt_logprobs=self.prompt_logprobs,
+            pooled=self.pooled,
             as_list=self.as_list,
             with_timings=self.with_timings,
             with_top_logprobs=self.with_top_logprobs,
@@ -120,6 +124,8 @@ class RecordShape:
             rec["scores"] = list(zip(row.labels, probs, strict=True)) if ok else None
         elif self.prompt_logprobs is not None:
             rec.update(prompt_lp.record_fields(result if ok else None, self.prompt_logprobs))
+        elif self.pooled is not None:
+            rec.update(self.pooled.record_fields(result.pooled if ok else None))
         else:
             rec[TEXT_COLUMN] = result.text if ok else None
         rec.update(
@@ -151,8 +157,12 @@ def normalise(logprobs: list[float]) -> list[float]:
     return [w / total for w in weights]
 
 
-def reserved_columns(score: bool = False, prompt_logprobs: bool = False) -> frozenset[str]:
+def reserved_columns(
+    score: bool = False, prompt_logprobs: bool = False, pooled: tuple[str, ...] = ()
+) -> frozenset[str]:
     """Output columns of a job (besides its id): an input column cannot keep their names."""
+    if pooled:
+        return (RESERVED_COLUMNS - {TEXT_COLUMN}) | set(pooled)
     if prompt_logprobs:
         return (RESERVED_COLUMNS - {TEXT_COLUMN}) | set(prompt_lp.COLUMNS)
     return (RESERVED_COLUMNS - {TEXT_COLUMN}) | SCORE_COLUMNS if score else RESERVED_COLUMNS
@@ -171,13 +181,14 @@ def output_schema(
     with_top_logprobs: bool = False,
     with_stop_reason: bool = False,
     prompt_logprobs: int | None = None,
+    pooled: PooledColumns | None = None,
 ) -> pa.Schema:
     """The one definition of a result row: the id under its input column's name (and
     sample_index, for n samples a row), passthrough input columns, generation fields (a
     score job: the most likely label and each label's probability, in place of text; a
     prompt-logprobs job (prompt_logprobs: its alternatives per token) its prompt's logprobs).
     as_list: a row's n samples in one record, their generation fields as lists."""
-    reserved = reserved_columns(score, prompt_logprobs is not None)
+    reserved = reserved_columns(score, prompt_logprobs is not None, pooled.names if pooled else ())
     if id_column in reserved:
         raise InputError(
             f"id column {id_column!r} has the name of an output column, and the output keeps "
@@ -196,6 +207,8 @@ def output_schema(
     )
     if prompt_logprobs is not None:
         result = prompt_lp.schema_fields(prompt_logprobs > 0, TOP_LOGPROBS_TYPE)
+    if pooled is not None:
+        result = pooled.fields()
     fields = [
         pa.field(id_column, id_type),
         *([pa.field("sample_index", pa.int32())] if samples and not as_list else []),

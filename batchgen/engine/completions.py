@@ -73,16 +73,18 @@ class Completions:
             return self._scored(seq, now)
         if seq.finish_reason is FinishReason.ERROR:
             return error_completion(seq.request, seq.error)
-        if seq.request.scoring:  # a prompt-logprobs row: its prompt scored, nothing sampled
+        if seq.request.scoring:  # a prompt-logprobs or pooled row: nothing sampled
             return _with_prompt_logprobs(
                 Completion(
                     index=seq.request.index,
                     token_ids=[],
                     finish_reason=FinishReason.STOP,
                     prompt_tokens=seq.prompt_len,
+                    cached_tokens=seq.num_cached_prompt,
                     queued_at=seq.queued_at,  # its "first token" is its scores
                     first_token_at=now,
                     finished_at=now,
+                    pooled=seq.pooled if seq.params.pooling is not None else None,
                 ),
                 seq,
             )

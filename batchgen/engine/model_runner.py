@@ -34,6 +34,7 @@ from batchgen.engine.block_pool import NULL_BLOCK
 from batchgen.engine.block_table import BlockTables
 from batchgen.engine.input_buffer import InputBuffer
 from batchgen.engine.penalties import TokenCounts, apply_penalties
+from batchgen.engine.pooling import PooledStep, pooled_step
 from batchgen.engine.sampler import SamplingColumns, plain_greedy
 from batchgen.engine.scored_logprobs import score_rows
 from batchgen.engine.sequence import ScoredChunk, Sequence, StepPlan
@@ -200,9 +201,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    def forward(self, x: StepInputs) -> torch.Tensor:
+    def forward(self, x: StepInputs, pool: PooledStep | None = None) -> torch.Tensor | None:
         """The float32 logits (len(x.logits_index), vocab) of one step's inputs (what a
-        tensor-parallel rank other than 0 runs)."""
+        tensor-parallel rank other than 0 runs). pool: the step's pooled rows, which take the
+        hidden states before the LM head (None for logits when only pooled rows ran)."""
         d = self.inputs.upload(x)  # the step's one host -> device copy
         step = StepAttention(
             backend=self.attention,
@@ -213,11 +215,17 @@ class ModelRunner:
             prefills=tuple(PrefillSpan(q, n, c, b) for q, n, c, b in d.prefills),
         )
         tokens, positions, index = d.tokens, d.positions, d.logits_index
-        if self.graph is None:  # eager: the same bind, hidden and logits (Transformer.forward)
+        if self.graph is None and pool is None:  # eager: bind, hidden, logits (Transformer's)
             return self.model(tokens, positions, step, index)
-        self.shapes.add(len(x.tokens))
+        if self.graph is not None:
+            self.shapes.add(len(x.tokens))
         with bound(self.model.bind(step)):
-            h = self.graph.run_hidden(tokens, positions)
+            run = self.model.hidden if self.graph is None else self.graph.run_hidden
+            h = run(tokens, positions)
+        if pool is not None:  # engine/pooling.py
+            pool.take(h)
+            if pool.only:
+                return None
         logits = self.model.logits(h, index)
         if x.save_compile_cache:
             self.graph.save()
@@ -259,7 +267,13 @@ class ModelRunner:
         gap = None if self.last_step_end is None else t0 - self.last_step_end
         if self.broadcast is not None:
             self.broadcast(packed.inputs)
-        logits = self.forward(packed.inputs)
+        # tensor parallel: the other ranks run the LM head's all-gather, so rank 0 runs it too
+        pool = pooled_step(self.model, plan, packed.inputs.prefills, self.broadcast is None)
+        logits = self.forward(packed.inputs, pool)
+        if logits is None:  # pooled rows only: no scored token, nothing sampled
+            _sync(dev)
+            none = [ScoredChunk([]) for _ in packed.scored]
+            return [], none, self._timing(t0, gap)
         # the scored positions' rows follow the sampled ones (scored_logprobs.py)
         per_chunk = score_rows(logits[n:], packed.targets, packed.scored, plan)
         if not n:  # prefill chunks that sample nothing

@@ -32,6 +32,21 @@ class Constraint:
         return f"--{self.kind.value.replace('_', '-')} {str(self.spec)[:60]}"
 
 
+class Pooling(str, enum.Enum):
+    """How a pooled row (task embed / classify) turns its prompt's final hidden states (after
+    the final norm) into one vector: nothing is sampled (engine/pooling.py)."""
+
+    LAST = "last"  # the last prompt token's (decoder embedding models: Qwen3-Embedding)
+    MEAN = "mean"  # the mean over the prompt's tokens
+    CLS = "cls"  # the first token's
+    CLASSIFY = "classify"  # the last token's through the checkpoint's classifier head (`score`)
+
+    @property
+    def every_token(self) -> bool:
+        """Does it read tokens before the last (then no prefix-cache hit may skip them)?"""
+        return self in (Pooling.MEAN, Pooling.CLS)
+
+
 # The most alternatives a generated token reports (`top_logprobs`, OpenAI's bound for chat).
 MAX_TOP_LOGPROBS = 20
 # OpenAI's range of a logit bias; vLLM clamps a value outside it to its end, and so does this.
@@ -68,6 +83,7 @@ class DecodeParams:
     logit_bias: LogitBias = ()  # added to those tokens' logits, each in [-100, 100]
     # each prompt token's logprob handed back, with this many likeliest alternatives (None: off)
     prompt_logprobs: int | None = None
+    pooling: Pooling | None = None  # a pooled row: its prompt pooled, nothing sampled (None: off)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -1,9 +1,7 @@
-"""Plain-data types that flow through the engine: no torch here.
-
-A `Request` (prompt ids + `DecodeParams`) comes in; the scheduler wraps it in a
-`Sequence`, its running state (tokens so far, cache blocks, lifecycle), and plans each step
-as a `StepPlan` of `Scheduled` chunks; a `Completion` goes out, and each step's
-accounting as a `StepReport`."""
+"""Plain-data types that flow through the engine: no torch here. A `Request` (prompt ids +
+`DecodeParams`) comes in; the scheduler wraps it in a `Sequence`, its running state (tokens so
+far, cache blocks, lifecycle), and plans each step as a `StepPlan` of `Scheduled` chunks; a
+`Completion` goes out, and each step's accounting as a `StepReport`."""
 
 from __future__ import annotations
 
@@ -33,19 +31,17 @@ class FinishReason(str, enum.Enum):
 class Request:
     """One prompt to run: already tokenized.
 
-    With `candidates` (the score task) nothing is generated: the engine scores each
-    candidate continuation (its log-probability given the prompt) as its own sequence,
-    `prompt + candidate` with `score_from = len(prompt)`, and the prompt's blocks are
-    computed once and shared through the prefix cache."""
+    With `candidates` (the score task) nothing is generated: the engine scores each candidate
+    continuation (its log-probability given the prompt) as its own sequence, `prompt +
+    candidate` with `score_from = len(prompt)`, the prompt's blocks computed once and shared
+    through the prefix cache. A pooled row (`params.pooling`) has score_from = its length."""
 
     index: int  # position in the caller's list; results come back keyed by it
     prompt_ids: list[int]
     params: DecodeParams = field(default_factory=DecodeParams)
     candidates: tuple[tuple[int, ...], ...] = ()  # continuations to score instead of generating
     score_from: int | None = None  # a candidate's sequence: tokens from here are scored
-    # the parent of its first prefix-cache key: requests whose equal tokens hold other keys
-    # and values (a longrope model's long prompts: engine.py) share no cached blocks
-    cache_salt: int | None = None
+    cache_salt: int | None = None  # parent of its first cache key (longrope rows: engine.py)
 
     @property
     def prompt_len(self) -> int:
@@ -101,6 +97,7 @@ class Completion:
     # where asked for, its position's likeliest alternatives (the first's empty)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs] | None = None
+    pooled: list[float] | None = None  # params.pooling: the prompt pooled (or its head's logits)
 
     @property
     def completion_tokens(self) -> int:
@@ -142,6 +139,7 @@ class Sequence:
     # the request's, kept: read for every row of every step
     prompt_len: int = field(init=False, default=0)
     params: DecodeParams = field(init=False, default=None)
+    pooled: object = None  # a pooled row: the runner's running state, then its vector (a list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -174,11 +172,13 @@ class Sequence:
     def hittable_blocks(self, block_size: int) -> int:
         """Leading full blocks a prefix-cache hit may cover: at least its last token must run
         (to sample from), and where it scores tokens the one before its first (whose logits
-        score it): none for a prompt-logprobs row, which scores from its second token."""
+        score it): none for a prompt-logprobs row (scored from its second token) or a row
+        pooling every token's hidden state (engine/pooling.py)."""
         last = self.num_tokens - 1
         if self.request.scored is not None:
             last = min(last, self.request.scored.start - 1)
-        return last // block_size
+        pooling = self.params.pooling
+        return 0 if pooling is not None and pooling.every_token else last // block_size
 
     def take_scored(self, chunk: ScoredChunk) -> None:
         """A step's scored tokens of it: a candidate's logprobs, or its prompt's."""
@@ -192,7 +192,7 @@ class Sequence:
         """Preempted: its scored tokens run again."""
         if self.request.scoring:
             self.logprobs = []
-        self.prompt_logprobs, self.prompt_top = [], []
+        self.prompt_logprobs, self.prompt_top, self.pooled = [], [], None
 
     @property
     def below_min_tokens(self) -> bool:

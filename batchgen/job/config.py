@@ -13,8 +13,10 @@ from batchgen.choices import (
     BOUNDS,
     Choice,
     Dtype,
+    EmbeddingDtype,
     ModelImpl,
     OutputFormat,
+    PoolingChoice,
     QuantBackend,
     QuantMethod,
     Task,
@@ -66,6 +68,11 @@ class RunConfig:
     logit_bias: dict[int, float] = field(default_factory=dict)  # {token id: bias}; JSON text too
     ignore_eos: bool = False
     prompt_logprobs: int = 0  # task prompt-logprobs: each prompt token's top alternatives kept
+    # task embed (job/embedding.py): None / auto: the sentence-transformers checkpoint's own
+    pooling: PoolingChoice = PoolingChoice.AUTO
+    normalize: bool | None = None  # L2-normalize each embedding
+    dimensions: int | None = None  # Matryoshka: the embedding cut to its first N values
+    embedding_dtype: EmbeddingDtype = EmbeddingDtype.FLOAT32
     n: int = 1  # sampled completions per row (an n column overrides), each its own record
     n_as_list: bool = False  # one record per row, its samples' fields as lists
     # structured outputs (one at most; choice/regex/json_schema columns override per row)

@@ -134,6 +134,12 @@ def options_fingerprint(cfg: RunConfig) -> dict[str, Any]:
         del out["task"]
     if not cfg.prompt_logprobs:  # and jobs without prompt alternatives
         del out["prompt_logprobs"]
+    for key, off in (("pooling", "auto"), ("embedding_dtype", "float32")):  # and non-embed jobs
+        if out[key] == off:
+            del out[key]
+    for key in ("normalize", "dimensions"):
+        if out[key] is None:
+            del out[key]
     if not cfg.n_as_list:  # and jobs of a record per sample
         del out["n_as_list"]
     if not cfg.with_timings:  # and jobs without timing columns

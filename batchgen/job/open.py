@@ -12,6 +12,7 @@ from batchgen.data.reader import OpenAIBatchSource
 from batchgen.engine.constraints import ConstraintError
 from batchgen.errors import ConfigError
 from batchgen.job.config import RunConfig
+from batchgen.job.embedding import pooled_task
 from batchgen.job.generation import KEYS as GENERATION_KEYS
 from batchgen.job.generation import GenerationDefaults
 from batchgen.job.ids import check_unique_ids
@@ -82,6 +83,8 @@ def open_job(cfg: RunConfig) -> Job:
             f"--output-format openai writes OpenAI batch output lines, and {cfg.input} is "
             "not an OpenAI batch request file (lines with custom_id and body)"
         )
+    if isinstance(source, OpenAIBatchSource):
+        check_openai_task(cfg.task, source.requests.column("embeddings").to_pylist())
     if isinstance(source, OpenAIBatchSource) and source.asks_logprobs:
         # The lines that ask get each token's logprob: the parts keep them whatever the output
         # format, so a rerun that adds --output-format openai is the same job and can write them.
@@ -99,7 +102,8 @@ def open_job(cfg: RunConfig) -> Job:
         per_token = rank.kv_bytes_per_token(spec.dtype.itemsize)  # each rank holds its KV heads
         what = f"a KV cache of {cfg.kv_cache_tokens} tokens"
         check_allocation(cfg.kv_cache_tokens * per_token, what, "--kv-cache-tokens", spec.device)
-    prep = Preparer(cfg, source, spec.tokenizer, max_prompt, limit)
+    pooled = pooled_task(cfg, spec)  # task embed / classify (None: neither)
+    prep = Preparer(cfg, source, spec.tokenizer, max_prompt, limit, pooled)
     if prep.id_column and source.format is not InputFormat.OPENAI:  # custom_ids: when parsed
         check_unique_ids(source, prep.id_column, cfg.limit)
     if (
@@ -123,7 +127,7 @@ def prompt_limits(cfg: RunConfig, positions: int) -> tuple[int, int, str]:
             "(max_position_embeddings); pass at most that"
         )
     model_len = cfg.max_model_len or positions
-    # a prompt-logprobs row is its prompt alone
+    # a prompt-logprobs, embed or classify row is its prompt alone
     room = {Task.GENERATE: cfg.max_new_tokens, Task.SCORE: 1}.get(cfg.task, 0)
     if model_len - room < 1:
         where = (
@@ -156,3 +160,18 @@ def check_weights(spec: ModelSpec) -> None:
         "--quantize or --dtype)",
         spec.device,
     )
+
+
+def check_openai_task(task: Task, embeddings: list[bool | None]) -> None:
+    """An OpenAI batch file's lines (embeddings: each line's, None for a malformed one) and
+    the job's task agree where all its lines are of one kind: /v1/embeddings lines are a --task
+    embed job's, and only they are. In a mixed file the other kind's lines are error rows
+    (job/embedding.py's endpoint_error)."""
+    kinds = {e for e in embeddings if e is not None}
+    if kinds == {True} and task is not Task.EMBED:
+        raise ConfigError("the batch file has /v1/embeddings lines: run it with --task embed")
+    if task is Task.EMBED and kinds == {False}:
+        raise ConfigError(
+            "task embed runs /v1/embeddings lines, and the batch file has completion lines "
+            "only; run it without --task embed"
+        )

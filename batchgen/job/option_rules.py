@@ -19,6 +19,10 @@ class RunOptions(Protocol):
     regex: str | None
     json_schema: str | None
     prompt_logprobs: int
+    pooling: Any
+    normalize: bool | None
+    dimensions: int | None
+    embedding_dtype: Any
     n: int
     n_as_list: bool
     output_format: OutputFormat
@@ -42,6 +46,7 @@ def check_combinations(cfg: RunOptions) -> None:
             "prompt_logprobs keeps each prompt token's alternatives in a prompt-logprobs "
             "job; add --task prompt-logprobs (or drop --prompt-logprobs)"
         )
+    _check_pooled(cfg)
     if cfg.n_as_list and cfg.output_format is OutputFormat.OPENAI:
         raise ConfigError(
             "n_as_list: the OpenAI output already gathers a request's samples as its "
@@ -86,3 +91,27 @@ def _check_prompt_logprobs(cfg: RunOptions) -> None:
         raise ConfigError(
             f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {cfg.prompt_logprobs}"
         )
+
+
+_EMBED_OPTIONS = {"pooling": "auto", "normalize": None, "dimensions": None}
+_EMBED_OPTIONS["embedding_dtype"] = "float32"
+
+
+def _check_pooled(cfg: RunOptions) -> None:
+    """Task embed's options in an embed job only; nothing sampled in embed and classify."""
+    if cfg.task is not Task.EMBED:
+        given = [k for k, off in _EMBED_OPTIONS.items() if getattr(cfg, k) != off]
+        if given:
+            flags = " / ".join(f"--{k.replace('_', '-')}" for k in given)
+            raise ConfigError(f"{flags} shape embeddings: add --task embed (or drop them)")
+    if not cfg.task.pooled:
+        return
+    what = f"task {cfg.task.value} pools the prompt and samples nothing"
+    if any(getattr(cfg, k) is not None for k in ("choice", "regex", "json_schema")):
+        raise ConfigError(f"{what}; drop --choice / --regex / --json-schema")
+    if cfg.n != 1 or cfg.n_as_list:
+        raise ConfigError(f"{what}; drop --n / --n-as-list")
+    if cfg.task is Task.CLASSIFY and cfg.output_format is OutputFormat.OPENAI:
+        raise ConfigError(f"{what}; OpenAI batch output has no classify endpoint")
+    if cfg.dimensions is not None and cfg.dimensions < 1:
+        raise ConfigError(f"dimensions must be >= 1, got {cfg.dimensions}")

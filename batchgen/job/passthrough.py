@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from batchgen.data import InputFormat, InputSource
+from batchgen.data.pooled_columns import CLASSIFY_COLUMNS, EMBED_COLUMNS, REWARD_COLUMNS
 from batchgen.data.records import LEGACY_TEXT_COLUMN, TEXT_COLUMN, reserved_columns
 from batchgen.data.source import DEFAULT_ID_COLUMN
 from batchgen.job.config import RunConfig, Task
@@ -28,7 +29,9 @@ def passthrough_columns(
     cfg: RunConfig, source: InputSource, id_column: str | None
 ) -> dict[str, str]:
     """{input column: its name in the output}, in input order, without the id column."""
-    reserved = reserved_columns(cfg.task is Task.SCORE, cfg.task is Task.PROMPT_LOGPROBS)
+    pooled = {Task.EMBED: EMBED_COLUMNS, Task.CLASSIFY: CLASSIFY_COLUMNS + REWARD_COLUMNS}
+    score, lps = cfg.task is Task.SCORE, cfg.task is Task.PROMPT_LOGPROBS
+    reserved = reserved_columns(score, lps, pooled.get(cfg.task, ()))
     return _names(cfg, source, id_column, reserved)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
@@ -22,6 +22,7 @@ from batchgen.engine.sequence import Request
 from batchgen.errors import InputError, RowError
 from batchgen.job.bias_column import compact_bias_column, compact_field
 from batchgen.job.config import RunConfig
+from batchgen.job.embedding import PooledTask, endpoint_error
 from batchgen.job.ids import ROW_NUMBERS_FIX, check_id_type
 from batchgen.job.passthrough import passthrough_columns
 from batchgen.job.prompt_builders import make_prompt_builder, openai_prompt_builders
@@ -50,8 +51,10 @@ class Preparer:
         tokenizer,
         max_prompt_len: int,
         limit_name: str = "--max-prompt-len",  # what max_prompt_len comes from, for errors
+        pooled: PooledTask | None = None,  # task embed / classify (job/embedding.py)
     ) -> None:
         self.cfg, self.source, self.tokenizer = cfg, source, tokenizer
+        self.pooled = pooled
         self.chat_builder: PromptBuilder | None = None  # chat rows of an OpenAI batch file
         if source.format is InputFormat.OPENAI:
             self.builder, self.chat_builder = openai_prompt_builders(cfg, tokenizer)
@@ -71,7 +74,7 @@ class Preparer:
         needed = self.builder.required_columns() | set(self.passthrough) | self.options.columns
         needed |= {"n"} if self.n_column else set()
         if self.chat_builder is not None:
-            needed |= self.chat_builder.required_columns()
+            needed |= self.chat_builder.required_columns() | {"embeddings"}  # its endpoint
         needed |= {c for c in (self.id_column, source.error_column) if c}
         source.require_columns(sorted(needed), self.builder.missing_fixes(source.columns))
         if self.id_column:
@@ -99,6 +102,7 @@ class Preparer:
             id_column=self.output_id_column,
             score=self.score,
             prompt_logprobs=self.options.defaults.prompt_logprobs,  # task prompt-logprobs: k
+            pooled=self.pooled.columns if self.pooled else None,
             samples=self.samples,
             as_list=self.as_list,
             with_token_ids=self.cfg.with_token_ids,
@@ -177,13 +181,16 @@ class Preparer:
             error = bad.get(i) or n_error
             if error is None and error_column and rec[error_column] is not None:
                 error = rec[error_column]
+            if error is None and self.chat_builder is not None:  # an OpenAI line: its endpoint
+                error = endpoint_error(rec["embeddings"], self.pooled is not None)
             if error is None:
                 if self.chat_builder is not None and rec["messages"] is not None:
                     builder, chat = self.chat_builder, True
                 else:
                     builder, chat = self.builder, bool(self.cfg.messages_column)
                 try:
-                    texts.append(builder.render(rec))
+                    prefix = self.pooled.prefix if self.pooled else ""  # an instruction
+                    texts.append(prefix + builder.render(rec))
                     chats.append(chat)
                     pending.append((first, rec, todo))
                 except RowError as e:
@@ -216,6 +223,11 @@ class Preparer:
                     continue
                 samples[0].prompt_tokens, samples[0].labels = len(ids_), labels
                 requests.append(Request(first, ids_, params[0], candidates=cands))
+                continue
+            if self.pooled is not None:  # its prompt pooled: nothing scored, nothing sampled
+                samples[0].prompt_tokens = len(ids_)
+                pooled = replace(params[0], pooling=self.pooled.pooling)
+                requests.append(Request(first, ids_, pooled, score_from=len(ids_)))
                 continue
             if params[0].prompt_logprobs is not None:  # the prompt scored from its 2nd token
                 samples[0].prompt_tokens = len(ids_)

@@ -69,7 +69,11 @@ _LLAMA_TOP = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "lm_head.weight",
+    "score.weight": "score.weight",  # a *ForSequenceClassification's head (classifier_head.py)
 }
+# A base model's tensors (LlamaModel, Qwen2Model saved alone, as embedding models ship): the
+# causal LM's without its `model.` prefix, and no LM head.
+_BASE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 
 
 def _map_gpt2(name: str) -> tuple[str | None, bool]:
@@ -128,6 +132,8 @@ def weight_slot(cfg: ModelConfig, name: str, tp: TPShard = SINGLE) -> WeightSlot
         if ours is None:
             return None
         return WeightSlot(ours, _copies(cfg, tp, ours, "qkv" if ".wqkv." in ours else "in"), conv)
+    if name.startswith(_BASE_PREFIXES):
+        name = "model." + name
     if cfg.n_experts and (moe := moe_weight(cfg, name, tp)) is not None:
         return WeightSlot(*moe)
     m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight", name)

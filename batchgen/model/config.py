@@ -117,6 +117,7 @@ class ModelConfig:
     final_softcap: float | None = None
     layer_windows: tuple[int | None, ...] = ()
     local_rope_theta: float | None = None
+    labels: tuple[str, ...] | None = None  # a classifier head's, by logit (classifier_head.py)
 
     def __post_init__(self) -> None:
         sizes = (

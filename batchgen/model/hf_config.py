@@ -5,10 +5,12 @@ layout is loader.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from batchgen.errors import ModelLoadError
+from batchgen.model.classifier_head import classifier_labels
 from batchgen.model.config import (
     GEMMA_FAMILIES,
     Family,
@@ -121,7 +123,7 @@ def _activation(name: str) -> str:
 def config_from_hf(hf: dict) -> ModelConfig:
     """The ModelConfig of a config.json; ModelLoadError for a missing or malformed entry."""
     try:
-        return _config_from_hf(hf)
+        cfg = _config_from_hf(hf)
     except KeyError as e:
         raise ModelLoadError(
             f"no {e.args[0]!r}, which a {hf.get('model_type')} config.json needs; "
@@ -131,6 +133,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ModelLoadError(
             f"not a valid {hf.get('model_type')} config ({e}); restore it from the model's source"
         ) from None
+    labels = classifier_labels(hf)  # a *ForSequenceClassification checkpoint's head
+    return cfg if labels is None else dataclasses.replace(cfg, labels=labels)
 
 
 def _config_from_hf(hf: dict) -> ModelConfig:

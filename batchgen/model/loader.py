@@ -31,6 +31,7 @@ from batchgen.model.checkpoint_files import (
 )
 from batchgen.model.checkpoint_format import checkpoint_scheme
 from batchgen.model.checkpoint_names import weight_slot
+from batchgen.model.classifier_head import add_classifier_head
 from batchgen.model.config import ModelConfig
 from batchgen.model.gemma import decoder_class
 from batchgen.model.hf_config import config_from_hf, read_hf_config
@@ -200,6 +201,8 @@ def load_model(
     )
     with torch.device("meta"):
         model = decoder_class(cfg)(local_config(cfg, tp))
+        if cfg.labels is not None:  # a *ForSequenceClassification checkpoint's head
+            add_classifier_head(model, len(cfg.labels))
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     nbytes = (
         sum(

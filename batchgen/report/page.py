@@ -129,7 +129,8 @@ def render(data: RunData) -> str:
     parts += ["<h2>Latency distributions</h2>", _png(plots.distributions(s))]
     if data.steps and len(data.steps["t_s"]):
         parts += ["<h2>Throughput</h2>", _png(plots.throughput(data.steps, s))]
-        parts += ["<h2>Batch and KV cache</h2>", _png(plots.occupancy(data.steps))]
+        decodes = not tables.prefill_only(s)
+        parts += ["<h2>Batch and KV cache</h2>", _png(plots.occupancy(data.steps, decodes))]
         parts += ["<h2>Roofline</h2>", _png(plots.roofline(data.steps, s))]
     else:
         parts.append('<p class="note">No step timeline here: no timeline to plot.</p>')

@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from batchgen.report import timebins
+from batchgen.report.tables import prefill_only
 from batchgen.stats.latency import LOW, RATIO, LogHistogram
 from batchgen.stats.roofline import compute_ceiling_s
 
@@ -41,6 +42,15 @@ def throughput(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
     its clock starts when the rows were queued, not when the job started."""
     fig = _figure()
     ax = fig.add_subplot()
+    if prefill_only(stats):
+        t, rates = timebins.rates(steps, {"prefill": steps["prefill_tokens"]})
+        ax.plot(t, rates["prefill"], color="tab:orange", label="prompt tokens/s computed")
+        ax.set(xlabel="seconds since the job started (s)", ylabel="prompt tokens / s")
+        ax.set_title("Throughput over time (prefill only: nothing sampled)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+        return fig
     t, rates = timebins.rates(
         steps,
         {
@@ -69,7 +79,8 @@ def _legend(*axes) -> None:
     axes[0].legend(handles, labels, loc="best", fontsize="small")
 
 
-def occupancy(steps: dict[str, list]) -> Figure:
+def occupancy(steps: dict[str, list], decodes: bool = True) -> Figure:
+    """Rows decoding (decodes: the job sampled) and waiting, and the KV cache's use."""
     fig = _figure()
     ax = fig.add_subplot()
     used = np.asarray(steps["kv_blocks_used"], dtype=np.float64)
@@ -78,7 +89,8 @@ def occupancy(steps: dict[str, list]) -> Figure:
     t, means = timebins.means(
         steps, {"rows": steps["decode_rows"], "waiting": steps["waiting"], "kv": pct}
     )
-    ax.plot(t, means["rows"], color="tab:blue", label="decoding rows")
+    if decodes:
+        ax.plot(t, means["rows"], color="tab:blue", label="decoding rows")
     ax.plot(t, means["waiting"], color="tab:gray", alpha=0.7, label="waiting rows")
     ax.set(
         xlabel="seconds since the job started (s)",
@@ -95,10 +107,12 @@ def occupancy(steps: dict[str, list]) -> Figure:
 
 
 def distributions(stats: dict[str, Any]) -> Figure:
-    fig = _figure(12.0, 3.4)
+    """TTFT, TPOT and latency; a prefill-only job's latency alone (its TTFT is its latency)."""
+    keys = ("latency_s",) if prefill_only(stats) else ("ttft_s", "tpot_s", "latency_s")
+    fig = _figure(4.0 * len(keys), 3.4)
     hists = stats.get("latency_histograms") or {}
-    for i, key in enumerate(("ttft_s", "tpot_s", "latency_s")):
-        ax = fig.add_subplot(1, 3, i + 1)
+    for i, key in enumerate(keys):
+        ax = fig.add_subplot(1, len(keys), i + 1)
         ax.set(title=NAMES[key], xlabel="seconds (log scale; ms, s)", ylabel="rows")
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
@@ -139,10 +153,11 @@ def roofline(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
     prompt = np.asarray(steps["prefill_tokens"])[::k]
     tokens = np.asarray(steps["decode_rows"])[::k] + prompt
     step_s = np.asarray(steps["step_s"])[::k]
+    decodes = not prefill_only(stats)
     for prefill, colour, label in (
         (False, "tab:blue", "decode-only steps"),
         (True, "tab:orange", "steps with prefill"),
-    ):
+    )[1 - decodes :]:
         idx = (prompt > 0) == prefill
         ax.scatter(
             tokens[idx],
@@ -169,14 +184,8 @@ def roofline(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
         decode = [compute_ceiling_s(stats, x, x) for x in xs]
         compute = [compute_ceiling_s(stats, x, 1) for x in xs]
         memory = weights / bw
-        ax.plot(
-            xs,
-            decode,
-            color="tab:green",
-            lw=1,
-            ls=":",
-            label="compute ceiling, decode (FLOPs / peak)",
-        )
+        if decodes:
+            ax.plot(xs, decode, color="tab:green", lw=1, ls=":", label="compute ceiling, decode")
         ax.plot(
             xs,
             compute,

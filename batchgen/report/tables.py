@@ -42,6 +42,12 @@ def _when(unix: float | None) -> str:
     return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def prefill_only(s: dict[str, Any]) -> bool:
+    """A job that sampled nothing (task score, prompt-logprobs, embed, classify): its page has
+    no decode series, no TPOT or MBU, and no decode ceiling."""
+    return not s.get("output_tokens") and not s.get("decode_steps")
+
+
 def stats_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     """The table of headline figures, from a run's or a merge's stats.json."""
     merged = "per_shard" in s
@@ -68,6 +74,10 @@ def stats_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("MFU", utilisation(s, "mfu")),
         ("MBU (decode steps)", utilisation(s, "mbu")),
     ]
+    if prefill_only(s):  # nothing decoded: prompt tokens/s, no TPOT (TTFT is the latency)
+        prompt = ("prompt tokens / s", f"{s.get('prompt_tokens_per_s', 0.0):.1f}")
+        rows = [prompt if k == "output tokens / s" else (k, v) for k, v in rows]
+        rows = [(k, v) for k, v in rows if not k.startswith(("TTFT", "TPOT", "MBU"))]
     if s.get("peak_flops") or s.get("peak_bandwidth"):
         flops = f"{s['peak_flops'] / 1e12:.3g} TFLOP/s" if s.get("peak_flops") else "- TFLOP/s"
         bw = f"{s['peak_bandwidth'] / 1e9:.3g} GB/s" if s.get("peak_bandwidth") else "- GB/s"
