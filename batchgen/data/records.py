@@ -26,17 +26,8 @@ _OUTPUT_COLUMNS = (TEXT_COLUMN, "finish_reason", "prompt_tokens", "completion_to
 # column keeps its input name (`id` for row numbers), so it is reserved only for the passthrough.
 # --with-timings: each row's seconds (stats/latency.py says what they are)
 TIMING_COLUMNS = ("queued_s", "ttft_s", "latency_s", "tpot_s")
-RESERVED_COLUMNS = frozenset(
-    {
-        "sample_index",
-        *_OUTPUT_COLUMNS,
-        "token_ids",
-        "logprobs",
-        "top_logprobs",
-        "stop_reason",
-        *TIMING_COLUMNS,
-    }
-)
+_RESULT_FIELDS = ("sample_index", "token_ids", "logprobs", "top_logprobs", "stop_reason")
+RESERVED_COLUMNS = frozenset({*_OUTPUT_COLUMNS, *_RESULT_FIELDS, *TIMING_COLUMNS})
 # A generated token's likeliest alternatives, best first (rows that ask: a top_logprobs column).
 TOP_LOGPROBS_TYPE = pa.list_(pa.list_(pa.struct([("id", pa.int32()), ("logprob", pa.float32())])))
 SCORE_COLUMNS = frozenset({"label", "scores"})  # a score job's results, in place of text

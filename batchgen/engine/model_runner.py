@@ -35,11 +35,10 @@ from batchgen.engine.block_table import BlockTables
 from batchgen.engine.input_buffer import InputBuffer
 from batchgen.engine.penalties import TokenCounts, apply_penalties
 from batchgen.engine.pooling import PooledStep, pooled_step
-from batchgen.engine.sampler import SamplingColumns, plain_greedy
 from batchgen.engine.scored_logprobs import score_rows
 from batchgen.engine.sequence import ScoredChunk, Sequence, StepPlan
 from batchgen.engine.step_inputs import StepInputs, WarmUp, pack_step
-from batchgen.engine.step_sampling import Sampled, greedy_step, sample_step, to_host, wants_top
+from batchgen.engine.step_sampling import Sampled, sample_rows, to_host, wants_top
 from batchgen.engine.warmup import rewarm_attention, warm_up
 from batchgen.model.attention import (
     DecodeBackend,
@@ -285,16 +284,8 @@ class ModelRunner:
             order = torch.tensor(packed.decode_order + list(range(nd, n)))
             bitmask = bitmask[order.to(dev, non_blocking=True)]
         top = wants_top(packed.sampled)
-        if bitmask is None and plain_greedy(packed.sampled):  # the argmax: nothing to pass
-            result = greedy_step(logits[:n], top)
-        else:
-            sampling = SamplingColumns.of(packed.sampled)
-            if self.graph is not None:
-                result = self.graph.sample(logits[:n], sampling, bitmask)
-            else:
-                samp, steps = sampling.tensors(dev)
-                greedy, filters = sampling.greedy_only, sampling.filters
-                result = sample_step(logits[:n], samp, steps, greedy, bitmask, top, filters)
+        compiled = self.graph.sample if self.graph is not None else None
+        result = sample_rows(logits[:n], packed.sampled, bitmask, top, compiled)
         out = to_host(result, packed.sampled, top)  # the step's one host read
         decoded = [None] * nd  # back to plan order
         for j, i in enumerate(packed.decode_order):

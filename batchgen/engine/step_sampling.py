@@ -10,10 +10,18 @@ log-probabilities are `logit - logsumexp(logits)`: a reduction over the vocabula
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from batchgen.engine.constraints import apply_bitmask
-from batchgen.engine.sampler import SamplingTensors, ban_tokens, sample
+from batchgen.engine.sampler import (
+    SamplingColumns,
+    SamplingTensors,
+    ban_tokens,
+    plain_greedy,
+    sample,
+)
 from batchgen.engine.sequence import MAX_TOP_LOGPROBS, Scheduled, TopLogprobs
 
 # (token, logprob, its top alternatives where the sequence asks for them) per sampling
@@ -54,6 +62,25 @@ def sample_step(
     logits = ban_tokens(logits, sampling.ban)  # stop tokens below min_tokens get -inf
     tok = sample(logits, sampling, steps, greedy_only, filters)
     return _logprobs(logits, tok, top)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    sampled: list[Scheduled],
+    bitmask: torch.Tensor | None,
+    top: bool,
+    compiled: Callable | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The rows `sampled` (logits' rows, in order) drawn, paying for what they ask: the argmax
+    where all are plain greedy, else their columns through `compiled` (the compiled sampling,
+    CompiledForward.sample) or eagerly."""
+    if bitmask is None and plain_greedy(sampled):
+        return greedy_step(logits, top)
+    sampling = SamplingColumns.of(sampled)
+    if compiled is not None:
+        return compiled(logits, sampling, bitmask)
+    samp, steps = sampling.tensors(logits.device)
+    return sample_step(logits, samp, steps, sampling.greedy_only, bitmask, top, sampling.filters)
 
 
 def wants_top(sampled: list[Scheduled]) -> bool:
