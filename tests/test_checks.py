@@ -316,6 +316,15 @@ def test_a_longrope_factor_list_of_the_wrong_length_is_a_one_line_error(tmp_path
     assert_one_line_error(r, "config.json", "short_factor", "8")
 
 
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_an_extra_layer_is_a_one_line_error_on_either_implementation(tmp_path, model, impl):
+    """Issue 38, item 22: transformers would load a 2-layer model and drop layer 2's tensors
+    with a warning; the transformers backend refuses them as the native loader does."""
+    d, words = _extra_layer(tmp_path, model)
+    r = run_job(prompt_file(tmp_path, 2), tmp_path / "out", d, "--model-impl", impl, exit_code=2)
+    assert_one_line_error(r, *words)
+
+
 # --- 14. int4 group sizes ---
 
 

@@ -5,6 +5,7 @@ which installs the Debian packages when missing). Where that cannot work (not ro
 skip, except under CI=true, where not running them is an error.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -18,11 +19,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from click.testing import CliRunner
-from helpers import listing, run_job, success
+from helpers import assert_one_line_error, listing, run_job, success
 from slurm_cluster import LocalSlurm, SlurmUnavailable, logs_tail
 
 from batchgen.cli import main
-from batchgen.data.layout import MERGED_FILE, SLURM_DIR
+from batchgen.data.layout import MERGED_FILE, SLURM_DIR, VERDICT_FILE
 
 BATCHGEN = [sys.executable, "-m", "batchgen.cli"]
 # Long enough (200 rows, 2 sequences at a time, a part per 2 rows) that a time-limit signal
@@ -306,6 +307,37 @@ def test_spaces_in_the_output_path_and_job_name_on_slurm(slurm, tmp_path, gpt2):
         ["sacct", "-n", "-X", "-j", job, "-o", "JobName%20"], capture_output=True, text=True
     ).stdout
     assert "my job" in name or not name.strip()  # sacct needs accounting, which may be off
+
+
+@pytest.mark.slurm
+@pytest.mark.slow  # ~27 s: two array tasks, then three merges
+def test_merge_refuses_a_job_over_its_error_rate_on_slurm(slurm, tmp_path, gpt2):
+    """Issue 38, item 2 on a real array: each task leaves the rate to the merge and completes;
+    `batchgen merge --max-error-rate` then judges the whole job (4 null rows in 10: 40%)."""
+    spec = make_job(tmp_path, gpt2, n_rows=10, max_error_rate=0.3)
+    texts = [None if i % 3 == 0 else f"great product {i}" for i in range(10)]
+    keys = [f"r{i:03d}" for i in range(10)]
+    pq.write_table(pa.table({"key": keys, "text": texts}), tmp_path / "reviews.parquet")
+    job = submit(spec, "--shards", "2")
+    wait_for(job)
+    out = tmp_path / "out"
+    logs = {p.name: p.read_text() for p in (out / SLURM_DIR).glob("*.out")}
+    assert task_states(job) == ["COMPLETED"] * 2, logs  # no task fails on its own share
+    merged = subprocess.run(
+        [*BATCHGEN, "merge", str(out), "--max-error-rate", "0.3"], capture_output=True, text=True
+    )
+    assert merged.returncode == 1, merged.stdout + merged.stderr
+    assert_one_line_error(merged.stderr, "4 of 10 rows (40%)", "--max-error-rate 0.3")
+    verdict = json.loads((out / VERDICT_FILE).read_text())
+    assert (verdict["rows"], verdict["error_rows"], verdict["passed"]) == (10, 4, False)
+    again = subprocess.run(
+        [*BATCHGEN, "merge", str(out), "--max-error-rate", "0.3"], capture_output=True
+    )
+    assert again.returncode == 1  # the verdict holds on a rerun of the merge
+    accepted = subprocess.run(
+        [*BATCHGEN, "merge", str(out), "--max-error-rate", "0.4"], capture_output=True
+    )
+    assert accepted.returncode == 0
 
 
 @pytest.mark.slurm

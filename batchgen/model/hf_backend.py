@@ -244,7 +244,26 @@ def load_hf_model(
             + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else "")
             + "; the weights and config.json must come from the same model"
         )
+    _refuse_extra_layers(path, hf, cfg.n_layers, info["unexpected_keys"])
     if lora is not None:
         hf = merge_hf_lora(hf, lora, plan.options.get("key_mapping"))
     hf = hf.to(device).eval().requires_grad_(False)
     return HFModel(hf, cfg)
+
+
+def _refuse_extra_layers(path: str | Path, hf: nn.Module, n_layers: int, unexpected) -> None:
+    """A tensor of a decoder layer past config.json's count, which transformers leaves unread
+    with a warning: refused, as the native loader refuses it (the weights and config disagree).
+    The decoder's layer list is found by its length; a vision tower's layers are not its."""
+    lists = [
+        n for n, m in hf.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers
+    ]
+    for name in sorted(unexpected):
+        for prefix in lists:
+            index = name.removeprefix(f"{prefix}.").split(".")[0]
+            if name.startswith(f"{prefix}.") and index.isdigit() and int(index) >= n_layers:
+                raise ModelLoadError(
+                    f"the checkpoint's {name} in {path} has no place in the {n_layers}-layer "
+                    "model its config.json describes; the weights and config.json must come "
+                    "from the same model"
+                )
