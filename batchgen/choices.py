@@ -35,7 +35,7 @@ class ModelImpl(Choice):
     """Which code runs the model (vLLM's --model-impl)."""
 
     AUTO = "auto"  # native where batchgen has the family, else transformers
-    NATIVE = "native"  # batchgen's own decoder (model/transformer.py)
+    NATIVE = "native"  # batchgen's own decoder (model/families/transformer.py)
     TRANSFORMERS = "transformers"  # transformers' modeling code, batchgen's attention
 
 

@@ -40,8 +40,8 @@ from batchgen.errors import RequestError
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.seeds import SEED_RANGE
 from batchgen.model.host_malloc import release_freed_memory
-from batchgen.model.tensor_parallel import TPShard
-from batchgen.model.tp_layers import CollectiveClock
+from batchgen.model.parallel.collectives import CollectiveClock
+from batchgen.model.parallel.sharding import TPShard
 from batchgen.parallel.rank_model import RankSpec, load_hf_rank_model, load_rank_model
 from batchgen.parallel.ranks import RankedRunner, Ranks
 from batchgen.quant import weight_bytes

@@ -26,7 +26,7 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.params import DecodeParams
 from batchgen.engine.sequence import Request
 from batchgen.model.config import ModelConfig
-from batchgen.model.transformer import Transformer
+from batchgen.model.families.transformer import Transformer
 
 TOKEN = 7  # every row's next token (not EOS, which is 2)
 

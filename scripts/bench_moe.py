@@ -1,4 +1,4 @@
-"""The MoE experts' two kernels (model/moe.py) against each other: `experts_grouped` (the
+"""The MoE experts' two kernels (model/families/moe.py) against each other: `experts_grouped` (the
 (token, expert) pairs sorted by expert, two `torch._grouped_mm` calls) and `experts_loop`
 (per expert: gather its rows, two matmuls, add back), at decode and prefill token counts.
 
@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from batchgen.model.moe import experts_grouped, experts_loop
+from batchgen.model.families.moe import experts_grouped, experts_loop
 
 # name -> (experts, experts per token, dim, expert intermediate)
 SHAPES = {

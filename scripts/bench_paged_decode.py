@@ -1,6 +1,6 @@
 """Decode attention of one layer: gather + SDPA against FlexAttention reading the paged pool in
-place (model/paged_flex.py), at a given shape. Time per call, and the bandwidth each achieves
-on the bytes attention must read: every row's keys and values once (rows x ctx x kv heads x
+place (model/attention/paged_flex.py), at a given shape. Time per call, and the bandwidth each
+achieves on the bytes attention must read: every row's keys and values once (rows x ctx x kv heads x
 head dim x 2 x bytes). The gather path moves three times that (read the pool, write the copy,
 read the copy); in place moves it once.
 
@@ -12,7 +12,7 @@ eager ops (index_select, then SDPA's fused kernel).
     python scripts/bench_paged_decode.py --device cuda --dtype bfloat16 --rows 32,256 \\
         --ctx 1024 --out decode.json
 
---options sweeps the flex kernel's options (model/paged_flex.py FLEX_OPTIONS, set through
+--options sweeps the flex kernel's options (model/attention/paged_flex.py FLEX_OPTIONS, set through
 BATCHGEN_FLEX_OPTIONS): a JSON list of option objects, each a row of the table.
 """
 
@@ -27,14 +27,14 @@ from collections.abc import Callable
 
 import torch
 
-from batchgen.model.attention import decode_attention, decode_mask
-from batchgen.model.kv_cache import PagedKVCache
-from batchgen.model.paged_flex import (
+from batchgen.model.attention.kv_cache import PagedKVCache
+from batchgen.model.attention.paged_flex import (
     FLEX_OPTIONS_ENV,
     flex_decode_attention,
     list_width,
     paged_mask,
 )
+from batchgen.model.attention.step import decode_attention, decode_mask
 from batchgen.stats.probe import call_seconds
 
 

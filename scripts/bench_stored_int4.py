@@ -49,7 +49,7 @@ def make(root: Path) -> None:
 
 
 def load(model: Path) -> dict:
-    from batchgen.model.loader import load_model
+    from batchgen.model.checkpoint.loader import load_model
     from batchgen.model.quiet_import import quiet_torchao
     from batchgen.quant.quantize import weight_bytes
 

@@ -180,7 +180,7 @@ selected flex && step "pytest -m gpu flex" 60 "$OUT/flex.log" \
 selected flex && step "decode attention gather vs flex" 40 "$OUT/flex.log" \
     "$PY" scripts/bench_paged_decode.py --device cuda --dtype bfloat16 --rows 32,256 --ctx 1024 \
     --kv-heads 8 --head-dim 128 --q-per-kv 4 --block-size 16 --out "$OUT/flex.json"
-# The flex kernel's options (model/paged_flex.py FLEX_OPTIONS, empty until measured) against
+# The flex kernel's options (model/attention/paged_flex.py FLEX_OPTIONS, empty until measured) against
 # the gather, in GB/s: inductor's own choice, then num_warps / num_stages / BLOCK_N variants.
 selected flex && step "flex kernel options sweep" 60 "$OUT/flex.log" \
     "$PY" scripts/bench_paged_decode.py --device cuda --dtype bfloat16 --rows 32,256 --ctx 1024 \

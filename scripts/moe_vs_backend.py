@@ -1,5 +1,5 @@
-"""A native decoder (the MoE of model/moe.py, Gemma's of model/gemma.py) against the
-transformers backend on the same checkpoint, whole `batchgen run` processes as a user runs them.
+"""A native decoder (the MoE of model/families/moe.py, Gemma's of model/families/gemma.py) against
+the transformers backend on the same checkpoint, whole `batchgen run` processes as a user runs them.
 
     python scripts/moe_vs_backend.py                 # CPU float32, qwen3-moe-60m, 2 pairs
     python scripts/moe_vs_backend.py --model gemma3-30m

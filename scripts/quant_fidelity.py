@@ -43,8 +43,8 @@ from batchgen.errors import QuantUnavailableError  # noqa: E402
 from batchgen.job.model_spec import DEFAULT_MODEL  # noqa: E402
 from batchgen.job.tokenizer import load_tokenizer  # noqa: E402
 from batchgen.llm import LLM  # noqa: E402
-from batchgen.model.attention import DecodeGroup, StepAttention  # noqa: E402
-from batchgen.model.transformer import RMSNorm, Transformer  # noqa: E402
+from batchgen.model.attention.step import DecodeGroup, StepAttention  # noqa: E402
+from batchgen.model.families.transformer import RMSNorm, Transformer  # noqa: E402
 from batchgen.quant import available, tensor_bytes  # noqa: E402
 
 SAMPLES = ROOT / "batchgen" / "assets" / "samples"

@@ -106,7 +106,7 @@ def job_floor_seconds(
     """A whole job's matmul FLOPs (every prompt and output token through the blocks, the LM
     head for output tokens only, attention over each token's context) at the measured rate.
     Prompts are bench_models' word prompts: one word, one token."""
-    from batchgen.model.hf_config import config_from_hf, read_hf_config
+    from batchgen.model.families.hf_config import config_from_hf, read_hf_config
 
     cost = ModelCost.from_config(config_from_hf(read_hf_config(model_dir)), 4)
     flops = 0.0

@@ -7,8 +7,8 @@ import random
 
 import torch
 
-from batchgen.model.attention import DecodeGroup, PrefillSpan, StepAttention
-from batchgen.model.transformer import Transformer
+from batchgen.model.attention.step import DecodeGroup, PrefillSpan, StepAttention
+from batchgen.model.families.transformer import Transformer
 
 
 class Pages:

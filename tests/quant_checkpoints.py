@@ -1,5 +1,5 @@
 """Pre-quantized checkpoints written from a saved float one, for the tests of
-batchgen/model/checkpoint_format.py and the formats batchgen loads.
+batchgen/model/checkpoint/format.py and the formats batchgen loads.
 
 `declare_format(src, dst, family)` writes, for each format family batchgen does not load, the
 checkpoint's declaration (config.json's quantization_config, or ModelOpt's

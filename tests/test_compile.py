@@ -3,8 +3,8 @@ compiled == eager, no recompiles in steady state, a fallback that keeps the job 
 compile cache that a second process loads.
 
 The forward is compiled once over a symbolic batch with attention as an opaque op
-(engine/compiled_decode.py, model/decode_ops.py), sampling is a small graph of its own, and a
-warm-up compiles both before the first row. Compiling costs seconds on the CPU, so the
+(engine/compiled_decode.py, model/attention/decode_ops.py), sampling is a small graph of its own,
+and a warm-up compiles both before the first row. Compiling costs seconds on the CPU, so the
 end-to-end tests are marked slow.
 """
 
@@ -25,8 +25,8 @@ from batchgen.engine.constraints import ConstraintKind
 from batchgen.engine.sequence import Constraint, FinishReason, Request, SamplingParams
 from batchgen.engine.step_inputs import capture_sizes, padded_batch, token_sizes
 from batchgen.llm import LLM
-from batchgen.model.attention import DECODE_ATTENTION_ENV
-from batchgen.model.transformer import Transformer
+from batchgen.model.attention.step import DECODE_ATTENTION_ENV
+from batchgen.model.families.transformer import Transformer
 
 # The GPU's default block size; 8 sequences, so the job meets every batch size from 1 to 8.
 ENGINE = EngineConfig(max_num_seqs=8, block_size=16, kv_cache_tokens=2048)

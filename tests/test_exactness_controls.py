@@ -18,7 +18,7 @@ import pytest
 import torch.nn.functional as F
 from helpers import hf_greedy, random_prompts
 
-import batchgen.model.transformer as transformer
+import batchgen.model.families.transformer as transformer
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
 

@@ -1,5 +1,6 @@
-"""FlexAttention decode reading the paged pool in place (the CUDA path, model/paged_flex.py)
-against the gather + SDPA path (the CPU's), on the CPU: eager flex, and compiled in a slow test.
+"""FlexAttention decode reading the paged pool in place (the CUDA path,
+model/attention/paged_flex.py) against the gather + SDPA path (the CPU's), on the CPU: eager flex,
+and compiled in a slow test.
 
 The attention itself over scattered, shared and padded blocks with stale keys everywhere,
 with and without a sliding window, for 1, 2 and 3 query heads per kv head; then whole engine
@@ -23,21 +24,22 @@ from test_tensor_parallel_ranks import _assert_tp_matches
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
-from batchgen.model import attention, decode_ops
-from batchgen.model.attention import (
-    DECODE_ATTENTION_ENV,
-    DecodeBackend,
-    decode_attention,
-    decode_backend,
-    decode_mask,
-)
-from batchgen.model.kv_cache import PagedKVCache
-from batchgen.model.paged_flex import (
+from batchgen.model.attention import decode_ops
+from batchgen.model.attention import step as attention
+from batchgen.model.attention.kv_cache import PagedKVCache
+from batchgen.model.attention.paged_flex import (
     block_mask,
     flex_decode_attention,
     list_width,
     pad_rows,
     paged_mask,
+)
+from batchgen.model.attention.step import (
+    DECODE_ATTENTION_ENV,
+    DecodeBackend,
+    decode_attention,
+    decode_backend,
+    decode_mask,
 )
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -258,7 +260,7 @@ def test_flex_pool_stays_within_int32_indexing(model, monkeypatch):
 def test_flex_kernel_options_come_from_the_table_and_the_override():
     """One table per capability (inductor's choice, BLOCK_N at most the cache block), and
     BATCHGEN_FLEX_OPTIONS over it; a bad override is one line naming the fix."""
-    from batchgen.model.paged_flex import FLEX_OPTIONS_ENV, kernel_options
+    from batchgen.model.attention.paged_flex import FLEX_OPTIONS_ENV, kernel_options
 
     assert kernel_options((9, 0), 16, None) == {"BLOCK_N": 16}
     assert kernel_options((9, 0), 128, None) == {"BLOCK_N": 64}

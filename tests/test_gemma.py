@@ -1,8 +1,8 @@
-"""Native Gemma 2 and Gemma 3 (model/gemma.py): greedy float32 tokens equal to transformers'
-generate on tiny sharpened models (soft-caps of 1 and 0.5, windows of 8 tokens, prompts up to 25
-long) under packed and chunked prefill, preemption and prefix hits; equal to the transformers
-backend; compiled decode equal to eager; two tensor-parallel ranks equal to one. Controls: the
-tokens change without each Gemma feature, so the equality is not luck."""
+"""Native Gemma 2 and Gemma 3 (model/families/gemma.py): greedy float32 tokens equal to
+transformers' generate on tiny sharpened models (soft-caps of 1 and 0.5, windows of 8 tokens,
+prompts up to 25 long) under packed and chunked prefill, preemption and prefix hits; equal to the
+transformers backend; compiled decode equal to eager; two tensor-parallel ranks equal to one.
+Controls: the tokens change without each Gemma feature, so the equality is not luck."""
 
 import dataclasses
 
@@ -27,13 +27,13 @@ from test_hf_backend import MAX_NEW, PARAMS, TIGHT
 
 from batchgen.engine.config import EngineConfig
 from batchgen.llm import LLM
-from batchgen.model.attention import DECODE_ATTENTION_ENV, DecodeBackend
+from batchgen.model.attention.sdpa import AttnParams
+from batchgen.model.attention.step import DECODE_ATTENTION_ENV, DecodeBackend
 from batchgen.model.config import Family, RopeScaling
-from batchgen.model.gemma import GemmaRMSNorm, GemmaTransformer
-from batchgen.model.hf_config import config_from_hf
-from batchgen.model.rope import rope_tables
-from batchgen.model.sdpa import AttnParams
-from batchgen.model.transformer import RMSNorm
+from batchgen.model.families.gemma import GemmaRMSNorm, GemmaTransformer
+from batchgen.model.families.hf_config import config_from_hf
+from batchgen.model.families.rope import rope_tables
+from batchgen.model.families.transformer import RMSNorm
 
 # Gemma 3's sliding layers rotate with a base of 10 (the default 10000 and the global 1e6 turn
 # alike over an 8-token window: the base would not show); "-linear": its global layers' RoPE
@@ -268,7 +268,7 @@ def test_the_mlp_activation_is_torchs_tanh_gelu_bit_for_bit(gemma):
     differs in the last bits and ran the MLP slower)."""
     from transformers.activations import ACT2FN
 
-    from batchgen.model.activations import activation
+    from batchgen.model.families.activations import activation
 
     llm = LLM(gemma("gemma2"), dtype="float32", device="cpu")
     name = llm.spec.model_cfg.activation

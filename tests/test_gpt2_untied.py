@@ -8,7 +8,7 @@ from tiny_models import save_tiny_model
 
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
-from batchgen.model.hf_config import config_from_hf, read_hf_config
+from batchgen.model.families.hf_config import config_from_hf, read_hf_config
 
 PROMPTS = [[5, 6, 7], [9, 2]]
 PARAMS = SamplingParams(max_new_tokens=5)

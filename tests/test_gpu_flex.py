@@ -19,7 +19,7 @@ from tiny_models import save_tiny_model
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
-from batchgen.model.attention import DECODE_ATTENTION_ENV, DecodeBackend
+from batchgen.model.attention.step import DECODE_ATTENTION_ENV, DecodeBackend
 
 pytestmark = pytest.mark.gpu
 

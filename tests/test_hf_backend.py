@@ -1,4 +1,4 @@
-"""The transformers backend (model/hf_backend.py): families batchgen has no native code for run
+"""The transformers backend (model/hf/backend.py): families batchgen has no native code for run
 on its engine, token for token equal to transformers' greedy generate, under every scheduling
 mode (packed prefill, chunked prefill, preemption, prefix-cache hits). Controls: without the
 layer's soft-cap, sliding window, scale or sinks the tokens change, so the equality is not
@@ -28,8 +28,9 @@ from batchgen.errors import UsageError
 from batchgen.job.config import RunConfig
 from batchgen.job.fingerprint import options_fingerprint
 from batchgen.llm import LLM
-from batchgen.model import attention, hf_backend
-from batchgen.model.attention import DECODE_ATTENTION_ENV
+from batchgen.model.attention import step as attention
+from batchgen.model.attention.step import DECODE_ATTENTION_ENV
+from batchgen.model.hf import backend as hf_backend
 
 MAX_NEW = 12
 PARAMS = SamplingParams(max_new_tokens=MAX_NEW)

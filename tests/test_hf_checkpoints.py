@@ -27,7 +27,7 @@ from tiny_hf_models import quantize_experts_mxfp4, save_tiny_hf_model
 from batchgen.engine.sequence import SamplingParams
 from batchgen.job.tokenization import tokenize
 from batchgen.llm import LLM
-from batchgen.model.multimodal import TEXT_MODEL_WRAPPERS
+from batchgen.model.checkpoint.multimodal import TEXT_MODEL_WRAPPERS
 
 MAX_NEW = 10
 ROWS = 6

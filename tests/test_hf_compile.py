@@ -1,4 +1,4 @@
-"""--compile on the transformers backend (model/hf_backend.py): its forward is transformers'
+"""--compile on the transformers backend (model/hf/backend.py): its forward is transformers'
 own, with no `hidden` seam for the compiled forward (engine/compiled_forward.py), so it runs
 eagerly. It used to do so silently under --compile; now it says so in one line, and the stats
 say it too (compiled_token_share 0, no graph), while a native family's job compiles and does

@@ -1,4 +1,4 @@
-"""LoRA on the transformers backend (model/hf_lora.py): the adapter applied by peft and merged
+"""LoRA on the transformers backend (model/hf/lora.py): the adapter applied by peft and merged
 into the loaded model equals transformers + peft's merged model token for token (fused
 projections, a multimodal wrapper's text model, a MoE model's attention, rsLoRA); its hash is
 recorded as a native adapter's is; adapters it cannot merge (3-D expert weights, a module that

@@ -5,7 +5,9 @@ imports inside functions and type-checking imports included.
 Layers, bottom up (a package may import its own modules and any lower layer):
     errors, choices    what fails and what an option may be; import nothing of batchgen
     data               reading inputs, writing outputs
-    model              the decoder, its checkpoint loader, the paged KV cache, memory checks
+    model              the decoder, its checkpoint loader, the paged KV cache, memory checks;
+                       inside it, bottom up: config and the checks, attention/, families/,
+                       parallel/, checkpoint/, hf/ (MODEL_LAYERS)
     quant              weight-only quantization, a pass over a built model
     engine             scheduler + block pool (plain Python) and the model runner
     stats              the sum of the engine's step reports, GPU sampling
@@ -44,6 +46,19 @@ LAYERS = [
     ("__init__", "__main__"),
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+# Inside model/: its flat modules (the architecture description and the checks everyone uses)
+# at the bottom, then each folder; a folder imports only the flat modules and folders before
+# it. A flat module not named here (not yet placed in a folder) is not checked.
+MODEL_LAYERS = [
+    ("config", "memory", "quiet_import", "host_malloc"),
+    ("attention",),
+    ("families",),
+    ("parallel",),
+    ("checkpoint",),
+    ("hf",),
+]
+MODEL_LAYER = {name: i for i, names in enumerate(MODEL_LAYERS) for name in names}
 MAX_LINES = 300
 MAX_TOP_LEVEL_MODULES = 6
 
@@ -100,6 +115,25 @@ def test_imports_go_down_the_layers(module):
         if _unit(m) != here and LAYER[_unit(m)] >= LAYER[here] and m != "batchgen"
     ]
     assert not climbing, f"{module} ({here}) imports {climbing}, which are not below it"
+
+
+def _model_unit(module: str) -> str | None:
+    """A model module's folder (or flat module) in MODEL_LAYERS; None outside model/."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "model" else None
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _model_unit(m) in MODEL_LAYER))
+def test_model_folders_go_down(module):
+    here = _model_unit(module)
+    climbing = [
+        m
+        for m in GRAPH[module]
+        if _model_unit(m) in MODEL_LAYER
+        and _model_unit(m) != here
+        and MODEL_LAYER[_model_unit(m)] >= MODEL_LAYER[here]
+    ]
+    assert not climbing, f"{module} ({here}) imports {climbing}, which are not below it in model/"
 
 
 def test_no_import_circles():

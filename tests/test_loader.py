@@ -13,14 +13,14 @@ from tiny_models import save_tiny_model
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
+from batchgen.model.checkpoint.loader import load_model
 from batchgen.model.config import RopeScaling
-from batchgen.model.hf_config import (
+from batchgen.model.families.hf_config import (
     SUPPORTED_FAMILIES,
     ModelLoadError,
     UnsupportedModelError,
     config_from_hf,
 )
-from batchgen.model.loader import load_model
 
 ENGINE = EngineConfig(max_num_seqs=4)
 LLAMA3_ROPE = {

@@ -18,9 +18,9 @@ from batchgen.data.layout import JOB_FILE
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
-from batchgen.model.hf_config import config_from_hf, read_hf_config
-from batchgen.model.loader import load_model
-from batchgen.model.lora import LoraError, check_adapter, merge_lora
+from batchgen.model.checkpoint.loader import load_model
+from batchgen.model.checkpoint.lora import LoraError, check_adapter, merge_lora
+from batchgen.model.families.hf_config import config_from_hf, read_hf_config
 
 LLAMA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GPT2_ALL = ["c_attn", "c_proj", "c_fc"]

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from batchgen.engine.sequence import Request, Scheduled, Sequence, StepPlan
+from batchgen.engine.sequence import Request, Scheduled, SeqState, StepPlan
 from batchgen.engine.step_cost import attended, context_tokens
 from batchgen.stats.latency import Latencies, LogHistogram
 from batchgen.stats.nvml import NvmlSampler, gpu_rows
@@ -62,7 +62,7 @@ def test_attended_keys_match_a_count_position_by_position():
 
 @pytest.mark.parametrize("window", [None, 3, 30])
 def test_a_steps_context_is_its_chunks_and_decodes(window):
-    seqs = [Sequence(Request(i, list(range(40))), i) for i in range(4)]
+    seqs = [SeqState(Request(i, list(range(40))), i) for i in range(4)]
     decodes = [Scheduled(s, 20 + 3 * i, 1, True) for i, s in enumerate(seqs[:3])]
     plan = StepPlan(decodes=decodes, prefills=[Scheduled(seqs[3], 8, 32, True)])
     keys = [min(p + 1, window or p + 1) for p in (20, 23, 26, *range(8, 40))]

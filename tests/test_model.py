@@ -14,17 +14,17 @@ from paged import Pages, all_logits
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from batchgen.model.attention import (
+from batchgen.model.attention.kv_cache import PagedKVCache
+from batchgen.model.attention.step import (
     PrefillSpan,
     decode_attention,
     decode_mask,
     prefill_attention,
     prefill_mask,
 )
+from batchgen.model.checkpoint.loader import load_model
 from batchgen.model.config import RopeScaling
-from batchgen.model.kv_cache import PagedKVCache
-from batchgen.model.loader import load_model
-from batchgen.model.rope import inv_frequencies
+from batchgen.model.families.rope import inv_frequencies
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 MODELS = ["gpt2", "llama", "mistral-window4", "qwen2", "qwen3"]

@@ -1,4 +1,4 @@
-"""The native MoE families (model/moe.py): Qwen3-MoE and Mixtral, token for token equal to
+"""The native MoE families (model/families/moe.py): Qwen3-MoE and Mixtral, token for token equal to
 transformers' greedy generate under packed prefill, chunked prefill and prefix hits, equal to
 the transformers backend, split over two tensor-parallel ranks, compiled, and through the CLI.
 A control: without the top-k renormalisation the tokens change, so the equality is not luck.
@@ -33,10 +33,10 @@ from test_tensor_parallel_ranks import GREEDY, PROMPTS, _assert_tp_matches
 from tiny_hf_models import save_tiny_hf_model
 
 from batchgen.llm import LLM
-from batchgen.model.hf_config import config_from_hf
-from batchgen.model.loader import load_model
-from batchgen.model.moe import MoE, experts_dense, experts_grouped, experts_loop
-from batchgen.model.tensor_parallel import TPShard
+from batchgen.model.checkpoint.loader import load_model
+from batchgen.model.families.hf_config import config_from_hf
+from batchgen.model.families.moe import MoE, experts_dense, experts_grouped, experts_loop
+from batchgen.model.parallel.sharding import TPShard
 
 # name -> (model_type, config overrides)
 MODELS = {
@@ -244,7 +244,7 @@ def test_quantize_takes_attention_and_keeps_the_experts(moe_dirs):
 def test_an_attention_lora_merges_and_an_expert_lora_is_refused(moe_dirs, tmp_path):
     from peft import LoraConfig
 
-    from batchgen.model.lora import LoraError
+    from batchgen.model.checkpoint.lora import LoraError
 
     d = moe_dirs("qwen3_moe")
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])

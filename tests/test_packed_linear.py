@@ -1,4 +1,4 @@
-"""oneDNN-packed weights (model/packed_linear.py): eager float32 on the CPU packs every
+"""oneDNN-packed weights (model/families/packed_linear.py): eager float32 on the CPU packs every
 decoder linear and an untied LM head once at load; the logits equal the plain layers', and
 the paths that cannot take a packed weight (compile, quantized weights, a tied head, the
 switch off) keep plain ones. Token equality with transformers through the packed layers is
@@ -12,15 +12,15 @@ from torch import nn
 
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
-from batchgen.model.loader import load_model
-from batchgen.model.packed_linear import (
+from batchgen.model.checkpoint.loader import load_model
+from batchgen.model.families.packed_linear import (
     PACKED_WEIGHTS_ENV,
     PackedGatedMLP,
     PackedLinear,
     can_pack,
     pack_linears,
 )
-from batchgen.model.transformer import MLP
+from batchgen.model.families.transformer import MLP
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.float32), reason="this torch has no oneDNN"

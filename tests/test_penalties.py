@@ -275,7 +275,7 @@ def test_seen_tokens_table_equals_the_dense_formula(device):
     pads their row: a stale token left there would be penalized). On CUDA too
     (scripts/gpu_check.sh): its gathers and scatters run on the device."""
     from batchgen.engine.penalties import TokenCounts, apply_penalties
-    from batchgen.engine.sequence import Request, Scheduled, SeqStatus, Sequence
+    from batchgen.engine.sequence import Request, Scheduled, SeqState, SeqStatus
 
     g = torch.Generator().manual_seed(0)
     vocab, counts = 50, TokenCounts(50, torch.device(device))
@@ -283,9 +283,9 @@ def test_seen_tokens_table_equals_the_dense_formula(device):
         temperature=0, repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3
     )
 
-    def seq(i: int, n: int) -> Sequence:
+    def seq(i: int, n: int) -> SeqState:
         prompt = torch.randint(0, vocab, (n,), generator=g).tolist()
-        s = Sequence(Request(i, prompt, params), arrival=i, token_ids=list(prompt))
+        s = SeqState(Request(i, prompt, params), arrival=i, token_ids=list(prompt))
         s.status = SeqStatus.RUNNING
         return s
 

@@ -1,5 +1,5 @@
 """Native Phi-3 / Phi-4 (model_type phi3): fused qkv_proj and gate_up_proj, partial rotary, and
-longrope's per-row choice of factors (model/longrope.py). Greedy float32 tokens equal to
+longrope's per-row choice of factors (model/families/longrope.py). Greedy float32 tokens equal to
 transformers' generate on tiny sharpened models under packed and chunked prefill, preemption
 and prefix hits; longrope rows each equal to transformers running that row alone: short rows,
 long rows (prompts over original_max_position_embeddings, 64 here, of 256) and a row that grows
@@ -33,8 +33,8 @@ from batchgen.engine.engine import Engine
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
 from batchgen.model.config import LongRopeRows
-from batchgen.model.hf_config import config_from_hf
-from batchgen.model.rope import rope_tables
+from batchgen.model.families.hf_config import config_from_hf
+from batchgen.model.families.rope import rope_tables
 
 # Factors far enough from each other that the tiny model's tokens show which set ran: the long
 # ones raise every frequency tenfold, the short ones lower the slow ones.

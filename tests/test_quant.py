@@ -24,7 +24,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import SamplingParams
 from batchgen.errors import QuantUnavailableError
 from batchgen.llm import LLM
-from batchgen.model.loader import load_model
+from batchgen.model.checkpoint.loader import load_model
 from batchgen.quant import (
     QuantScheme,
     available,

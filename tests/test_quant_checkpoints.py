@@ -8,7 +8,7 @@ from helpers import assert_one_line_error, prompt_file, run_cli, run_job, run_pl
 from quant_checkpoints import FORMATS, declare_format
 
 from batchgen.errors import ModelLoadError
-from batchgen.model.loader import load_model
+from batchgen.model.checkpoint.loader import load_model
 
 # family -> words the refusal names
 REFUSED = {

@@ -10,8 +10,8 @@ from helpers import prompts, read_stats, run_job, write_parquet
 from paged import last_logits
 from tiny_models import save_tiny_model
 
-from batchgen.model.loader import load_model
-from batchgen.model.tensor_parallel import TPShard
+from batchgen.model.checkpoint.loader import load_model
+from batchgen.model.parallel.sharding import TPShard
 from batchgen.quant import QuantScheme, quantize_model
 
 

@@ -1,8 +1,8 @@
-"""INT4 weight-only checkpoints loaded as stored (model/int4_formats.py, int4_tensors.py), made
-from the sharpened tiny Llama: compressed-tensors pack-quantized W4A16 (groups, channel, zero
-points), written by compressed-tensors itself and compared with its own decompression (and,
-symmetric, with transformers on the same checkpoint); GPTQ (v1 and v2 zero points,
-act-order) and AWQ GEMM, written by hand as their packers write them (int4_checkpoints.py)
+"""INT4 weight-only checkpoints loaded as stored (model/checkpoint/int4_formats.py,
+int4_tensors.py), made from the sharpened tiny Llama: compressed-tensors pack-quantized W4A16
+(groups, channel, zero points), written by compressed-tensors itself and compared with its own
+decompression (and, symmetric, with transformers on the same checkpoint); GPTQ (v1 and v2 zero
+points, act-order) and AWQ GEMM, written by hand as their packers write them (int4_checkpoints.py)
 and compared with the float model they describe. One altered scale changes the tokens;
 variants batchgen does not load are refused in one line before any weight is read."""
 
@@ -32,11 +32,11 @@ from safetensors.torch import load_file, save_file
 from batchgen.engine.sequence import SamplingParams
 from batchgen.errors import ModelLoadError
 from batchgen.llm import LLM
-from batchgen.model.int4_formats import Int4Layout
-from batchgen.model.int4_tensors import unpack_layer
-from batchgen.model.loader import load_model
-from batchgen.model.tensor_parallel import TPShard
-from batchgen.model.transformer import LINEAR_LAYERS
+from batchgen.model.checkpoint.int4_formats import Int4Layout
+from batchgen.model.checkpoint.int4_tensors import unpack_layer
+from batchgen.model.checkpoint.loader import load_model
+from batchgen.model.families.transformer import LINEAR_LAYERS
+from batchgen.model.parallel.sharding import TPShard
 
 PROMPTS = random_prompts([3, 11, 6, 17, 1])
 MAX_NEW = 12

@@ -32,10 +32,10 @@ from test_tensor_parallel import _whole_from_shards
 
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
-from batchgen.model.activation_quant import TokenQuant
-from batchgen.model.loader import load_model
-from batchgen.model.tensor_parallel import TPShard
-from batchgen.model.transformer import LINEAR_LAYERS
+from batchgen.model.checkpoint.activation_quant import TokenQuant
+from batchgen.model.checkpoint.loader import load_model
+from batchgen.model.families.transformer import LINEAR_LAYERS
+from batchgen.model.parallel.sharding import TPShard
 
 PROMPTS = random_prompts([3, 11, 6, 17, 1])
 MAX_NEW = 12

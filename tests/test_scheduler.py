@@ -24,8 +24,8 @@ from batchgen.engine.sequence import (
     SamplingParams,
     Scheduled,
     ScoredChunk,
+    SeqState,
     SeqStatus,
-    Sequence,
     StepPlan,
 )
 
@@ -40,7 +40,7 @@ class FakeModel:
 
     eos_at: dict[int, int] = field(default_factory=dict)
 
-    def token(self, seq: Sequence) -> int:
+    def token(self, seq: SeqState) -> int:
         i, pos = seq.request.index, seq.num_tokens
         if self.eos_at.get(i) == seq.num_generated:
             return EOS
@@ -48,7 +48,7 @@ class FakeModel:
 
     def expected(self, r: Request) -> list[int]:
         """What request r must come out with: up to max_new_tokens, or to its EOS."""
-        seq = Sequence(r, 0)
+        seq = SeqState(r, 0)
         while seq.num_generated < r.params.max_new_tokens:
             tok = self.token(seq)
             seq.token_ids.append(tok)
@@ -69,10 +69,10 @@ class Harness:
     def __init__(self, sched: Scheduler, model: FakeModel | None = None) -> None:
         self.sched, self.model = sched, model or FakeModel()
         self.plans: list[StepPlan] = []
-        self.finished: list[Sequence] = []
-        self.status: dict[Sequence, SeqStatus] = {}
+        self.finished: list[SeqState] = []
+        self.status: dict[SeqState, SeqStatus] = {}
 
-    def add(self, r: Request) -> Sequence:
+    def add(self, r: Request) -> SeqState:
         seq = self.sched.add(r)
         assert seq.status is W and seq.num_computed == 0 and seq.block_table == []
         self.status[seq] = W
@@ -117,7 +117,7 @@ class Harness:
         return seq.output_ids
 
 
-def check_plan(sched: Scheduler, plan: StepPlan, running_before: list[Sequence]) -> None:
+def check_plan(sched: Scheduler, plan: StepPlan, running_before: list[SeqState]) -> None:
     bs = sched.block_size
     assert plan.num_tokens <= sched.max_num_batched_tokens
     assert len(sched.running) <= sched.max_num_seqs
@@ -587,7 +587,7 @@ def test_plain_data_properties():
     c = Completion(index=0, token_ids=[1, 2], finish_reason=FinishReason.LENGTH, prompt_tokens=3)
     assert c.completion_tokens == 2 and c.cached_tokens == 0 and c.error is None
     assert FinishReason("stop") is FinishReason.STOP
-    seq = Sequence(Request(0, [5, 6, 7]), arrival=0)
+    seq = SeqState(Request(0, [5, 6, 7]), arrival=0)
     assert (seq.num_tokens, seq.num_generated, seq.num_uncomputed) == (3, 0, 3)
     seq.token_ids.append(9)
     assert seq.output_ids == [9] and seq.num_generated == 1

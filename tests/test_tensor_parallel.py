@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from batchgen.model.hf_config import config_from_hf, read_hf_config
-from batchgen.model.loader import load_model
-from batchgen.model.lora import merge_lora
-from batchgen.model.tensor_parallel import (
+from batchgen.model.checkpoint.loader import load_model
+from batchgen.model.checkpoint.lora import merge_lora
+from batchgen.model.families.hf_config import config_from_hf, read_hf_config
+from batchgen.model.parallel.sharding import (
     TPShard,
     check_sizes,
     local_config,

@@ -83,9 +83,10 @@ FAMILIES = {
         first_k_dense_replace=1,
     ),
 }
-# Multimodal wrappers whose language model runs text jobs alone (batchgen/model/multimodal.py),
-# each with a tiny vision tower (1 layer, 28-pixel images of 14-pixel patches) that is saved and
-# never loaded. Mistral 3's head is its own (Mistral Small 3.1's is), Gemma 3's tied.
+# Multimodal wrappers whose language model runs text jobs alone
+# (batchgen/model/checkpoint/multimodal.py), each with a tiny vision tower (1 layer, 28-pixel images
+# of 14-pixel patches) that is saved and never loaded. Mistral 3's head is its own (Mistral Small
+# 3.1's is), Gemma 3's tied.
 VISION = dict(
     hidden_size=32,
     intermediate_size=64,

@@ -9,11 +9,11 @@ from typing import Any
 from batchgen.job.config import RunConfig
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.open import open_job
-from batchgen.model.checkpoint_notes import load_notes
-from batchgen.model.hf_config import read_hf_config
+from batchgen.model.checkpoint.notes import load_notes
+from batchgen.model.checkpoint.prequantized import stored_bytes
+from batchgen.model.families.hf_config import read_hf_config
 from batchgen.model.memory import available_bytes, format_bytes
-from batchgen.model.prequantized import stored_bytes
-from batchgen.model.tensor_parallel import TPShard, local_config, weight_bytes
+from batchgen.model.parallel.sharding import TPShard, local_config, weight_bytes
 
 
 def _edge(n: int) -> int:

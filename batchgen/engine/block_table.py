@@ -17,13 +17,13 @@ from __future__ import annotations
 import numpy as np
 
 from batchgen.engine.block_pool import NULL_BLOCK
-from batchgen.engine.sequence import SeqStatus, Sequence
+from batchgen.engine.sequence import SeqState, SeqStatus
 
 
 class BlockTables:
     def __init__(self, rows: int = 64, width: int = 64) -> None:
         self.table = np.full((rows, width), NULL_BLOCK, dtype=np.int32)
-        self._row: dict[Sequence, int] = {}
+        self._row: dict[SeqState, int] = {}
         self._copied: list[tuple[list[int] | None, int]] = [(None, 0)] * rows  # (list, length)
         self._free = list(range(rows - 1, -1, -1))
 
@@ -31,7 +31,7 @@ class BlockTables:
         """Rows held by sequences."""
         return len(self._row)
 
-    def row(self, seq: Sequence) -> int:
+    def row(self, seq: SeqState) -> int:
         """seq's row, its table copied up to date."""
         r = self._row.get(seq)
         if r is None:
@@ -49,11 +49,11 @@ class BlockTables:
         self._copied[r] = (table, n)
         return r
 
-    def rows(self, seqs: list[Sequence]) -> np.ndarray:
+    def rows(self, seqs: list[SeqState]) -> np.ndarray:
         """(len(seqs),) int64 rows of seqs, each brought up to date."""
         return np.fromiter(map(self.row, seqs), dtype=np.int64, count=len(seqs))
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: SeqState) -> None:
         """seq's row back to the free rows (a no-op for a sequence without one)."""
         r = self._row.pop(seq, None)
         if r is not None:

@@ -3,7 +3,7 @@
 - The model's `hidden` (embedding -> layers -> last hidden states) is compiled once, over a
   symbolic token count T (tokens and positions marked dynamic, T >= 2: dynamo specialises 0
   and 1). Attention is one custom op per layer, opaque to the compiler
-  (model/attention_op.py), which reads the step's spans and masks from the bound step, so
+  (model/attention/op.py), which reads the step's spans and masks from the bound step, so
   nothing about the mix of prefills and decodes, the table widths or the KV pool's size is a
   shape or a guard of the graph: one graph for every step and every pool.
 - On a GPU, inductor's graph partitioning cuts the graph at the attention op (tagged

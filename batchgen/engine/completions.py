@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from batchgen.engine.constraints import Constrainer
-from batchgen.engine.sequence import Completion, FinishReason, Request, Sequence
+from batchgen.engine.sequence import Completion, FinishReason, Request, SeqState
 from batchgen.engine.stopping import Detokenize, skipped, trim_at_stop
 
 
@@ -48,9 +48,9 @@ def error_completion(r: Request, error: str | None) -> Completion:
 class Completions:
     def __init__(self, detokenize: Detokenize, constrainer: Constrainer | None) -> None:
         self.detokenize, self.constrainer = detokenize, constrainer
-        self._candidates: dict[Sequence, tuple[_ScoredRow, int]] = {}  # seq -> (row, which)
+        self._candidates: dict[SeqState, tuple[_ScoredRow, int]] = {}  # seq -> (row, which)
 
-    def scoring(self, r: Request, seqs: list[Sequence]) -> None:
+    def scoring(self, r: Request, seqs: list[SeqState]) -> None:
         """seqs (expand(r), queued) score r's candidates."""
         row = _ScoredRow(r, [None] * len(seqs))
         for j, seq in enumerate(seqs):
@@ -64,11 +64,11 @@ class Completions:
     def scoring_in_flight(self) -> int:
         return len(self._candidates)
 
-    def of(self, finished: list[Sequence], now: float) -> list[Completion]:
+    def of(self, finished: list[SeqState], now: float) -> list[Completion]:
         """The completions of the sequences that finished in the step that ended at `now`."""
         return [c for seq in finished if (c := self._one(seq, now)) is not None]
 
-    def _one(self, seq: Sequence, now: float) -> Completion | None:
+    def _one(self, seq: SeqState, now: float) -> Completion | None:
         if seq in self._candidates:
             return self._scored(seq, now)
         if seq.finish_reason is FinishReason.ERROR:
@@ -121,7 +121,7 @@ class Completions:
         )
         return _with_prompt_logprobs(done, seq)
 
-    def _scored(self, seq: Sequence, now: float) -> Completion | None:
+    def _scored(self, seq: SeqState, now: float) -> Completion | None:
         row, j = self._candidates.pop(seq)
         row.scores[j] = sum(seq.logprobs)
         row.cached_tokens += seq.num_cached_prompt
@@ -141,7 +141,7 @@ class Completions:
         )
 
 
-def _with_prompt_logprobs(c: Completion, seq: Sequence) -> Completion:
+def _with_prompt_logprobs(c: Completion, seq: SeqState) -> Completion:
     """c with seq's prompt logprobs where its params ask: one per prompt token, the first's
     None (it has no context), as vLLM gives them."""
     k = seq.params.prompt_logprobs

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from batchgen.engine.sequence import Constraint, ConstraintKind, Sequence, StepPlan
+from batchgen.engine.sequence import Constraint, ConstraintKind, SeqState, StepPlan
 
 
 class ConstraintError(ValueError):
@@ -45,7 +45,7 @@ class Verdict(enum.Enum):
     STUCK = "stuck"  # the row's mask allowed no token at all: nothing can continue it
     REFUSED = "refused"  # the matcher refused a token its own mask allowed (a library bug)
 
-    def error(self, seq: Sequence) -> str:
+    def error(self, seq: SeqState) -> str:
         """The error of a row whose grammar got stuck or refused its token."""
         if self is Verdict.STUCK:
             return (
@@ -91,7 +91,7 @@ def exclude_controls(ebnf: str) -> str:
     return "".join(out)
 
 
-def parse_choices(value: str | Seq[str]) -> tuple[str, ...]:
+def parse_choices(value: str | Sequence[str]) -> tuple[str, ...]:
     """A comma-separated string ("a, b": spaces around labels dropped) or a list of labels,
     kept exactly (" positive" keeps its space: a label often follows "Sentiment:") -> the
     labels (non-empty, unique)."""
@@ -161,7 +161,7 @@ def unpack_and_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor
 class Grammars:
     """Compiles constraints for one tokenizer (cached), and makes their matchers."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Seq[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos_ids = list(eos_ids)
         self._compiler = None
@@ -249,7 +249,7 @@ class Constrainer:
         self._stuck = {seq.request.index for seq, e in zip(rows, empty, strict=True) if e}
         return mask.to(device)
 
-    def accept(self, seqs: Seq[Sequence]) -> dict[Sequence, Verdict]:
+    def accept(self, seqs: Sequence[SeqState]) -> dict[SeqState, Verdict]:
         """Feed each constrained sequence its newest token (also one the scheduler ended the
         row with: EOS, or the last before max_new_tokens) and say what its grammar made of it.
         A matcher refuses a token its own mask allowed rarely (xgrammar 0.2.9: e.g. `-` and a
@@ -284,7 +284,7 @@ class Constrainer:
                 return f"the output is not valid JSON ({e}); a grammar library bug"
         return None
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: SeqState) -> None:
         self._matchers.pop(seq.request.index, None)
 
     def clear(self) -> None:
@@ -292,7 +292,7 @@ class Constrainer:
         self._matchers.clear()
         self._stuck.clear()
 
-    def _matcher(self, seq: Sequence) -> Any:
+    def _matcher(self, seq: SeqState) -> Any:
         m = self._matchers.get(seq.request.index)
         if m is None:
             m = self._matchers[seq.request.index] = self.grammars.matcher(seq.params.constraint)

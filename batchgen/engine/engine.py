@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Iterator
-from collections.abc import Sequence as Seq
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -38,8 +37,8 @@ from batchgen.engine.sequence import (
     FinishReason,
     KVPool,
     Request,
+    SeqState,
     SeqStatus,
-    Sequence,
     StepPlan,
     StepReport,
 )
@@ -56,7 +55,7 @@ class Engine:
         runner: ModelRunner,
         config: EngineConfig,
         detokenize: Detokenize,
-        eos_ids: Seq[int] = (),
+        eos_ids: Sequence[int] = (),
         grammars: Grammars | None = None,
     ) -> None:
         self.runner, self.config, self.detokenize = runner, config, detokenize
@@ -188,7 +187,7 @@ class Engine:
     def _recompute_grown_rows(self, plan: StepPlan, rope: LongRopeRows) -> None:
         """A longrope row that has just grown past the original context runs its every token
         again, on the long factors, as transformers' Phi-3 drops its cache there
-        (model/longrope.py); from then on its blocks are keyed apart."""
+        (model/families/longrope.py); from then on its blocks are keyed apart."""
         for s in plan.scheduled:
             seq = s.seq
             if seq.status is SeqStatus.RUNNING and seq.num_tokens == rope.original + 1:
@@ -265,7 +264,7 @@ class Engine:
             kv_blocks_free=sched.pool.num_free,
         )
 
-    def _judge_constrained(self, plan: StepPlan, finished: list[Sequence]) -> None:
+    def _judge_constrained(self, plan: StepPlan, finished: list[SeqState]) -> None:
         """Feed the constrained rows their new tokens: a row whose grammar ended finishes
         `stop`; one that cannot go on (its mask was empty) or whose token the matcher refused
         fails; one cut at max_new_tokens short of a complete match is marked incomplete."""

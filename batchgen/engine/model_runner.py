@@ -36,20 +36,20 @@ from batchgen.engine.input_buffer import InputBuffer
 from batchgen.engine.penalties import TokenCounts, apply_penalties
 from batchgen.engine.pooling import PooledStep, pooled_step
 from batchgen.engine.scored_logprobs import score_rows
-from batchgen.engine.sequence import ScoredChunk, Sequence, StepPlan
+from batchgen.engine.sequence import ScoredChunk, SeqState, StepPlan
 from batchgen.engine.step_inputs import StepInputs, WarmUp, pack_step
 from batchgen.engine.step_sampling import Sampled, sample_rows, to_host, wants_top
 from batchgen.engine.warmup import rewarm_attention, warm_up
-from batchgen.model.attention import (
+from batchgen.model.attention.op import bound
+from batchgen.model.attention.step import (
     DecodeBackend,
     DecodeGroup,
     PrefillSpan,
     StepAttention,
     decode_backend,
 )
-from batchgen.model.attention_op import bound
-from batchgen.model.tp_layers import CollectiveClock
-from batchgen.model.transformer import Transformer
+from batchgen.model.families.transformer import Transformer
+from batchgen.model.parallel.collectives import CollectiveClock
 
 if TYPE_CHECKING:
     from batchgen.engine.compile_cache import CompileCache
@@ -106,14 +106,14 @@ class ModelRunner:
         self.tables = BlockTables()  # the running sequences' block tables, kept (block_table.py)
         self.inputs = InputBuffer(self.device)  # a step's inputs in one copy (input_buffer.py)
         self.last_step_end: float | None = None  # perf_counter when the last step's results came
-        # The transformers backend (model/hf_backend.py) has no `hidden`: it runs eagerly.
+        # The transformers backend (model/hf/backend.py) has no `hidden`: it runs eagerly.
         if compile and isinstance(model, Transformer):
             # imported here: torch._dynamo takes ~1 s to import, a tenth of a small eager job
             from batchgen.engine.compiled_forward import CompiledForward
 
             self.graph = CompiledForward(model.hidden, self.device, compile_cache)
         elif compile:  # the transformers backend: it says so once, and runs eagerly
-            from batchgen.model.hf_backend import warn_compile_eager
+            from batchgen.model.hf.backend import warn_compile_eager
 
             warn_compile_eager()
 
@@ -193,7 +193,7 @@ class ModelRunner:
         if self.graph is not None:
             x.pad(self.graph.padded(len(x.tokens)), NULL_BLOCK * self.block_size)
 
-    def release(self, seqs: list[Sequence]) -> None:
+    def release(self, seqs: list[SeqState]) -> None:
         """Finished sequences' block-table rows back (block_table.py)."""
         for seq in seqs:
             self.tables.release(seq)

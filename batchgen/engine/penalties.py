@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.engine.sequence import Scheduled, SeqStatus, Sequence
+from batchgen.engine.sequence import Scheduled, SeqState, SeqStatus
 
 
 class TokenCounts:
@@ -38,12 +38,12 @@ class TokenCounts:
         self.vocab, self.device = vocab, device
         self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)  # (slots, V)
         self.seen = torch.zeros(0, 8, dtype=torch.long, device=device)  # (slots, width)
-        self.slot_of: dict[Sequence, int] = {}
-        self.counted: dict[Sequence, int] = {}  # output tokens already in its counts
+        self.slot_of: dict[SeqState, int] = {}
+        self.counted: dict[SeqState, int] = {}  # output tokens already in its counts
         self.known: dict[int, dict[int, None]] = {}  # slot -> its seen tokens, in table order
         self.free: list[int] = []
 
-    def slots(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int]:
+    def slots(self, seqs: list[SeqState]) -> tuple[torch.Tensor, int]:
         """The slots of seqs (all running), their state brought up to their tokens now, and
         the table width their seen tokens fill."""
         for seq in [s for s in self.slot_of if s.status is not SeqStatus.RUNNING]:

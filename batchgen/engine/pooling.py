@@ -1,7 +1,7 @@
 """Pooled rows (task embed / classify, `DecodeParams.pooling`): a prompt's final hidden states,
 after the final norm (as transformers' `AutoModel` and sentence-transformers give them),
 pooled into one vector per row; for `Pooling.CLASSIFY` the last token's through the
-checkpoint's classifier head (model/classifier_head.py). Nothing is sampled, and a step of
+checkpoint's classifier head (model/families/classifier_head.py). Nothing is sampled, and a step of
 pooled chunks only runs no LM head at all.
 
 A pooled row runs as prefill, packed and chunked like any prompt (its `Request.score_from` is

@@ -35,11 +35,11 @@ The runner hands back one sampled token per sequence whose last known token was 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from batchgen.engine.block_pool import BlockPool, block_hash
-from batchgen.engine.sequence import FinishReason, Request, Scheduled, SeqStatus, Sequence, StepPlan
+from batchgen.engine.sequence import FinishReason, Request, Scheduled, SeqState, SeqStatus, StepPlan
 from batchgen.engine.stopping import token_finish
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class Scheduler:
         pool: BlockPool,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        eos_ids: Seq[int] = (),
+        eos_ids: Sequence[int] = (),
         reserve_full_rows: bool = False,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -61,8 +61,8 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.eos = frozenset(eos_ids)
         self.reserve_full_rows = reserve_full_rows
-        self.waiting: list[tuple[tuple, Sequence]] = []  # heap by admission order
-        self.running: list[Sequence] = []  # admission order: the newest is preempted first
+        self.waiting: list[tuple[tuple, SeqState]] = []  # heap by admission order
+        self.running: list[SeqState] = []  # admission order: the newest is preempted first
         self._arrivals = 0
         self.num_preemptions = 0
         # Blocks kept free at admission for the running sequences' growth, vLLM's 1%
@@ -70,7 +70,7 @@ class Scheduler:
         self.watermark = max(1, pool.num_usable // 100)
         # Prefix keys of full blocks that running sequences are computing and have not cached
         # yet: a waiting sequence needing one waits for it (see _awaits_prefix).
-        self.pending: dict[int, Sequence] = {}
+        self.pending: dict[int, SeqState] = {}
 
     # ---------------------------------------------------------------- queue
 
@@ -79,18 +79,18 @@ class Scheduler:
         need = request.max_tokens
         return self.pool.blocks_for(need) <= self.pool.num_usable
 
-    def add(self, request: Request) -> Sequence:
+    def add(self, request: Request) -> SeqState:
         if not self.fits(request):
             raise ValueError(
                 f"request {request.index} needs {request.max_tokens}"
                 f" cache slots; the pool holds {self.pool.num_usable * self.block_size}"
             )
-        seq = Sequence(request, self._arrivals, eos_ids=self.eos)
+        seq = SeqState(request, self._arrivals, eos_ids=self.eos)
         self._arrivals += 1
         self._push(seq)
         return seq
 
-    def _push(self, seq: Sequence) -> None:
+    def _push(self, seq: SeqState) -> None:
         # preempted first (in arrival order), then the longest prompt
         key = (0, seq.arrival) if seq.num_preemptions else (1, -seq.prompt_len, seq.arrival)
         heapq.heappush(self.waiting, (key, seq))
@@ -155,7 +155,7 @@ class Scheduler:
         plan.cache_lookups, plan.cache_hits = self.pool.queries - lookups, self.pool.hits - hits
         return plan
 
-    def _add_to_plan(self, plan: StepPlan, seq: Sequence, n: int) -> None:
+    def _add_to_plan(self, plan: StepPlan, seq: SeqState, n: int) -> None:
         last = seq.num_computed + n == seq.num_tokens
         s = Scheduled(seq, seq.num_computed, n, last and not seq.request.scoring)
         # A decode: one token that samples, of a sequence past its prompt (a 1-token prompt
@@ -163,7 +163,7 @@ class Scheduler:
         decode = n == 1 and s.samples and seq.num_computed >= seq.prompt_len
         (plan.decodes if decode else plan.prefills).append(s)
 
-    def _grow(self, seq: Sequence, n: int) -> bool:
+    def _grow(self, seq: SeqState, n: int) -> bool:
         """Give seq the blocks for n more tokens; False if the pool has too few free."""
         if seq.num_computed + n <= len(seq.block_table) * self.block_size:
             return True  # most steps: the blocks it holds have room
@@ -174,11 +174,11 @@ class Scheduler:
             seq.block_table += self.pool.allocate(need)
         return True
 
-    def _blocks_to_come(self, seq: Sequence) -> int:
+    def _blocks_to_come(self, seq: SeqState) -> int:
         """Blocks seq may still take before it ends at its full length."""
         return self.pool.blocks_for(seq.request.max_tokens) - len(seq.block_table)
 
-    def _admit(self, seq: Sequence, budget: int, growth: int = 0) -> bool:
+    def _admit(self, seq: SeqState, budget: int, growth: int = 0) -> bool:
         """Take seq's cached prefix and blocks for its first chunk; False (and nothing
         taken) if that would leave fewer free blocks than the watermark while others run
         (reserve_full_rows: than all running rows' growth to full length, and this one's)."""
@@ -204,7 +204,7 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         return True
 
-    def _awaits_prefix(self, seq: Sequence) -> bool:
+    def _awaits_prefix(self, seq: SeqState) -> bool:
         """Is the first block of seq's prefix not in the cache one a running sequence is
         computing? Then seq should wait and hit it, not compute it too."""
         if not self.pending:
@@ -214,12 +214,12 @@ class Scheduler:
                 return k in self.pending
         return False
 
-    def _forget_pending(self, seq: Sequence) -> None:
+    def _forget_pending(self, seq: SeqState) -> None:
         for k in seq.block_keys:
             if self.pending.get(k) is seq:
                 del self.pending[k]
 
-    def _keys(self, seq: Sequence, n_blocks: int) -> list[int]:
+    def _keys(self, seq: SeqState, n_blocks: int) -> list[int]:
         """Prefix-cache keys of seq's first n_blocks full blocks (computed once, kept)."""
         keys, bs = seq.block_keys, self.block_size
         while len(keys) < n_blocks:
@@ -227,7 +227,7 @@ class Scheduler:
             keys.append(block_hash(parent, seq.token_ids[j * bs : (j + 1) * bs]))
         return keys[:n_blocks]
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: SeqState) -> None:
         """Stop a running sequence and queue it to recompute (engine.py: a longrope row too)."""
         self.running.remove(seq)
         self._forget_pending(seq)
@@ -242,8 +242,8 @@ class Scheduler:
     # ---------------------------------------------------------------- results
 
     def update(
-        self, plan: StepPlan, sampled: Seq[tuple], scored: Seq[ScoredChunk] = ()
-    ) -> list[Sequence]:
+        self, plan: StepPlan, sampled: Sequence[tuple], scored: Sequence[ScoredChunk] = ()
+    ) -> list[SeqState]:
         """Apply a step's results: sampled (token, logprob[, top alternatives or None]) per
         sampling sequence and the scored tokens per scored chunk (`Request.scored`), each in
         plan order. Returns the sequences that finished."""
@@ -274,7 +274,7 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _cache_full_blocks(self, seq: Sequence) -> None:
+    def _cache_full_blocks(self, seq: SeqState) -> None:
         n_full = seq.num_computed // self.block_size
         if n_full > seq.num_registered:
             keys = self._keys(seq, n_full)
@@ -284,7 +284,7 @@ class Scheduler:
                     del self.pending[keys[j]]
             seq.num_registered = n_full
 
-    def finish(self, seq: Sequence, reason: FinishReason, keep: int | None = None, why=None):
+    def finish(self, seq: SeqState, reason: FinishReason, keep: int | None = None, why=None):
         """End a running sequence (keep: generated tokens kept, for a stop string; why: its
         stop_reason, the stop string or stop token id)."""
         if seq.status is not SeqStatus.RUNNING:

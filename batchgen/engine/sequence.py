@@ -1,5 +1,5 @@
 """Plain-data types that flow through the engine: no torch here. A `Request` (prompt ids +
-`DecodeParams`) comes in; the scheduler wraps it in a `Sequence`, its running state (tokens so
+`DecodeParams`) comes in; the scheduler wraps it in a `SeqState`, its running state (tokens so
 far, cache blocks, lifecycle), and plans each step as a `StepPlan` of `Scheduled` chunks; a
 `Completion` goes out, and each step's accounting as a `StepReport`."""
 
@@ -111,7 +111,7 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass(slots=True, eq=False)
-class Sequence:
+class SeqState:
     """A request in flight: its tokens (prompt, then generated), how many of them have
     their keys/values in the cache, and the cache blocks that hold them."""
 
@@ -216,7 +216,7 @@ class ScoredChunk:
 class Scheduled:
     """`num_tokens` tokens of `seq`, from position `start`, run this step."""
 
-    seq: Sequence
+    seq: SeqState
     start: int
     num_tokens: int
     samples: bool  # the step computes the sequence's last token: a new token is sampled
@@ -226,8 +226,8 @@ class Scheduled:
 class StepPlan:
     decodes: list[Scheduled] = field(default_factory=list)  # one sampled token each
     prefills: list[Scheduled] = field(default_factory=list)  # chunks of prompts
-    preempted: list[Sequence] = field(default_factory=list)
-    admitted: list[Sequence] = field(default_factory=list)  # first admissions (not recomputes)
+    preempted: list[SeqState] = field(default_factory=list)
+    admitted: list[SeqState] = field(default_factory=list)  # first admissions (not recomputes)
     cache_lookups: int = 0  # full blocks the admissions looked up in the prefix cache
     cache_hits: int = 0  # of which found there
 

@@ -4,7 +4,7 @@ A step's tokens run flat: the decodes first, then each prefill chunk, packed wit
 rows and no padding tokens. Each token carries its position and its cache slot
 (block_table[pos // block_size] * block_size + pos % block_size). Decodes are packed longest
 block table first, in a few groups of similar width (each group is one attention call over its
-gathered blocks, see model/attention.py); each prefill chunk is a span with the blocks of its
+gathered blocks, see model/attention/step.py); each prefill chunk is a span with the blocks of its
 cached context. `logits_index` names the tokens that reach the LM head: those that sample,
 then the positions of scored tokens (a score task's labels, a row's prompt logprobs).
 

@@ -6,27 +6,26 @@ it ends in the text of that token or a later one (`skip`: the tokens before it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Collection, Sequence
 
-from batchgen.engine.sequence import FinishReason, Sequence
+from batchgen.engine.sequence import FinishReason, SeqState
 
 Detokenize = Callable[[list[int]], str]  # token ids -> text
 
 
-def _hits(text: str, stops: Seq[str], after: int) -> list[tuple[int, str]]:
+def _hits(text: str, stops: Sequence[str], after: int) -> list[tuple[int, str]]:
     """(start, stop string) of each stop string's first occurrence ending past `after`."""
     found = ((text.find(s, max(0, after - len(s) + 1)), s) for s in stops if s)
     return [(i, s) for i, s in found if i >= 0]
 
 
-def first_stop(text: str, stops: Seq[str], after: int = 0) -> int | None:
+def first_stop(text: str, stops: Sequence[str], after: int = 0) -> int | None:
     """Index in text where the earliest stop string (ending past `after`) starts, or None."""
     hits = _hits(text, stops, after)
     return min(hits)[0] if hits else None
 
 
-def matched_stop(text: str, stops: Seq[str], after: int = 0) -> str | None:
+def matched_stop(text: str, stops: Sequence[str], after: int = 0) -> str | None:
     """The stop string that first_stop finds (the earliest; of two there, the first given)."""
     hits = _hits(text, stops, after)
     if not hits:
@@ -41,7 +40,7 @@ def skipped(params_min_tokens: int) -> int:
 
 
 def tokens_to_keep(
-    ids: list[int], stops: Seq[str], decode: Detokenize, skip: int = 0
+    ids: list[int], stops: Sequence[str], decode: Detokenize, skip: int = 0
 ) -> int | None:
     """The shortest prefix of ids whose text holds a stop string (ending past the text of
     ids[:skip]), or None.
@@ -66,13 +65,13 @@ def tokens_to_keep(
     return lo if first_stop(decode(ids[:lo]), stops, after) is not None else None
 
 
-def trim_at_stop(text: str, stops: Seq[str], after: int = 0) -> str:
+def trim_at_stop(text: str, stops: Sequence[str], after: int = 0) -> str:
     i = first_stop(text, stops, after)
     return text if i is None else text[:i]
 
 
 def token_finish(
-    seq: Sequence, tok: int, eos: Collection[int]
+    seq: SeqState, tok: int, eos: Collection[int]
 ) -> tuple[FinishReason | None, int | None]:
     """Does the token just appended to seq end it, and why: (STOP, None) at EOS (as vLLM, no
     stop_reason), (STOP, tok) at a stop token id, (LENGTH, None) at max_new_tokens, else

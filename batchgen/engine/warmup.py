@@ -24,7 +24,7 @@ from batchgen.engine.step_inputs import (
     warmup_decode,
     warmup_eager,
 )
-from batchgen.model.attention import DecodeBackend
+from batchgen.model.attention.step import DecodeBackend
 
 # The runner: engine/model_runner.py's ModelRunner, which calls these (so not imported here).
 Runner = Any

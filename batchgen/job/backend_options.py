@@ -1,15 +1,15 @@
-"""What the transformers backend (model/hf_backend.py) refuses of a job's options, before any
+"""What the transformers backend (model/hf/backend.py) refuses of a job's options, before any
 weight loads: tensor parallelism (its sharding is native), int4 (its group sizes are chosen
 per native layer kind, quant/quantize.py), and --quantize on a model whose MoE experts are 3-D
 weights (the passes quantize nn.Linear layers: most of such a model would stay float). LoRA
-adapters are checked by model/hf_lora.py."""
+adapters are checked by model/hf/lora.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from batchgen.errors import ConfigError
-from batchgen.model.hf_support import load_plan, meta_model
+from batchgen.model.hf.support import load_plan, meta_model
 
 BACKEND_QUANTIZE = ("int8", "fp8")  # weight-only, one scale per output channel
 

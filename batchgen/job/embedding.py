@@ -1,7 +1,7 @@
 """The pooled tasks' options, resolved once for a job (`pooled_task`) or an `LLM.embed` call
 (`embed_options`): task embed's pooling (the flag, else the sentence-transformers checkpoint's
 own, else the last token's), whether to normalize, Matryoshka `dimensions`, the instruction
-prefix; task classify's labels (model/classifier_head.py). A pooled vector -> the row's
+prefix; task classify's labels (model/families/classifier_head.py). A pooled vector -> the row's
 embedding: truncated to `dimensions`, then L2-normalized (the order Matryoshka embeddings are
 meant to be used in; sentence-transformers' `truncate_dim` with `normalize_embeddings`)."""
 
@@ -18,7 +18,7 @@ from batchgen.engine.params import Pooling
 from batchgen.errors import ConfigError, ModelLoadError
 from batchgen.job.config import RunConfig
 from batchgen.job.model_spec import ModelSpec
-from batchgen.model.st_config import read_st_embedding
+from batchgen.model.checkpoint.st_config import read_st_embedding
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,16 +28,16 @@ from batchgen.errors import ConfigError
 from batchgen.job.backend_options import check_backend_options
 from batchgen.job.generation import read_generation_config
 from batchgen.job.tokenizer import check_vocab, eos_token_ids, load_tokenizer
-from batchgen.model.attention import DECODE_ATTENTION_ENV
-from batchgen.model.checkpoint_format import checkpoint_scheme
+from batchgen.model.attention.step import DECODE_ATTENTION_ENV
+from batchgen.model.checkpoint.format import checkpoint_scheme
+from batchgen.model.checkpoint.lora import LoraAdapter, check_adapter
+from batchgen.model.checkpoint.multimodal import language_config
 from batchgen.model.config import ModelConfig
-from batchgen.model.hf_config import native_config, read_hf_config
-from batchgen.model.hf_lora import check_hf_adapter
-from batchgen.model.hf_refusal import DEQUANTIZED
-from batchgen.model.hf_support import backend_config, resolve_impl
-from batchgen.model.lora import LoraAdapter, check_adapter
-from batchgen.model.multimodal import language_config
-from batchgen.model.tensor_parallel import check_sizes
+from batchgen.model.families.hf_config import native_config, read_hf_config
+from batchgen.model.hf.lora import check_hf_adapter
+from batchgen.model.hf.refusal import DEQUANTIZED
+from batchgen.model.hf.support import backend_config, resolve_impl
+from batchgen.model.parallel.sharding import check_sizes
 from batchgen.quant import QuantScheme, make_scheme
 from batchgen.quant.scheme import stored_quant_scheme
 
@@ -188,7 +188,7 @@ class ModelSpec:
             dev = resolve_device(device)
             dt = resolve_dtype(dtype, dev)
             compiled = resolve_compile(compile, dev)  # the backend's too: both decode ops
-            # carry its layers' scale, soft-cap and sinks (model/decode_ops.py)
+            # carry its layers' scale, soft-cap and sinks (model/attention/decode_ops.py)
             if not isinstance(engine, EngineConfig):
                 engine = EngineConfig.for_device(dev.type, compiled, **(engine or {}))
             check_tensor_parallel(model_cfg, tensor_parallel_size, dev)

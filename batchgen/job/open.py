@@ -20,7 +20,7 @@ from batchgen.job.model_spec import ModelSpec
 from batchgen.job.precheck import check_input_outside_output
 from batchgen.job.prepare import Preparer
 from batchgen.model.memory import check_allocation
-from batchgen.model.tensor_parallel import TPShard, local_config, weight_bytes
+from batchgen.model.parallel.sharding import TPShard, local_config, weight_bytes
 
 log = logging.getLogger(__name__)
 

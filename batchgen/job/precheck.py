@@ -12,7 +12,7 @@ from pathlib import Path
 from batchgen.data import InputSource, open_input
 from batchgen.errors import InputError
 from batchgen.job.config import RunConfig
-from batchgen.model.hf_config import require_model_dir
+from batchgen.model.families.hf_config import require_model_dir
 
 
 def precheck(cfg: RunConfig) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.errors import ModelLoadError
-from batchgen.model.hf_config import read_json_object
+from batchgen.model.families.hf_config import read_json_object
 
 
 def eos_token_ids(gen: Mapping[str, Any], hf: dict, tokenizer) -> list[int]:

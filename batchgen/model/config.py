@@ -1,6 +1,6 @@
 """Architecture description of a decoder, independent of any file format.
 
-`ModelConfig` says *what* to build; `batchgen.model.hf_config` knows how Hugging Face
+`ModelConfig` says *what* to build; `batchgen.model.families.hf_config` knows how Hugging Face
 `config.json` files map onto it.
 """
 
@@ -26,7 +26,7 @@ class Family(str, enum.Enum):
     GEMMA3_TEXT = "gemma3_text"
 
 
-# Gemma's decoder (model/gemma.py): (1 + w) norms, four a layer, a scaled embedding
+# Gemma's decoder (model/families/gemma.py): (1 + w) norms, four a layer, a scaled embedding
 GEMMA_FAMILIES = frozenset({Family.GEMMA2, Family.GEMMA3_TEXT})
 
 
@@ -49,8 +49,8 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-    # longrope (Phi-3, model/longrope.py): each frequency's divisor for rows within the original
-    # context and for rows beyond it (rotary_dim / 2 each), and the scale of cos and sin
+    # longrope (Phi-3, model/families/longrope.py): each frequency's divisor for rows within the
+    # original context and for rows beyond it (rotary_dim / 2 each), and the scale of cos and sin
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
@@ -99,17 +99,17 @@ class ModelConfig:
     # (n_kv_heads, head_dim) of each layer's cache where layers differ (the backend's: Gemma 4's
     # global layers); () when every layer's is (n_kv_heads, head_dim)
     layer_kv: tuple[tuple[int, int], ...] = ()
-    # Mixture of experts (Qwen3-MoE, Mixtral; model/moe.py): each token's MLP is the weighted
-    # sum of experts_per_token of n_experts experts (moe_intermediate_size wide each), picked
-    # by a router; norm_topk_prob: the picked weights renormalised to sum to 1. dense_layers:
+    # Mixture of experts (Qwen3-MoE, Mixtral; model/families/moe.py): each token's MLP is the
+    # weighted sum of experts_per_token of n_experts experts (moe_intermediate_size wide each),
+    # picked by a router; norm_topk_prob: the picked weights renormalised to sum to 1. dense_layers:
     # the layers that keep a dense MLP of intermediate_size. n_experts 0: a dense model.
     n_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
-    # Gemma 2/3 (model/gemma.py): the softmax scale (None: 1/sqrt(head_dim)), the soft-caps of
-    # the attention logits and of the final logits (None: none), each layer's window where
+    # Gemma 2/3 (model/families/gemma.py): the softmax scale (None: 1/sqrt(head_dim)), the soft-caps
+    # of the attention logits and of the final logits (None: none), each layer's window where
     # layers differ (() : sliding_window for every layer), and the sliding layers' own RoPE
     # base (Gemma 3's local layers; no scaling), None: every layer's is rope_theta.
     attn_scale: float | None = None
@@ -236,8 +236,8 @@ class ModelConfig:
 
 @dataclass(slots=True, frozen=True)
 class LongRopeRows:
-    """Which rows of a longrope model's RoPE tables its tokens read (model/longrope.py): rows
-    0..offset - 1 hold the short factors' cos and sin, rows offset.. the long factors'. A row
+    """Which rows of a longrope model's RoPE tables its tokens read (model/families/longrope.py):
+    rows 0..offset - 1 hold the short factors' cos and sin, rows offset.. the long factors'. A row
     of more than `original` tokens (prompt and generated so far) runs on the long factors,
     every token of it: what transformers' generate does for that row alone. Plain data: the
     step packer and the engine use it."""

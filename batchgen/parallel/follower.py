@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.model.tensor_parallel import TPShard
+from batchgen.model.parallel.sharding import TPShard
 from batchgen.parallel.channel import read
 from batchgen.parallel.group import init_group, rendezvous
 from batchgen.parallel.rank_model import RankSpec, load_rank_model

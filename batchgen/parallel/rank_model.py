@@ -16,15 +16,15 @@ from torch.distributed import ProcessGroup
 
 from batchgen.engine.compile_cache import CompileCache
 from batchgen.job.model_spec import ModelSpec
+from batchgen.model.checkpoint.loader import load_model
+from batchgen.model.checkpoint.lora import LoraAdapter, merge_lora
 from batchgen.model.config import ModelConfig
-from batchgen.model.hf_backend import load_hf_model
+from batchgen.model.families.packed_linear import can_pack, pack_linears
+from batchgen.model.families.transformer import Transformer
+from batchgen.model.hf.backend import load_hf_model
 from batchgen.model.host_malloc import keep_freed_memory
-from batchgen.model.loader import load_model
-from batchgen.model.lora import LoraAdapter, merge_lora
-from batchgen.model.packed_linear import can_pack, pack_linears
-from batchgen.model.tensor_parallel import SINGLE, TPShard
-from batchgen.model.tp_layers import CollectiveClock, apply_tensor_parallel
-from batchgen.model.transformer import Transformer
+from batchgen.model.parallel.collectives import CollectiveClock, apply_tensor_parallel
+from batchgen.model.parallel.sharding import SINGLE, TPShard
 from batchgen.quant import QuantScheme, quantize_model
 from batchgen.quant.hf_quantize import quantize_hf_model
 
@@ -110,7 +110,7 @@ def load_rank_model(
             "slow on the CPU; pass --compile"
         )
     # Eager float32 on the CPU: weights packed once for oneDNN, after the LoRA merge and
-    # before the TP hooks (model/packed_linear.py).
+    # before the TP hooks (model/families/packed_linear.py).
     if not spec.compile and not spec.quant.enabled and can_pack(device, spec.dtype):
         pack_linears(model)
     if tp.size > 1:  # after quantizing: some backends replace the linear modules
@@ -119,7 +119,7 @@ def load_rank_model(
 
 
 def load_hf_rank_model(spec: RankSpec) -> RankModel:
-    """The transformers backend's model (one rank, model/hf_backend.py): loaded, its adapter
+    """The transformers backend's model (one rank, model/hf/backend.py): loaded, its adapter
     merged by peft, then quantized; when quantizing it loads on the host and the pass moves it
     to the device a layer at a time, as load_rank_model does."""
     at = torch.device("cpu") if spec.quant.enabled else spec.device

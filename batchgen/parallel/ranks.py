@@ -47,7 +47,7 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import StepPlan
 from batchgen.engine.step_inputs import StepInputs, WarmUp
 from batchgen.errors import RankFailed
-from batchgen.model.transformer import Transformer
+from batchgen.model.families.transformer import Transformer
 from batchgen.parallel import channel
 from batchgen.parallel.error_files import ErrorFiles
 from batchgen.parallel.group import Group, init_group, listen, rendezvous

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from batchgen.model.hf_backend import HFModel
+from batchgen.model.hf.backend import HFModel
 from batchgen.quant.quantize import _BACKENDS
 from batchgen.quant.scheme import QuantScheme
 

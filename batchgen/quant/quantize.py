@@ -4,7 +4,7 @@ Blocks are moved to the device one at a time and quantized there, so the device 
 holds more than one block in full precision (and packed int4 layouts, which differ
 between CPU and CUDA kernels, are built for the device that runs them).
 
-A MoE layer (model/moe.py) has no MLP linears: its experts are 3-D weights that the
+A MoE layer (model/families/moe.py) has no MLP linears: its experts are 3-D weights that the
 backends' linear-layer passes do not take, so they and the router keep the model dtype; its
 attention is quantized, as a dense layer's MLP is (docs/quantization.md).
 """
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from batchgen.model.moe import MoE
-from batchgen.model.transformer import Transformer
+from batchgen.model.families.moe import MoE
+from batchgen.model.families.transformer import Transformer
 from batchgen.quant import quanto_backend, torchao_backend
 from batchgen.quant.scheme import (
     DEFAULT_INT4_GROUP_SIZE,

@@ -14,8 +14,8 @@ import torch
 
 from batchgen.choices import QuantBackend, QuantMethod  # declared once, with the other options
 from batchgen.errors import QuantUnavailableError
-from batchgen.model.prequantized import StoredScheme
-from batchgen.model.transformer import LINEAR_LAYERS
+from batchgen.model.checkpoint.prequantized import StoredScheme
+from batchgen.model.families.transformer import LINEAR_LAYERS
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP_SIZE = 128  # torchao's default; quanto's CUDA int4 kernels need 128
@@ -93,7 +93,7 @@ class QuantScheme:
     unquantized: tuple[str, ...] = ()
     # the quantized layers where they are not TARGETS (the transformers backend's own names)
     modules: tuple[str, ...] = ()
-    # a pre-quantized checkpoint's own scheme, loaded as stored (model/prequantized.py):
+    # a pre-quantized checkpoint's own scheme, loaded as stored (model/checkpoint/prequantized.py):
     # nothing is quantized at load
     stored: StoredScheme | None = None
 

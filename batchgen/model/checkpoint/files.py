@@ -1,0 +1,99 @@
+"""Reading a checkpoint directory's weight files: which files (a sharded index, single
+safetensors files, or trusted pickles), each tensor as a slice handle so a tensor-parallel rank
+reads only its part, a failed read as one line, and the dtypes pre-quantized weights are
+stored in. model/checkpoint/loader.py puts what these return into the model."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchgen.errors import ModelLoadError
+from batchgen.model.parallel.sharding import Copy
+
+
+def checkpoint_files(path: Path, allow_pickle: bool) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = sorted(path.glob("*.safetensors"))
+    if single:
+        return single
+    pickles = sorted(path.glob("pytorch_model*.bin"))
+    if pickles and allow_pickle:
+        return pickles
+    if pickles:
+        raise ModelLoadError(
+            f"{path} holds only pickle checkpoints ({pickles[0].name}); pickle files can run code "
+            "when loaded. Convert to safetensors, or pass --allow-pickle if you trust the file."
+        )
+    raise ModelLoadError(f"no *.safetensors weights in {path}")
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, Any, Path]]:
+    """(name, tensor, file) of every checkpoint tensor; a safetensors tensor comes as a slice
+    handle, so a rank reads only the bytes of its part (`take`)."""
+    from safetensors import safe_open
+
+    for f in files:
+        with reading(f):
+            if f.suffix == ".bin":
+                tensors = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                for name, t in tensors.items():
+                    yield name, t, f
+                continue
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, sf.get_slice(name), f
+
+
+@contextlib.contextmanager
+def reading(f: Path) -> Iterator[None]:
+    """A failed read of weights file f as a one-line ModelLoadError."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except pickle.UnpicklingError as e:
+        # weights_only=True refuses objects other than tensors, which is what allows it;
+        # torch's message goes on for a page, its first sentence says what happened.
+        first = str(e).split(".")[0]
+        raise ModelLoadError(
+            f"cannot read weights file {f}: it holds more than tensors, or is not a PyTorch "
+            f"checkpoint ({first}); convert a trusted copy to safetensors"
+        ) from None
+    except (OSError, RuntimeError, ValueError, EOFError, SafetensorError) as e:
+        raise ModelLoadError(f"cannot read weights file {f}: {e}") from e
+
+
+def take(tensor: Any, copy: Copy, transposed: bool) -> torch.Tensor:
+    """copy's slice of a checkpoint tensor (a safetensors slice handle or a tensor)."""
+    if copy.src is None:
+        t = tensor[:]
+    else:
+        shape = tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape
+        index = [slice(None)] * len(shape)
+        index[1 - copy.dim if transposed else copy.dim] = copy.src
+        t = tensor[tuple(index)]
+    return t.t().contiguous() if transposed else t
+
+
+_STORED_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8}
+
+
+def stored_dtype(tensor: Any) -> torch.dtype | None:
+    """A checkpoint tensor's dtype if it is one a pre-quantized weight is stored in."""
+    if hasattr(tensor, "get_dtype"):
+        return _STORED_DTYPES.get(tensor.get_dtype())
+    return tensor.dtype if tensor.dtype in _STORED_DTYPES.values() else None
+
+
+def shape_of(tensor: Any) -> list[int]:
+    return tensor.get_shape() if hasattr(tensor, "get_shape") else list(tensor.shape)
