@@ -31,4 +31,5 @@ def test_compile_on_the_transformers_backend_warns_once_and_runs_eagerly(
     assert len(warned) == (impl == "transformers") and all("\n" not in w for w in warned)
     assert stats["model_impl"] == impl and (stats["rows"], stats["rows_error"]) == (3, 0)
     assert stats["compiled_token_share"] == share
-    assert bool(stats.get("graphs_compiled")) == (impl == "native")
+    if impl == "transformers":  # nothing compiled (natively, inductor's cache may hold the
+        assert not stats.get("graphs_compiled")  # graphs from an earlier test: 0 too)

@@ -185,7 +185,8 @@ def roofline(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
         compute = [compute_ceiling_s(stats, x, 1) for x in xs]
         memory = weights / bw
         if decodes:
-            ax.plot(xs, decode, color="tab:green", lw=1, ls=":", label="compute ceiling, decode")
+            label = "compute ceiling, decode (FLOPs / peak)"
+            ax.plot(xs, decode, color="tab:green", lw=1, ls=":", label=label)
         ax.plot(
             xs,
             compute,
