@@ -47,7 +47,6 @@ class InputBuffer:
         self._host: torch.Tensor | None = None  # pinned staging (CUDA)
         self._dev: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None  # the last copy out of _host
-        self.copies = 0  # host -> device copies made (one a step on a GPU)
 
     def upload(self, x: StepInputs) -> DeviceInputs:
         parts = [x.tokens, x.positions, x.slots, x.logits_index]
@@ -86,5 +85,4 @@ class InputBuffer:
         self._dev[:total].copy_(self._host[:total], non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        self.copies += 1
         return self._dev

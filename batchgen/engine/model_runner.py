@@ -270,12 +270,10 @@ class ModelRunner:
         pool = pooled_step(self.model, plan, packed.inputs.prefills, self.broadcast is None)
         logits = self.forward(packed.inputs, pool)
         if logits is None:  # pooled rows only: no scored token, nothing sampled
-            _sync(dev)
-            none = [ScoredChunk([]) for _ in packed.scored]
-            return [], none, self._timing(t0, gap)
-        # the scored positions' rows follow the sampled ones (scored_logprobs.py)
-        per_chunk = score_rows(logits[n:], packed.targets, packed.scored, plan)
-        if not n:  # prefill chunks that sample nothing
+            per_chunk = [ScoredChunk([]) for _ in packed.scored]
+        else:  # the scored positions' rows follow the sampled ones (scored_logprobs.py)
+            per_chunk = score_rows(logits[n:], packed.targets, packed.scored, plan)
+        if logits is None or not n:  # prefill chunks that sample nothing
             _sync(dev)
             return [], per_chunk, self._timing(t0, gap)
         apply_penalties(logits[:n], packed.sampled, self.counts)
