@@ -5,10 +5,11 @@ stall every parallel region."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from batchgen.job.threads import cpu_threads
+from batchgen.job.threads import ThreadGovernor, cpu_threads
 
 CPUS = len(os.sched_getaffinity(0))
 
@@ -62,3 +63,110 @@ def test_a_job_without_threads_runs_on_cpu_threads(model, tmp_path, monkeypatch)
     run_job(prompt_file(tmp_path, 2), tmp_path / "a", model, "--max-new-tokens", 2)
     run_job(prompt_file(tmp_path, 2), tmp_path / "b", model, "--max-new-tokens", 2, "--threads", 1)
     assert seen[0] == 3 and seen[-1] == 1, seen
+
+
+class FakeMachine:
+    """A clock, the CPUs' busy ticks (100 a second) and this process's CPU seconds, moved by
+    hand: `run(seconds, own=cpus, other=cpus)`."""
+
+    def __init__(self) -> None:
+        self.t, self.busy, self.own = 0.0, 0, 0.0
+
+    def run(self, seconds: float, own: float, other: float) -> None:
+        self.t += seconds
+        self.own += own * seconds
+        self.busy += round((own + other) * seconds * os.sysconf("SC_CLK_TCK"))
+
+    def governor(self, most: int, seen: list[int]) -> ThreadGovernor:
+        return ThreadGovernor(
+            most,
+            seen.append,
+            every_s=1.0,
+            busy_ticks=lambda: self.busy,
+            own_seconds=lambda: self.own,
+            clock=lambda: self.t,
+        )
+
+
+def test_governor_gives_up_a_cpu_another_process_holds_and_takes_it_back():
+    """Another process's whole CPU takes a thread off after two readings that agree; half a
+    second of it once moves nothing; when it ends the thread comes back."""
+    m, seen = FakeMachine(), []
+    g = m.governor(2, seen)
+    for _ in range(3):  # quiet: this job alone on both CPUs
+        m.run(1.0, own=1.9, other=0.05)
+        assert g.tick() == 2
+    m.run(1.0, own=1.4, other=0.6)  # a burst: one reading says 1 ...
+    assert g.tick() == 2
+    m.run(1.0, own=1.9, other=0.1)  # ... the next says 2 again: nothing changes
+    assert g.tick() == 2 and seen == []
+    for _ in range(2):  # a busy loop starts on one CPU
+        m.run(1.0, own=1.3, other=0.7)
+        g.tick()
+    assert g.threads == 1 and seen == [1]
+    for _ in range(3):  # it keeps its CPU: one thread stays
+        m.run(1.0, own=1.0, other=1.0)
+        assert g.tick() == 1
+    for _ in range(2):  # it ends
+        m.run(1.0, own=1.0, other=0.0)
+        g.tick()
+    assert g.threads == 2 and seen == [1, 2] and g.changes == 2 and g.fewest == 1
+
+
+def test_governor_reads_the_machine_only_every_interval_and_never_goes_below_one():
+    m, seen = FakeMachine(), []
+    g = m.governor(4, seen)
+    m.run(0.5, own=0.0, other=4.0)  # under a second: not read
+    assert g.tick() == 4 and g._last[0] == 0.0
+    for _ in range(2):
+        m.run(1.0, own=0.5, other=3.5)  # everything else takes 3.5 of 4 CPUs
+        g.tick()
+    assert g.threads == 1 and seen == [1]
+    for _ in range(2):
+        m.run(1.0, own=1.0, other=1.2)  # one CPU taken: three threads
+        g.tick()
+    assert seen == [1, 3]
+
+
+def test_governor_sees_a_real_busy_process_on_one_of_its_cpus():
+    """/proc/stat read for real: a busy loop pinned to one of this process's CPUs shows as
+    other processes' work (the rest of the machine's load only adds to it)."""
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat")
+    cpu = min(os.sched_getaffinity(0))
+    loop = f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    busy = subprocess.Popen([sys.executable, "-c", loop])
+    try:
+        time.sleep(0.5)  # started and spinning
+        g = ThreadGovernor(2, lambda n: None, every_s=0.0)
+        before = g._read()
+        time.sleep(1.0)  # this process sleeps: all the busy work is others'
+        other = g.other_cpus(before, g._read())
+    finally:
+        busy.kill()
+        busy.wait()
+    assert other is not None and other >= 0.6, other
+
+
+def test_a_job_without_threads_is_governed_between_steps(model, tmp_path, monkeypatch):
+    """A CPU job of default threads ticks its governor after every step; --threads fixes the
+    count, so no governor."""
+    from helpers import prompt_file, run_job
+
+    made: list[ThreadGovernor] = []
+
+    class Counting(ThreadGovernor):
+        def __init__(self, *a, **k) -> None:
+            super().__init__(*a, **k)
+            self.ticks = 0
+            made.append(self)
+
+        def tick(self) -> int:
+            self.ticks += 1
+            return super().tick()
+
+    monkeypatch.setattr("batchgen.runner.run.ThreadGovernor", Counting)
+    run_job(prompt_file(tmp_path, 3), tmp_path / "a", model, "--max-new-tokens", 4)
+    assert len(made) == 1 and made[0].ticks >= 4, [g.ticks for g in made]
+    run_job(prompt_file(tmp_path, 3), tmp_path / "b", model, "--max-new-tokens", 4, "--threads", 2)
+    assert len(made) == 1

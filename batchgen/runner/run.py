@@ -26,7 +26,7 @@ from batchgen.job.fingerprint import job_fingerprint
 from batchgen.job.open import Job, open_job
 from batchgen.job.passthrough import legacy_renames
 from batchgen.job.prepare import Window
-from batchgen.job.threads import cpu_threads
+from batchgen.job.threads import ThreadGovernor, cpu_threads
 from batchgen.llm import LLM
 from batchgen.runner.background import Prefetch
 from batchgen.runner.deadline import Watchdog, deadlines
@@ -81,6 +81,7 @@ def run(cfg: RunConfig) -> RunStats:
 def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     torch.set_num_threads(cfg.threads or cpu_threads())  # cpu_threads: affinity, cgroup quota
     job = open_job(cfg)
+    governor = _thread_governor(job)
     cfg, prep = job.cfg, job.prep
     unsupported = _warn_about_input(job)
     schema = prep.output_schema()  # checked before the output directory is touched
@@ -110,7 +111,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
     with _stop_on_signals() as signals, sink:
         try:
             with Prefetch(prep.windows(done), READ_AHEAD_WINDOWS, "batchgen-read-ahead") as windows:
-                _generate(llm, rows, windows, sink, signals)
+                _generate(llm, rows, windows, sink, signals, governor)
             complete = True
         except BaseException:
             watchdog.arm_fatal()  # the writes below get seconds, not forever
@@ -134,16 +135,29 @@ def _generate(
     windows: Iterable[tuple[int, Window]],
     sink: ResultSink,
     signals: list[int],
+    governor: ThreadGovernor | None = None,
 ) -> None:
     """The step loop: each step's finished rows counted and written, a part at least every
-    --flush-seconds, a stop between steps once a signal came."""
+    --flush-seconds, a stop between steps once a signal came, the thread count fitted to the
+    CPUs other processes leave."""
     for report in llm.engine.generate(rows.requests(windows)):
         rows.step(report)
         sink.tick()
+        if governor is not None:
+            governor.tick()
         if signals:
             raise JobInterrupted(signals[0])
     if rows.pending_lists:  # cannot happen: every sample finishes
         raise RuntimeError(f"{rows.pending_lists} rows still wait for samples at the end")
+
+
+def _thread_governor(job: Job) -> ThreadGovernor | None:
+    """Threads that follow what other processes leave of the CPUs: a CPU job of one rank
+    whose thread count the user did not set (--threads fixes it)."""
+    spec = job.spec
+    if job.cfg.threads or spec.device.type != "cpu" or spec.tensor_parallel_size > 1:
+        return None
+    return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
 
 
 def _warn_about_input(job: Job) -> dict[str, int] | None:
