@@ -126,6 +126,8 @@ def test_governor_reads_the_machine_only_every_interval_and_never_goes_below_one
         m.run(1.0, own=1.0, other=1.2)  # one CPU taken: three threads
         g.tick()
     assert seen == [1, 3]
+    m.run(2.5, own=3.0, other=0.0)  # one reading over two intervals (a model's load): enough
+    assert g.tick() == 4 and seen == [1, 3, 4]
 
 
 def test_governor_sees_a_real_busy_process_on_one_of_its_cpus():

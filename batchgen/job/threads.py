@@ -79,14 +79,15 @@ class ThreadGovernor:
     shares its core with another busy process holds every parallel region (docs/benchmarks.md,
     "Threads on a busy machine"). Every `every_s` the governor reads how busy this process's
     CPUs were (/proc/stat) less this process's own CPU time; other processes' share, rounded
-    to CPUs, is taken off `most`. A change needs two readings in a row that agree, so a short
-    burst of another process's work moves nothing."""
+    to CPUs, is taken off `most`. A change needs two readings in a row that agree (or one that
+    spans two intervals, as the first after the model's load does), so a short burst of another
+    process's work moves nothing."""
 
     def __init__(
         self,
         most: int,
         set_threads: Callable[[int], None],
-        every_s: float = 1.0,
+        every_s: float = 0.5,
         cpus: frozenset[int] | None = None,
         busy_ticks: Callable[[], int | None] | None = None,
         own_seconds: Callable[[], float] = _own_seconds,
@@ -120,13 +121,13 @@ class ThreadGovernor:
             return self.threads
         now = self._read()
         other = self.other_cpus(self._last, now)
-        self._last = now
+        span, self._last = now[0] - self._last[0], now
         if other is None:
             return self.threads
         want = max(1, self.most - int(other + 0.5))
         if want == self.threads:
             self._proposed = None
-        elif want == self._proposed:  # the second reading in a row: change
+        elif want == self._proposed or span >= 2 * self.every_s:  # two readings' worth: change
             log.info(
                 "other processes use %.1f of this job's %d CPUs: %d torch threads, not %d",
                 other,
