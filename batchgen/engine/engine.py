@@ -4,9 +4,8 @@ takes the sampled tokens; finished sequences come back as completions with their
 Requests arrive as one stream. The engine keeps up to `read_ahead` of them waiting (the
 scheduler admits the longest first), pulling more from the stream as sequences are
 admitted, so nothing drains at a window boundary and a 10-million-row input is never held.
-The KV pool is sized and allocated at the first request (engine/config.py) and kept, with
-its prefix cache, across calls. On the CPU it is sized from the longest row: of the whole job
-when the caller knows it (`reserve`), else of the first read-ahead.
+The KV pool is sized and allocated at the first request (engine/kv_sizing.py) and kept, with
+its prefix cache, across calls.
 Every step's accounting comes back as a value (`StepReport`) for the caller to sum.
 Finished sequences become completions in engine/completions.py (text, constraint verdicts,
 the score task's one completion per request).
@@ -30,6 +29,7 @@ from batchgen.engine.constraints import (
     Grammars,
     Verdict,
 )
+from batchgen.engine.kv_sizing import PoolSizer
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import (
@@ -44,9 +44,8 @@ from batchgen.engine.sequence import (
 )
 from batchgen.engine.step_cost import context_tokens
 from batchgen.engine.step_inputs import WarmUp
-from batchgen.engine.stopping import Detokenize, matched_stop, skipped, tokens_to_keep
+from batchgen.engine.stopping import Detokenize, StopStrings
 from batchgen.model.config import LongRopeRows
-from batchgen.model.memory import check_allocation
 
 
 class Engine:
@@ -65,57 +64,25 @@ class Engine:
         self.scheduler: Scheduler | None = None  # made with the pool, at the first request
         self.kv_pool: KVPool | None = None  # the KV cache as allocated, at the first request
         self.completions = Completions(detokenize, self.constrainer)
+        self.stop_strings = StopStrings(detokenize)
         self._window = runner.model.cfg.sliding_window  # attention's reach, for step_cost
-        self.job_longest = 0  # the caller's whole job's longest row (CPU pool sizing), if known
+        self.sizer = PoolSizer(config)  # the KV pool's size, at the first request
 
     def reserve(self, longest: int) -> None:
         """Size the pool (when it is sized from the job: on the CPU without kv_cache_tokens)
         for rows of `longest` tokens, not only the first read-ahead's; before the first run."""
-        self.job_longest = max(self.job_longest, longest)
+        self.sizer.reserve(longest)
 
     def _start(self, first: list[Request]) -> tuple[Scheduler, WarmUp]:
-        """Size and allocate the KV pool (on the CPU from the job's longest row, given to
-        `reserve`, or the first requests), and warm up, once. On a GPU without
-        --kv-cache-tokens, vLLM's order: the warm-up runs on a pool of two blocks, then the
-        pool takes what it left of gpu_memory_utilization x memory (kv_budget_bytes)."""
-        cfg, runner = self.config, self.runner
-        longest = max((r.longest_tokens for r in first), default=self.job_longest or 1)
-        longest = max(longest, self.job_longest)
-        longest = min(longest, runner.max_positions)
-        block_bytes = runner.kv_bytes_per_block()
-        measured = runner.measures_memory and cfg.kv_cache_tokens is None
-        budget = None
-        if measured:
-            runner.allocate(2)  # the scratch block and one: what the warm-up writes
-            warm = runner.warm_up(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-            budget = runner.kv_budget_bytes(cfg.gpu_memory_utilization)
-        blocks = cfg.pool_blocks(longest, budget, block_bytes, runner.max_pool_blocks())
-        # A pool sized from the job (the CPU's) is checked against memory, and holds full rows:
-        # admission reserves them.
-        sized_from_job = not measured and cfg.kv_cache_tokens is None
-        if sized_from_job:
-            ranks = self.runner.host_ranks  # tensor-parallel ranks sharing this memory
-            check_allocation(
-                blocks * block_bytes * ranks,
-                f"the KV cache sized from the job ({longest} tokens, its longest row, x "
-                f"{self.config.pool_rows} rows"
-                + (f", x {ranks} ranks' shares" if ranks > 1 else "")
-                + ")",
-                "--max-new-tokens or --max-num-seqs, or set --kv-cache-tokens",
-                self.runner.device,
-            )
-        self.runner.allocate(blocks)
-        if measured:
-            runner.rewarm_attention(cfg.max_num_seqs)
-        else:
-            warm = runner.warm_up(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        bs = self.config.block_size
-        self.kv_pool = KVPool(blocks, bs, blocks * block_bytes)
-        pool = BlockPool(blocks, bs, self.config.prefix_caching)
+        """Size, allocate and warm up the KV pool (engine/kv_sizing.py), once, and make the
+        scheduler over it."""
+        sized = self.sizer.start(self.runner, first)
+        self.kv_pool, cfg = sized.kv_pool, self.config
+        pool = BlockPool(sized.kv_pool.num_blocks, cfg.block_size, cfg.prefix_caching)
         sched = Scheduler(
-            pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.eos_ids, sized_from_job
+            pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.eos_ids, sized.holds_full_rows
         )
-        return sched, warm
+        return sched, sized.warm
 
     # no_grad, not inference_mode: quanto's int4 weights refuse inference tensors.
     @torch.no_grad()  # (a generator: the mode holds across its yields)
@@ -223,16 +190,9 @@ class Engine:
         finished = sched.update(plan, sampled, scored)
         if bitmask is not None:  # grammars take the new tokens; one that accepted EOS ends
             self._judge_constrained(plan, finished)
-        for s in plan.scheduled:  # stop strings: on the host, for the rows that have them
-            seq = s.seq
-            if s.samples and seq.params.stop and seq not in finished and not seq.below_min_tokens:
-                skip, stops = skipped(seq.params.min_tokens), seq.params.stop
-                keep = tokens_to_keep(seq.output_ids, stops, self.detokenize, skip)
-                if keep is not None:
-                    text = self.detokenize(seq.output_ids[:keep])
-                    after = len(self.detokenize(seq.output_ids[:skip])) if skip else 0
-                    sched.finish(seq, FinishReason.STOP, keep, matched_stop(text, stops, after))
-                    finished.append(seq)
+        for hit in self.stop_strings.hits(plan, finished):  # on the host (engine/stopping.py)
+            sched.finish(hit.seq, FinishReason.STOP, hit.keep, hit.stop)
+            finished.append(hit.seq)
         self.runner.release(finished)
         if constrainer is not None:
             for seq in finished:
