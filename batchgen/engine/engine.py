@@ -29,6 +29,7 @@ from batchgen.engine.constraints import (
     Grammars,
     Verdict,
 )
+from batchgen.engine.decode_mask import DecodeMask
 from batchgen.engine.kv_sizing import PoolSizer
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import Scheduler
@@ -61,6 +62,7 @@ class Engine:
         self.eos_ids = tuple(eos_ids)
         self.grammars = grammars  # None: constrained requests are refused
         self.constrainer = Constrainer(grammars) if grammars is not None else None
+        self.mask = DecodeMask(self.constrainer) if self.constrainer is not None else None
         self.scheduler: Scheduler | None = None  # made with the pool, at the first request
         self.kv_pool: KVPool | None = None  # the KV cache as allocated, at the first request
         self.completions = Completions(detokenize, self.constrainer)
@@ -180,15 +182,14 @@ class Engine:
 
     def _step(self, plan: StepPlan) -> StepReport:
         sched, constrainer = self.scheduler, self.constrainer
-        bitmask = constrainer.bitmask(plan, self.runner.device) if constrainer else None
-        sampled, scored, timing = self.runner.execute(plan, bitmask)
+        sampled, scored, timing = self.runner.execute(plan, self.mask)
         # The runner has read the sampled tokens back (its one host sync): the step has ended.
         now = time.perf_counter()
         for s in plan.scheduled:
             if s.samples and not s.seq.first_token_at:
                 s.seq.first_token_at = now
         finished = sched.update(plan, sampled, scored)
-        if bitmask is not None:  # grammars take the new tokens; one that accepted EOS ends
+        if constrainer is not None:  # grammars take the new tokens; one that accepted EOS ends
             self._judge_constrained(plan, finished)
         for hit in self.stop_strings.hits(plan, finished):  # on the host (engine/stopping.py)
             sched.finish(hit.seq, FinishReason.STOP, hit.keep, hit.stop)
