@@ -130,7 +130,8 @@ class Engine:
         """Queue r, or return its error completion if it cannot run."""
         parts = expand(r)
         rope = self.runner.rope_rows
-        for part in parts:  # a longrope model's long prompts cache other keys (longrope.py)
+        # a longrope model's long prompts cache other keys (model/families/longrope.py)
+        for part in parts:
             part.cache_salt = 1 if rope is not None and rope.is_long(part.prompt_len) else None
         longest = max(parts, key=lambda c: c.max_tokens)
         error = admission_error(
