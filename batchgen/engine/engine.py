@@ -7,8 +7,11 @@ admitted, so nothing drains at a window boundary and a 10-million-row input is n
 The KV pool is sized and allocated at the first request (engine/kv_sizing.py) and kept, with
 its prefix cache, across calls.
 Every step's accounting comes back as a value (`StepReport`) for the caller to sum.
-Finished sequences become completions in engine/completions.py (text, constraint verdicts,
-the score task's one completion per request).
+What the loop asks of others: whether a request can run (engine/admission.py), the pool's size
+(engine/kv_sizing.py), the constrained rows' token mask (engine/decode_mask.py, handed to the
+runner) and their grammars' verdicts (engine/constraints.py), the rows a stop string ends
+(engine/stopping.py). Finished sequences become completions in engine/completions.py (text,
+constraint verdicts, the score task's one completion per request).
 """
 
 from __future__ import annotations
