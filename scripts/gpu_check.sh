@@ -124,7 +124,7 @@ selected setup && step "environment + offline install" 45 "$OUT/setup.log" bash 
 # starts empty (cold: one compile of the model, then a CUDA graph per capture size), then a
 # second batchgen process on the same cache (warm: loads the compiled artifacts). Measured on
 # an H200 on 2026-12-04: sorted generate 93 s for 256 rows, a static graph 42 s to compile
-# (before the one symbolic graph of engine/compiled_decode.py).
+# (before the one symbolic graph of engine/compiled_forward.py).
 CACHE="$TMP/compile-cache"
 BENCH_MODEL="${GPU_CHECK_BENCH_MODEL:-qwen-0.5b}"
 if selected bench; then

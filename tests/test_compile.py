@@ -3,7 +3,7 @@ compiled == eager, no recompiles in steady state, a fallback that keeps the job 
 compile cache that a second process loads.
 
 The forward is compiled once over a symbolic batch with attention as an opaque op
-(engine/compiled_decode.py, model/attention/decode_ops.py), sampling is a small graph of its own,
+(engine/compiled_forward.py, model/attention/op.py), sampling is a small graph of its own,
 and a warm-up compiles both before the first row. Compiling costs seconds on the CPU, so the
 end-to-end tests are marked slow.
 """

@@ -21,10 +21,9 @@ from batchgen.engine.constraints import (
     Constraint,
     ConstraintError,
     ConstraintKind,
-    apply_bitmask,
     parse_choices,
-    unpack_and_mask,
 )
+from batchgen.engine.decode_mask import apply_words
 from batchgen.engine.sequence import FinishReason, SamplingParams
 from batchgen.llm import LLM
 
@@ -32,7 +31,7 @@ LABELS = ["positive", "negative", "neutral"]
 SAMPLED = ("--temperature", 1.0, "--max-new-tokens", 24)
 
 
-def test_apply_bitmask_keeps_exactly_the_set_bits():
+def test_the_decode_mask_keeps_exactly_the_set_bits():
     vocab = 70  # three words, the last one partly past the vocabulary
     allowed = [{0, 31, 32, 69}, set(range(vocab))]
     mask = torch.zeros(2, 3, dtype=torch.int32)
@@ -40,11 +39,11 @@ def test_apply_bitmask_keeps_exactly_the_set_bits():
         for t in tokens:
             word = int(mask[row, t // 32]) | (1 << (t % 32))
             mask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32 wrap
-    for apply in (apply_bitmask, unpack_and_mask):  # eager kernel, and the compiled ops
-        out = apply(torch.zeros(2, vocab), mask)
-        for row, tokens in enumerate(allowed):
-            assert {i for i in range(vocab) if out[row, i] == 0} == tokens
-            assert all(out[row, i] == float("-inf") for i in range(vocab) if i not in tokens)
+    out = torch.zeros(2, vocab)
+    apply_words(out, mask)  # in place
+    for row, tokens in enumerate(allowed):
+        assert {i for i in range(vocab) if out[row, i] == 0} == tokens
+        assert all(out[row, i] == float("-inf") for i in range(vocab) if i not in tokens)
 
 
 @pytest.mark.parametrize(
@@ -168,6 +167,42 @@ def test_constrained_rows_survive_preemption(model):
     assert all(
         re.fullmatch("[a-z]{6,9}", o.text) and o.finish_reason is FinishReason.STOP for o in out
     )
+
+
+def test_each_row_gets_its_own_mask_when_decodes_are_packed_by_width(model, monkeypatch):
+    """The runner packs decodes by table width, not in plan order; the decode mask is built in
+    the packed order (engine/decode_mask.py): each constrained row is held to its own grammar,
+    and the free rows between them decode as they do alone."""
+    import batchgen.engine.model_runner as model_runner
+
+    real, reordered = model_runner.pack_step, []
+
+    def spy(*a, **k):
+        packed = real(*a, **k)
+        reordered.append(packed.decode_order != sorted(packed.decode_order))
+        return packed
+
+    monkeypatch.setattr(model_runner, "pack_step", spy)
+    rows = [list(range(2, 2 + n)) for n in (40, 3, 25, 9, 60, 17)]
+    regex = [f"{ch}{{3,5}}" if i % 2 == 0 else None for i, ch in enumerate("abcdef")]
+    params = [
+        SamplingParams(
+            max_new_tokens=8,
+            constraint=Constraint(ConstraintKind.REGEX, r) if r else None,
+        )
+        for r in regex
+    ]
+    engine = EngineConfig(block_size=4)
+    llm = LLM(model, dtype="float32", device="cpu", compile=False, engine=engine)
+    out = llm.generate(rows, params)
+    assert any(reordered)
+    free = LLM(model, dtype="float32", device="cpu", compile=False, engine=engine)
+    alone = free.generate(rows, SamplingParams(max_new_tokens=8))
+    for i, r in enumerate(regex):
+        if r is None:
+            assert out[i].token_ids == alone[i].token_ids
+        else:
+            assert re.fullmatch(r, out[i].text) and out[i].finish_reason is FinishReason.STOP
 
 
 @pytest.mark.slow

@@ -202,8 +202,8 @@ def test_bf16_greedy_agrees_with_transformers(llm, model_dir):
 
 
 def test_constrained_rows_in_cuda_graphed_decode(llm):
-    """--choice rows beside free rows: the mask is an input of the sampling graph (always
-    given, all ones for free rows), every constrained row valid."""
+    """--choice rows beside free rows: the mask is applied to the logits before the sampling
+    graph (engine/decode_mask.py, xgrammar's Triton kernel), every constrained row valid."""
     import re
 
     from batchgen.engine.sequence import Constraint, ConstraintKind
@@ -215,7 +215,7 @@ def test_constrained_rows_in_cuda_graphed_decode(llm):
     ]
     got = llm.generate(prompts(5), params)
     assert all(re.fullmatch("[a-z]{3,6}", o.text) for o in got[1::2]), [o.text for o in got]
-    assert llm.runner.graph.graphs <= 1  # the mask is an input of sampling, not a guard
+    assert llm.runner.graph.graphs <= 1  # constrained steps run the same graph
 
 
 def test_scores_in_float32_on_cuda_equal_transformers(model_dir):

@@ -595,6 +595,7 @@ def test_plain_data_properties():
 
 def test_engine_config_validation_and_pool_sizing():
     from batchgen.engine.config import CPU_POOL_ROWS, EngineConfig
+    from batchgen.engine.kv_sizing import pool_blocks
 
     for bad in (
         dict(max_num_seqs=0),
@@ -606,17 +607,17 @@ def test_engine_config_validation_and_pool_sizing():
         with pytest.raises(ValueError):
             EngineConfig(**bad)
     cfg = EngineConfig(max_num_seqs=4, block_size=16)
-    assert cfg.pool_blocks(longest_row=40, budget_bytes=None, bytes_per_block=1) == 1 + 4 * 3
+    assert pool_blocks(cfg, longest_row=40, budget_bytes=None, bytes_per_block=1) == 1 + 4 * 3
     # more sequences than CPU_POOL_ROWS share a pool of that many longest rows
     assert EngineConfig().max_num_seqs == 256 > CPU_POOL_ROWS == 64
-    assert EngineConfig().pool_blocks(40, None, 1) == 1 + CPU_POOL_ROWS * 3
-    assert EngineConfig(max_num_seqs=65).pool_blocks(40, None, 1) == 1 + 64 * 3
-    assert EngineConfig(kv_cache_tokens=100).pool_blocks(40, None, 1) == 7  # the flag wins
-    assert cfg.pool_blocks(40, budget_bytes=1000, bytes_per_block=10) == 100  # the budget
+    assert pool_blocks(EngineConfig(), 40, None, 1) == 1 + CPU_POOL_ROWS * 3
+    assert pool_blocks(EngineConfig(max_num_seqs=65), 40, None, 1) == 1 + 64 * 3
+    assert pool_blocks(EngineConfig(kv_cache_tokens=100), 40, None, 1) == 7  # the flag wins
+    assert pool_blocks(cfg, 40, budget_bytes=1000, bytes_per_block=10) == 100  # the budget
     # the attention kernel's bound (flex's int32 indexing) caps every way of sizing it
-    assert cfg.pool_blocks(40, budget_bytes=1000, bytes_per_block=10, max_blocks=50) == 50
-    assert EngineConfig(kv_cache_tokens=100).pool_blocks(40, None, 1, max_blocks=3) == 3
-    assert cfg.pool_blocks(40, None, 1, max_blocks=100) == 1 + 4 * 3
+    assert pool_blocks(cfg, 40, budget_bytes=1000, bytes_per_block=10, max_blocks=50) == 50
+    assert pool_blocks(EngineConfig(kv_cache_tokens=100), 40, None, 1, max_blocks=3) == 3
+    assert pool_blocks(cfg, 40, None, 1, max_blocks=100) == 1 + 4 * 3
     gpu = EngineConfig.for_device("cuda", max_num_seqs=None, block_size=8)
     assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.block_size) == (256, 8192, 8)
     assert EngineConfig.for_device("cpu") == EngineConfig()

@@ -1,5 +1,5 @@
 """The `run` and `plan` commands' options, declared once each: an option's default, range and
-choices come from RunConfig (config.py); `jobspec.build_config` merges them over a job spec's
+choices come from RunConfig (job/config.py); `jobspec.build_config` merges them over a job spec's
 values. Adding an option is a RunConfig field and one `_opt` line here."""
 
 from __future__ import annotations

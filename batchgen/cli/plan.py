@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from batchgen.engine.kv_sizing import pool_blocks
 from batchgen.job.config import RunConfig
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.open import open_job
@@ -46,7 +47,7 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
     blocks = (
         None
         if spec.device.type == "cuda" and eng.kv_cache_tokens is None
-        else (eng.pool_blocks(longest, None, kv_per_token * eng.block_size))
+        else pool_blocks(eng, longest, None, kv_per_token * eng.block_size)
     )
     kv_bytes = None if blocks is None else blocks * eng.block_size * kv_per_token  # a rank's
     weights = weight_bytes(spec.model_cfg, spec.dtype.itemsize, tp)  # a rank's

@@ -14,10 +14,11 @@
   to save). On the CPU no step is padded (only a 1-token step, to 2).
 - The LM head and the final norm run eagerly on the sampled rows (`Transformer.logits`): their
   row count varies apart from T. Sampling is a small graph of its own over a symbolic row
-  count, padded to `capture_sizes` rows: a grammar bitmask is always given and the top
-  alternatives always computed, so neither is a guard; `greedy_only` and `filters` are (a
-  greedy step, or one where no row asks for top-k, top-p or min-p, skips the sort over the
-  vocabulary), so a job has at most three sampling graphs, all compiled at warm-up.
+  count, padded to `capture_sizes` rows, of logits the grammar mask was already applied to
+  (engine/decode_mask.py); the top alternatives are always computed, so they are no guard;
+  `greedy_only` and `filters` are (a greedy step, or one where no row asks for top-k, top-p or
+  min-p, skips the sort over the vocabulary), so a job has at most three sampling graphs, all
+  compiled at warm-up.
 - Warm-up, after the KV pool is allocated and before the first row: the first call compiles
   (`compile_s`); on a GPU every token size and every sampling size then runs twice, a warm-up
   and a recording (`capture_s`). With a compile cache (engine/compile_cache.py) its
@@ -89,11 +90,9 @@ def _options(device: torch.device, sizes: list[int]) -> dict | None:
     }
 
 
-def _sample(
-    logits, temperature, top_k, top_p, seed, min_p, steps, ban, bitmask, greedy_only, filters
-):
+def _sample(logits, temperature, top_k, top_p, seed, min_p, steps, ban, greedy_only, filters):
     sampling = SamplingTensors(temperature, top_k, top_p, seed, min_p, ban)
-    return sample_step(logits, sampling, steps, greedy_only, bitmask, True, filters)
+    return sample_step(logits, sampling, steps, greedy_only, True, filters)
 
 
 class CompiledForward:
@@ -159,9 +158,7 @@ class CompiledForward:
                 self.graphs += dynamo_graphs() - before
         return self.eager_hidden(tokens, positions)
 
-    def sample(
-        self, logits: torch.Tensor, sampling: SamplingColumns, bitmask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, ...]:
+    def sample(self, logits: torch.Tensor, sampling: SamplingColumns) -> tuple[torch.Tensor, ...]:
         """(tokens, logprobs, top logprobs, their ids) of the n rows of logits (n, V) and
         more: the rows padded to a capture size on a GPU (its CUDA graphs'), to 2 at least on
         the CPU (dynamo would specialise 1)."""
@@ -171,13 +168,8 @@ class CompiledForward:
             logits = torch.cat([logits, logits.new_zeros(b - n, logits.shape[1])])
             sampling.pad(b - n)
         samp, steps = sampling.tensors(self.device, graph=True)
-        words = -(-logits.shape[1] // 32)  # a bitmask's int32 words a row (the whole vocab's)
-        if bitmask is None:  # every token allowed
-            bitmask = torch.full((b, words), -1, dtype=torch.int32, device=self.device)
-        elif bitmask.shape[0] < b:  # padding rows allow every token
-            bitmask = torch.cat([bitmask, bitmask.new_full((b - bitmask.shape[0], words), -1)])
         s = samp
-        args = (logits, s.temperature, s.top_k, s.top_p, s.seed, s.min_p, steps, s.ban, bitmask)
+        args = (logits, s.temperature, s.top_k, s.top_p, s.seed, s.min_p, steps, s.ban)
         mode = (sampling.greedy_only, not sampling.greedy_only and sampling.filters)
         if self.failed or self.sampler is None:
             return _sample(*args, *mode)

@@ -1,5 +1,5 @@
-"""The engine's knobs, with the names vLLM users know, and the KV pool's sizing rule.
-Plain Python: no torch."""
+"""The engine's knobs, with the names vLLM users know (the KV pool's sizing rule that reads
+them: engine/kv_sizing.py). Plain Python: no torch."""
 
 from __future__ import annotations
 
@@ -55,26 +55,3 @@ class EngineConfig:
             base["max_num_seqs"] = CPU_POOL_ROWS
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
-
-    def pool_blocks(
-        self,
-        longest_row: int,
-        budget_bytes: int | None,
-        bytes_per_block: int,
-        max_blocks: int | None = None,
-    ) -> int:
-        """Blocks in the KV pool, the scratch block included.
-
-        The flag wins. On a GPU (budget_bytes given): what the warm-up left of
-        gpu_memory_utilization x its memory (ModelRunner.kv_budget_bytes). On the CPU:
-        what the job needs, its longest row (prompt + max_new_tokens) times max_num_seqs up to
-        CPU_POOL_ROWS, so memory follows the work instead of a fixed size. max_blocks: the most the
-        attention kernel can address (`ModelRunner.max_pool_blocks`), a bound on all three."""
-        bs = self.block_size
-        if self.kv_cache_tokens is not None:
-            blocks = -(-self.kv_cache_tokens // bs)
-        elif budget_bytes is not None:
-            blocks = max(2, budget_bytes // bytes_per_block)
-        else:
-            blocks = 1 + self.pool_rows * -(-longest_row // bs)
-        return blocks if max_blocks is None else min(blocks, max_blocks)

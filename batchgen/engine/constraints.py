@@ -2,11 +2,11 @@
 
 Grammars are compiled by xgrammar (what vLLM and SGLang use by default) against the
 model's vocabulary. Each constrained sequence gets a matcher; before a step samples, every
-constrained row's matcher writes the tokens it allows into a packed bitmask (32 tokens a
-word), which the runner applies to the logits on the device (`apply_bitmask`), so the step
-stays one graph and unconstrained steps pass no mask at all. EOS is allowed only where the
-grammar accepts. A row that reaches max_new_tokens before its grammar completes ends with
-finish_reason "length", as in vLLM, and a note that it is incomplete.
+constrained row's matcher writes the tokens it allows into the step's packed bitmask (32 tokens
+a word), which engine/decode_mask.py builds and applies to the logits on the device; steps with
+no constrained row build none. EOS is allowed only where the grammar accepts. A row that
+reaches max_new_tokens before its grammar completes ends with finish_reason "length", as in
+vLLM, and a note that it is incomplete.
 
 What a row must never get is a `stop` that breaks its constraint. So a constraint whose first
 mask is empty (it matches no text the vocabulary can write) is refused when it compiles; a row
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from batchgen.engine.sequence import Constraint, ConstraintKind, SeqState, StepPlan
+from batchgen.engine.sequence import Constraint, ConstraintKind, SeqState
 
 
 class ConstraintError(ValueError):
@@ -138,26 +138,6 @@ def _choice_alternatives(c: Constraint) -> list[str]:
     return alts
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits (B, V) float32; bitmask (B, ceil(V/32)) int32, bit j of word i allows token
-    32i+j. Disallowed tokens get -inf. Eagerly, xgrammar's kernel, in place (measured on the
-    CPU, 64 rows x 32k vocab: 0.04 ms against 5 ms for the tensor ops below); traced, tensor
-    ops that compile into the step's graph (and its CUDA graph)."""
-    if not torch.compiler.is_compiling():
-        import xgrammar as xgr
-
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
-        return logits
-    return unpack_and_mask(logits, bitmask)
-
-
-def unpack_and_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """apply_bitmask as plain tensor ops (what the compiled step runs)."""
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[-1]]
-    return logits.masked_fill(allowed == 0, float("-inf"))
-
-
 class Grammars:
     """Compiles constraints for one tokenizer (cached), and makes their matchers."""
 
@@ -234,20 +214,16 @@ class Constrainer:
         self._matchers: dict[int, Any] = {}  # by request index
         self._stuck: set[int] = set()  # request indices whose last mask allowed no token
 
-    def bitmask(self, plan: StepPlan, device: torch.device) -> torch.Tensor | None:
-        """(sampling rows of the plan, words) masks in plan order; None if no row is
-        constrained (the step then runs unmasked). Rows whose mask is empty are remembered
-        as stuck: whatever they sample, `accept` fails them."""
-        rows = [s.seq for s in plan.scheduled if s.samples]
-        if not any(seq.params.constraint is not None for seq in rows):
-            return None
-        mask = torch.full((len(rows), self.grammars.mask_words), -1, dtype=torch.int32)
+    def fill(self, words: torch.Tensor, rows: Sequence[SeqState]) -> None:
+        """Each constrained row's matcher writes the tokens it allows into its row of words
+        (rows, mask_words), the step's decode mask (engine/decode_mask.py); other rows are left
+        as they are. Rows whose mask is empty are remembered as stuck: whatever they sample,
+        `accept` fails them."""
         for i, seq in enumerate(rows):
             if seq.params.constraint is not None:
-                self._matcher(seq).fill_next_token_bitmask(mask, i)
-        empty = (mask == 0).all(dim=1).tolist()
+                self._matcher(seq).fill_next_token_bitmask(words, i)
+        empty = (words == 0).all(dim=1).tolist()
         self._stuck = {seq.request.index for seq, e in zip(rows, empty, strict=True) if e}
-        return mask.to(device)
 
     def accept(self, seqs: Sequence[SeqState]) -> dict[SeqState, Verdict]:
         """Feed each constrained sequence its newest token (also one the scheduler ended the

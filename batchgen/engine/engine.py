@@ -4,12 +4,14 @@ takes the sampled tokens; finished sequences come back as completions with their
 Requests arrive as one stream. The engine keeps up to `read_ahead` of them waiting (the
 scheduler admits the longest first), pulling more from the stream as sequences are
 admitted, so nothing drains at a window boundary and a 10-million-row input is never held.
-The KV pool is sized and allocated at the first request (engine/config.py) and kept, with
-its prefix cache, across calls. On the CPU it is sized from the longest row: of the whole job
-when the caller knows it (`reserve`), else of the first read-ahead.
+The KV pool is sized and allocated at the first request (engine/kv_sizing.py) and kept, with
+its prefix cache, across calls.
 Every step's accounting comes back as a value (`StepReport`) for the caller to sum.
-Finished sequences become completions in engine/completions.py (text, constraint verdicts,
-the score task's one completion per request).
+What the loop asks of others: whether a request can run (engine/admission.py), the pool's size
+(engine/kv_sizing.py), the constrained rows' token mask (engine/decode_mask.py, handed to the
+runner) and their grammars' verdicts (engine/constraints.py), the rows a stop string ends
+(engine/stopping.py). Finished sequences become completions in engine/completions.py (text,
+constraint verdicts, the score task's one completion per request).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from batchgen.engine.constraints import (
     Grammars,
     Verdict,
 )
+from batchgen.engine.decode_mask import DecodeMask
+from batchgen.engine.kv_sizing import PoolSizer
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import (
@@ -44,9 +48,8 @@ from batchgen.engine.sequence import (
 )
 from batchgen.engine.step_cost import context_tokens
 from batchgen.engine.step_inputs import WarmUp
-from batchgen.engine.stopping import Detokenize, matched_stop, skipped, tokens_to_keep
+from batchgen.engine.stopping import Detokenize, StopStrings
 from batchgen.model.config import LongRopeRows
-from batchgen.model.memory import check_allocation
 
 
 class Engine:
@@ -62,60 +65,29 @@ class Engine:
         self.eos_ids = tuple(eos_ids)
         self.grammars = grammars  # None: constrained requests are refused
         self.constrainer = Constrainer(grammars) if grammars is not None else None
+        self.mask = DecodeMask(self.constrainer) if self.constrainer is not None else None
         self.scheduler: Scheduler | None = None  # made with the pool, at the first request
         self.kv_pool: KVPool | None = None  # the KV cache as allocated, at the first request
         self.completions = Completions(detokenize, self.constrainer)
+        self.stop_strings = StopStrings(detokenize)
         self._window = runner.model.cfg.sliding_window  # attention's reach, for step_cost
-        self.job_longest = 0  # the caller's whole job's longest row (CPU pool sizing), if known
+        self.sizer = PoolSizer(config)  # the KV pool's size, at the first request
 
     def reserve(self, longest: int) -> None:
         """Size the pool (when it is sized from the job: on the CPU without kv_cache_tokens)
         for rows of `longest` tokens, not only the first read-ahead's; before the first run."""
-        self.job_longest = max(self.job_longest, longest)
+        self.sizer.reserve(longest)
 
     def _start(self, first: list[Request]) -> tuple[Scheduler, WarmUp]:
-        """Size and allocate the KV pool (on the CPU from the job's longest row, given to
-        `reserve`, or the first requests), and warm up, once. On a GPU without
-        --kv-cache-tokens, vLLM's order: the warm-up runs on a pool of two blocks, then the
-        pool takes what it left of gpu_memory_utilization x memory (kv_budget_bytes)."""
-        cfg, runner = self.config, self.runner
-        longest = max((r.longest_tokens for r in first), default=self.job_longest or 1)
-        longest = max(longest, self.job_longest)
-        longest = min(longest, runner.max_positions)
-        block_bytes = runner.kv_bytes_per_block()
-        measured = runner.measures_memory and cfg.kv_cache_tokens is None
-        budget = None
-        if measured:
-            runner.allocate(2)  # the scratch block and one: what the warm-up writes
-            warm = runner.warm_up(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-            budget = runner.kv_budget_bytes(cfg.gpu_memory_utilization)
-        blocks = cfg.pool_blocks(longest, budget, block_bytes, runner.max_pool_blocks())
-        # A pool sized from the job (the CPU's) is checked against memory, and holds full rows:
-        # admission reserves them.
-        sized_from_job = not measured and cfg.kv_cache_tokens is None
-        if sized_from_job:
-            ranks = self.runner.host_ranks  # tensor-parallel ranks sharing this memory
-            check_allocation(
-                blocks * block_bytes * ranks,
-                f"the KV cache sized from the job ({longest} tokens, its longest row, x "
-                f"{self.config.pool_rows} rows"
-                + (f", x {ranks} ranks' shares" if ranks > 1 else "")
-                + ")",
-                "--max-new-tokens or --max-num-seqs, or set --kv-cache-tokens",
-                self.runner.device,
-            )
-        self.runner.allocate(blocks)
-        if measured:
-            runner.rewarm_attention(cfg.max_num_seqs)
-        else:
-            warm = runner.warm_up(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        bs = self.config.block_size
-        self.kv_pool = KVPool(blocks, bs, blocks * block_bytes)
-        pool = BlockPool(blocks, bs, self.config.prefix_caching)
+        """Size, allocate and warm up the KV pool (engine/kv_sizing.py), once, and make the
+        scheduler over it."""
+        sized = self.sizer.start(self.runner, first)
+        self.kv_pool, cfg = sized.kv_pool, self.config
+        pool = BlockPool(sized.kv_pool.num_blocks, cfg.block_size, cfg.prefix_caching)
         sched = Scheduler(
-            pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.eos_ids, sized_from_job
+            pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.eos_ids, sized.holds_full_rows
         )
-        return sched, warm
+        return sched, sized.warm
 
     # no_grad, not inference_mode: quanto's int4 weights refuse inference tensors.
     @torch.no_grad()  # (a generator: the mode holds across its yields)
@@ -161,7 +133,8 @@ class Engine:
         """Queue r, or return its error completion if it cannot run."""
         parts = expand(r)
         rope = self.runner.rope_rows
-        for part in parts:  # a longrope model's long prompts cache other keys (longrope.py)
+        # a longrope model's long prompts cache other keys (model/families/longrope.py)
+        for part in parts:
             part.cache_salt = 1 if rope is not None and rope.is_long(part.prompt_len) else None
         longest = max(parts, key=lambda c: c.max_tokens)
         error = admission_error(
@@ -213,26 +186,18 @@ class Engine:
 
     def _step(self, plan: StepPlan) -> StepReport:
         sched, constrainer = self.scheduler, self.constrainer
-        bitmask = constrainer.bitmask(plan, self.runner.device) if constrainer else None
-        sampled, scored, timing = self.runner.execute(plan, bitmask)
+        sampled, scored, timing = self.runner.execute(plan, self.mask)
         # The runner has read the sampled tokens back (its one host sync): the step has ended.
         now = time.perf_counter()
         for s in plan.scheduled:
             if s.samples and not s.seq.first_token_at:
                 s.seq.first_token_at = now
         finished = sched.update(plan, sampled, scored)
-        if bitmask is not None:  # grammars take the new tokens; one that accepted EOS ends
+        if constrainer is not None:  # grammars take the new tokens; one that accepted EOS ends
             self._judge_constrained(plan, finished)
-        for s in plan.scheduled:  # stop strings: on the host, for the rows that have them
-            seq = s.seq
-            if s.samples and seq.params.stop and seq not in finished and not seq.below_min_tokens:
-                skip, stops = skipped(seq.params.min_tokens), seq.params.stop
-                keep = tokens_to_keep(seq.output_ids, stops, self.detokenize, skip)
-                if keep is not None:
-                    text = self.detokenize(seq.output_ids[:keep])
-                    after = len(self.detokenize(seq.output_ids[:skip])) if skip else 0
-                    sched.finish(seq, FinishReason.STOP, keep, matched_stop(text, stops, after))
-                    finished.append(seq)
+        for hit in self.stop_strings.hits(plan, finished):  # on the host (engine/stopping.py)
+            sched.finish(hit.seq, FinishReason.STOP, hit.keep, hit.stop)
+            finished.append(hit.seq)
         self.runner.release(finished)
         if constrainer is not None:
             for seq in finished:

@@ -54,6 +54,7 @@ from batchgen.model.parallel.collectives import CollectiveClock
 if TYPE_CHECKING:
     from batchgen.engine.compile_cache import CompileCache
     from batchgen.engine.compiled_forward import CompiledForward
+    from batchgen.engine.decode_mask import DecodeMask
 
 
 @dataclass(slots=True)
@@ -231,14 +232,14 @@ class ModelRunner:
         return logits
 
     def execute(
-        self, plan: StepPlan, bitmask: torch.Tensor | None = None
+        self, plan: StepPlan, mask: DecodeMask | None = None
     ) -> tuple[Sampled, list[ScoredChunk], StepTiming]:
         """Run one step; returns (token, logprob) per sampling sequence in plan order, and
         the scored tokens' log-probabilities per scored candidate's chunk in plan order.
-        bitmask: (sampling sequences, words) allowed-token masks in plan order, or None."""
+        mask: what masks the constrained rows' logits (engine/decode_mask.py), or None."""
         before = self.clock.seconds if self.clock is not None else 0.0
         graphs = self.graph.graphs + self.graph.sample_graphs if self.graph else 0
-        sampled, scored, timing = self._execute(plan, bitmask)
+        sampled, scored, timing = self._execute(plan, mask)
         if self.graph is not None:
             timing.compiled = not self.graph.failed
             t = sum(s.num_tokens for s in plan.scheduled)
@@ -253,7 +254,7 @@ class ModelRunner:
         return sampled, scored, timing
 
     def _execute(
-        self, plan: StepPlan, bitmask: torch.Tensor | None
+        self, plan: StepPlan, mask: DecodeMask | None
     ) -> tuple[Sampled, list[ScoredChunk], StepTiming]:
         # Flex reads every row's blocks in place: one group; the gather pads each group's
         # copy to its longest table, so it groups rows by width.
@@ -277,13 +278,12 @@ class ModelRunner:
             _sync(dev)
             return [], per_chunk, self._timing(t0, gap)
         apply_penalties(logits[:n], packed.sampled, self.counts)
+        if mask is not None:  # constrained rows: tokens outside their grammar get -inf
+            mask.apply(logits[:n], [s.seq for s in packed.sampled])
         nd = len(packed.decode_order)
-        if bitmask is not None:  # to the packed order: decodes by width, then prefills
-            order = torch.tensor(packed.decode_order + list(range(nd, n)))
-            bitmask = bitmask[order.to(dev, non_blocking=True)]
         top = wants_top(packed.sampled)
         compiled = self.graph.sample if self.graph is not None else None
-        result = sample_rows(logits[:n], packed.sampled, bitmask, top, compiled)
+        result = sample_rows(logits[:n], packed.sampled, top, compiled)
         out = to_host(result, packed.sampled, top)  # the step's one host read
         decoded = [None] * nd  # back to plan order
         for j, i in enumerate(packed.decode_order):

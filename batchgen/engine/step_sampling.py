@@ -1,5 +1,6 @@
-"""A step's sampling on the device and its outputs on the host: the grammar mask applied,
-tokens drawn (engine/sampler.py), their log-probabilities and, for rows that ask, their top
+"""A step's sampling on the device and its outputs on the host: tokens drawn
+(engine/sampler.py) from logits the grammar mask has already been applied to
+(engine/decode_mask.py), their log-probabilities and, for rows that ask, their top
 alternatives; then the one host read of the step.
 
 A step pays only for what its rows ask: an all-greedy step with no ban, grammar or top
@@ -14,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from batchgen.engine.constraints import apply_bitmask
 from batchgen.engine.sampler import (
     SamplingColumns,
     SamplingTensors,
@@ -50,15 +50,12 @@ def sample_step(
     sampling: SamplingTensors,
     steps: torch.Tensor,
     greedy_only: bool,
-    bitmask: torch.Tensor | None,
     top: bool = False,
     filters: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """(tokens, their logprobs) and, with top, the (B, MAX_TOP_LOGPROBS) likeliest logprobs
     and their token ids (of the same distribution: the model's, under the constraint and
     min_tokens' ban). filters: a row asks for top-k, top-p or min-p."""
-    if bitmask is not None:  # constrained rows: tokens outside their grammar get -inf
-        logits = apply_bitmask(logits, bitmask)
     logits = ban_tokens(logits, sampling.ban)  # stop tokens below min_tokens get -inf
     tok = sample(logits, sampling, steps, greedy_only, filters)
     return _logprobs(logits, tok, top)
@@ -67,20 +64,19 @@ def sample_step(
 def sample_rows(
     logits: torch.Tensor,
     sampled: list[Scheduled],
-    bitmask: torch.Tensor | None,
     top: bool,
     compiled: Callable | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The rows `sampled` (logits' rows, in order) drawn, paying for what they ask: the argmax
     where all are plain greedy, else their columns through `compiled` (the compiled sampling,
     CompiledForward.sample) or eagerly."""
-    if bitmask is None and plain_greedy(sampled):
+    if plain_greedy(sampled):
         return greedy_step(logits, top)
     sampling = SamplingColumns.of(sampled)
     if compiled is not None:
-        return compiled(logits, sampling, bitmask)
+        return compiled(logits, sampling)
     samp, steps = sampling.tensors(logits.device)
-    return sample_step(logits, samp, steps, sampling.greedy_only, bitmask, top, sampling.filters)
+    return sample_step(logits, samp, steps, sampling.greedy_only, top, sampling.filters)
 
 
 def wants_top(sampled: list[Scheduled]) -> bool:

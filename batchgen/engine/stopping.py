@@ -2,13 +2,17 @@
 
 With min_tokens (vLLM's semantics), nothing ends a row before its min_tokens-th token: its
 stop tokens are not drawn (engine/sampler.py bans them), and a stop string counts only where
-it ends in the text of that token or a later one (`skip`: the tokens before it)."""
+it ends in the text of that token or a later one (`skip`: the tokens before it).
+
+Stop token ids end a row in the scheduler (`token_finish`); stop strings need the text, so the
+engine asks `StopStrings` after each step for the rows whose text now holds one."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
-from batchgen.engine.sequence import FinishReason, SeqState
+from batchgen.engine.sequence import FinishReason, SeqState, StepPlan
 
 Detokenize = Callable[[list[int]], str]  # token ids -> text
 
@@ -85,3 +89,39 @@ def token_finish(
     if seq.num_generated >= p.max_new_tokens:
         return FinishReason.LENGTH, None
     return None, None
+
+
+@dataclass(slots=True, frozen=True)
+class StopHit:
+    """A row whose text holds one of its stop strings: it ends `stop` with `keep` tokens."""
+
+    seq: SeqState
+    keep: int  # output tokens kept: the shortest prefix whose text holds the stop string
+    stop: str | None  # that stop string (the earliest in the text)
+
+
+@dataclass(slots=True, frozen=True)
+class StopStrings:
+    """The stop strings of a step's rows, matched on the host after the step."""
+
+    detokenize: Detokenize
+
+    def hits(self, plan: StepPlan, finished: Collection[SeqState]) -> list[StopHit]:
+        """The rows that sampled a token this step, have stop strings, did not end on that
+        token and are past min_tokens, whose text now holds a stop string."""
+        rows = [
+            s.seq
+            for s in plan.scheduled
+            if s.samples and s.seq.params.stop and s.seq not in finished
+            if not s.seq.below_min_tokens
+        ]
+        return [hit for seq in rows if (hit := self._hit(seq)) is not None]
+
+    def _hit(self, seq: SeqState) -> StopHit | None:
+        skip, stops, detokenize = skipped(seq.params.min_tokens), seq.params.stop, self.detokenize
+        keep = tokens_to_keep(seq.output_ids, stops, detokenize, skip)
+        if keep is None:
+            return None
+        text = detokenize(seq.output_ids[:keep])
+        after = len(detokenize(seq.output_ids[:skip])) if skip else 0
+        return StopHit(seq, keep, matched_stop(text, stops, after))

@@ -63,7 +63,7 @@ def warm_up(runner: Runner, max_num_seqs: int, max_tokens: int) -> WarmUp:
             sampling.temperature[:] = [1.0] * rows
         if mode == "filtered":
             sampling.top_k[:] = [1] * rows
-        graph.sample(logits, sampling, None)
+        graph.sample(logits, sampling)
 
     warm = graph.warm_up(run, max_num_seqs)
     if runner.broadcast is not None and graph.cache is not None:

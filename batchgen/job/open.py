@@ -92,7 +92,7 @@ def open_job(cfg: RunConfig) -> Job:
     model_len, max_prompt, limit = prompt_limits(cfg, spec.model_cfg.max_position_embeddings)
     check_weights(spec)  # a config.json's sizes, before a grammar is built over its vocabulary
     vocab = spec.model_cfg.vocab_size
-    if any(t >= vocab for t in cfg.logit_bias):  # a row's own: an error row (engine.py)
+    if any(t >= vocab for t in cfg.logit_bias):  # a row's own: an error row (engine/admission.py)
         raise ConfigError(
             f"logit_bias: token id {max(cfg.logit_bias)} is not in the model's vocabulary (0 to "
             f"{vocab - 1}); bias this model's token ids (its tokenizer's)"

@@ -117,7 +117,8 @@ class ModelConfig:
     final_softcap: float | None = None
     layer_windows: tuple[int | None, ...] = ()
     local_rope_theta: float | None = None
-    labels: tuple[str, ...] | None = None  # a classifier head's, by logit (classifier_head.py)
+    # a classifier head's, by logit (families/classifier_head.py)
+    labels: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         sizes = (
@@ -219,8 +220,8 @@ class ModelConfig:
 
     @property
     def rope_table_bytes(self) -> int:
-        """Peak bytes of building the float32 RoPE tables (rope.rope_tables): the (P, D/2)
-        frequencies, the (P, D) angles, and the cos and sin tables, P positions long."""
+        """Peak bytes of building the float32 RoPE tables (families/rope.py rope_tables): the
+        (P, D/2) frequencies, the (P, D) angles, and the cos and sin tables, P positions long."""
         if self.position != PositionKind.ROPE:
             return 0
         tables = 2 if self.local_rope_theta is not None else 1  # Gemma 3's local and global

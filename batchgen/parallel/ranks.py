@@ -40,9 +40,9 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any, NoReturn
 
-import torch
 import torch.distributed as dist
 
+from batchgen.engine.decode_mask import DecodeMask
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.sequence import StepPlan
 from batchgen.engine.step_inputs import StepInputs, WarmUp
@@ -278,9 +278,9 @@ class RankedRunner(ModelRunner):
             self.ranks.send(("kv_budget", utilization))
             return self.ranks.group.min_over_ranks(super().kv_budget_bytes(utilization))
 
-    def execute(self, plan: StepPlan, bitmask: torch.Tensor | None = None):
+    def execute(self, plan: StepPlan, mask: DecodeMask | None = None):
         with self.ranks.failures():
-            return super().execute(plan, bitmask)
+            return super().execute(plan, mask)
 
     def warm_up(self, max_num_seqs: int, max_tokens: int) -> WarmUp:
         with self.ranks.failures():  # its steps go to every rank, as execute's

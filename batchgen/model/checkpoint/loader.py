@@ -1,14 +1,14 @@
 """Hugging Face checkpoint directories -> our Transformer.
 
-With hf_config.py (config.json's keys per family), model/checkpoint/names.py (each tensor's
-name and where it goes) and model/checkpoint/files.py (the weight files and their tensors), the one
-place that knows file formats. The model is built on the meta device and each tensor is cast
-and moved straight to its target, so a 16 GB checkpoint never has a float32 copy in host
-memory. A tensor-parallel rank builds its part of the model (tensor_parallel.local_config)
-and reads only its slices of each tensor: no rank ever holds the whole model. A pre-quantized
-checkpoint's weights keep their stored dtype and come with their scales
-(model/checkpoint/prequantized.py); one batchgen does not load is refused before any weight is read
-(model/checkpoint/format.py).
+With model/families/hf_config.py (config.json's keys per family), model/checkpoint/names.py
+(each tensor's name and where it goes) and model/checkpoint/files.py (the weight files and their
+tensors), the one place that knows file formats. The model is built on the meta device and each
+tensor is cast and moved straight to its target, so a 16 GB checkpoint never has a float32 copy
+in host memory. A tensor-parallel rank builds its part of the model
+(parallel.sharding.local_config) and reads only its slices of each tensor: no rank ever holds
+the whole model. A pre-quantized checkpoint's weights keep their stored dtype and come with
+their scales (model/checkpoint/prequantized.py); one batchgen does not load is refused before
+any weight is read (model/checkpoint/format.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ transformers' own (`save_pretrained(save_original_format=False)`) has them stack
 `model.layers.{i}.mlp.experts.gate_up_proj` (E, 2I, dim), `...experts.down_proj` (E, dim, I)
 and the router `model.layers.{i}.mlp.gate.weight`. Either way each tensor is copied straight
 into its place in our `w_in` (E, 2I, dim) / `w_out` (E, dim, I) (this rank's part of it:
-tensor_parallel.expert_copies), so no expert is ever held twice.
+parallel.sharding.expert_copies), so no expert is ever held twice.
 """
 
 from __future__ import annotations

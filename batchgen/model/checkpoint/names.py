@@ -69,7 +69,8 @@ _LLAMA_TOP = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "lm_head.weight",
-    "score.weight": "score.weight",  # a *ForSequenceClassification's head (classifier_head.py)
+    # a *ForSequenceClassification's head (families/classifier_head.py)
+    "score.weight": "score.weight",
 }
 # A base model's tensors (LlamaModel, Qwen2Model saved alone, as embedding models ship): the
 # causal LM's without its `model.` prefix, and no LM head.

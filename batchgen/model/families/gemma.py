@@ -10,9 +10,9 @@ What differs from Llama (transformers' modeling_gemma2.py / modeling_gemma3.py, 
   attention logits (cap * tanh(s / cap)) and the final logits; Gemma 3 normalises q and k per
   head ((1 + w) again) and rotates its sliding layers with a RoPE of their own base.
 
-The scale and soft-cap reach batchgen's step attention as `AttnParams` (the transformers
-backend passes the same, model/hf/backend.py), so prefill and decode, eager and compiled, run
-the same attention code as every family; CUDA's flex decode op takes them too (paged_flex.py:
+The scale and soft-cap reach batchgen's step attention as `AttnParams` (the transformers backend
+passes the same, model/hf/backend.py), so prefill and decode, eager and compiled, run the same
+attention code as every family; CUDA's flex decode op takes them too (attention/paged_flex.py:
 the scale into q, the soft-cap as a score_mod), so no path is refused or rebuilt as gather. The
 step's masks are built once per window value (two at most) and shared by the layers of that
 window (Transformer.bind, before the forward, compiled or not).

@@ -1,6 +1,6 @@
 """Hugging Face `config.json` -> ModelConfig: the keys of each family, their defaults, RoPE
 scaling and activation names. The one module that reads config.json's layout; the weights'
-layout is loader.py's.
+layout is model/checkpoint/loader.py's.
 """
 
 from __future__ import annotations

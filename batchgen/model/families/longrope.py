@@ -14,7 +14,7 @@ tokens (its prompt and what it has generated so far) runs on the long factors, e
 it; a shorter row on the short ones. Where a short row grows past the original context,
 transformers' Phi-3 drops its cache and runs the whole row again
 (`Phi3ForCausalLM.prepare_inputs_for_generation`); so does batchgen: the engine preempts the
-row to recompute it (engine.py `_recompute_grown_rows`), its keys now on the long factors. A
+row to recompute it (engine/engine.py `_recompute_grown_rows`), its keys now on the long factors. A
 row's set therefore flips once, at the same token as transformers', and a row recomputed after
 a preemption gets the set it had.
 

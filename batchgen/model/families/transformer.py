@@ -205,7 +205,7 @@ class Transformer(nn.Module):
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T,) tokens at (T,) positions -> the last layer's (T, dim) hidden states, the
-        attention of each layer that of the bound step (`bind`, attention_op.bound)."""
+        attention of each layer that of the bound step (`bind`, attention.op.bound)."""
         x = self.embed(tokens)  # (T, dim)
         rope = None
         if self.pos_embed is not None:

@@ -210,7 +210,7 @@ def load_hf_model(
     lora: LoraAdapter | None = None,
 ) -> HFModel:
     """The model in path, loaded by transformers (offline) with batchgen's attention, as
-    hf_support.load_plan says (a wrapper's text model, MXFP4 dequantized); lora: a checked
+    hf.support.load_plan says (a wrapper's text model, MXFP4 dequantized); lora: a checked
     adapter, merged into the weights (model/hf/lora.py)."""
     from transformers.utils import logging as hf_logging
 

@@ -2,14 +2,15 @@
 device before any weight loads, then applied by peft to the loaded model and merged into its
 weights (`merge_and_unload`). The engine then runs an ordinary model, the same one transformers
 + peft's merged model is, token for token; the adapter's hash keys the resume fingerprint and
-the compile cache as a native adapter's does (lora.py's LoraAdapter).
+the compile cache as a native adapter's does (checkpoint/lora.py's LoraAdapter).
 
 Mergeable: LoRA on the model's linear layers (nn.Linear). Refused before loading, naming what:
 an adapter on 3-D weights (peft's `target_parameters`, how MoE experts held as one tensor are
 adapted: merging them is not implemented), on a module that is not a linear layer or not in
-the model, of shapes or ranks that do not fit, and what lora.py refuses of any adapter (DoRA,
-trained biases, ...). A multimodal wrapper's adapter (its modules named as the wrapper's) is
-renamed as the weights are (multimodal.py); its vision tower's modules are left out with it.
+the model, of shapes or ranks that do not fit, and what checkpoint/lora.py refuses of any
+adapter (DoRA, trained biases, ...). A multimodal wrapper's adapter (its modules named as the
+wrapper's) is renamed as the weights are (checkpoint/multimodal.py); its vision tower's modules
+are left out with it.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ from batchgen.model.quiet_import import quiet_torchao
 
 
 def _refuse_parameter_targets(path: Path) -> None:
-    """An adapter of 3-D parameters (peft's target_parameters), named as such: lora.py's
-    generic refusal does not say what they are."""
+    """An adapter of 3-D parameters (peft's target_parameters), named as such:
+    checkpoint/lora.py's generic refusal does not say what they are."""
     try:
         raw = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, ValueError):
-        return  # lora.py's reading of it reports this
+        return  # checkpoint/lora.py's reading of it reports this
     targets = raw.get("target_parameters") if isinstance(raw, dict) else None
     if targets:
         raise LoraError(

@@ -1,5 +1,5 @@
 """The collectives of a tensor-parallel decoder, added to a built (and quantized) model the way
-gpt-fast's tp.py does it, so transformer.py stays the single-device model:
+gpt-fast's tp.py does it, so families/transformer.py stays the single-device model:
 
   - the embedding looks up only the rank's vocabulary rows (zeros elsewhere) and an
     all-reduce adds the ranks' rows: each token's row comes from exactly one rank;
