@@ -212,7 +212,8 @@ def step_attention(
             )
             parts.append(out[:n])
         else:
-            parts.append(decode_attention(qg, cache.k, cache.v, bs, g.blocks, g.mask, params))
+            buf = cache.gather_buffer()
+            parts.append(decode_attention(qg, cache.k, cache.v, bs, g.blocks, g.mask, params, buf))
     for s in step.prefills:
         sl = slice(s.q_start, s.q_start + s.q_len)
         parts.append(prefill_attention(q[sl], k[sl], v[sl], cache, s, params))
