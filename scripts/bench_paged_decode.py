@@ -19,7 +19,9 @@ On the CPU (issue 41) it times CPU seconds (process_time: every thread's), the p
 call by call, and also the gather into new tensors each call (the path before the gather buffer,
 "fresh") and, with --compile-flex, flex compiled by inductor (its C++ flex template) with the
 paged mask as built for the engine and with "full" block lists (every block but a row's last,
-partly filled one skips mask_mod; no window only):
+partly filled one skips mask_mod; no window only). glibc's malloc is tuned as a loaded CPU model
+tunes it (model/host_malloc.py: freed blocks under 32 MiB kept for the next), unless
+--no-malloc-tuning:
 
     python scripts/bench_paged_decode.py --device cpu --dtype float32 --threads 1 \\
         --rows 32,128,256 --ctx 1024 --kv-heads 2 --head-dim 64 --q-per-kv 4 --compile-flex
@@ -46,6 +48,7 @@ from batchgen.model.attention.paged_flex import (
     paged_mask,
 )
 from batchgen.model.attention.step import decode_attention, decode_mask
+from batchgen.model.host_malloc import keep_freed_memory
 from batchgen.stats.probe import call_seconds
 
 
@@ -181,10 +184,12 @@ def main() -> None:
     p.add_argument("--options", default="[{}]", help="JSON list of flex kernel option sets")
     p.add_argument("--compile-flex", action="store_true", help="on the CPU too (inductor's)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--no-malloc-tuning", action="store_true", help="glibc's malloc as it starts")
     args = p.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
+    tuned = device.type == "cpu" and not args.no_malloc_tuning and keep_freed_memory()
     if args.ctx % args.block_size:
         p.error("--ctx must be a multiple of --block-size")
     results = []
@@ -195,6 +200,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if device.type == "cpu":
         name += f", {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}"
+        name += ", malloc tuned" if tuned else ", malloc untuned"
     print(
         f"decode attention of one layer on {name}, {args.dtype}, one call's median of {args.reps}"
     )
