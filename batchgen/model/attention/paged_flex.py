@@ -7,7 +7,9 @@ where decode is bound by memory bandwidth, that copy is most of the attention's 
 (docs/architecture.md has the bytes). Here the pool itself, viewed as one sequence of
 num_blocks * block_size keys, is FlexAttention's key/value; a block mask tells the kernel which
 of those blocks each row reads, so nothing is copied. This is what the CUDA runner uses; the
-CPU keeps gather + SDPA (measured faster there).
+CPU keeps gather + SDPA (issue 41: inductor's CPU flex template, compiled, is no faster than a
+gather through a kept buffer with this mask, and at most a fifth faster with "full" block lists,
+for a compile per row count and lists as wide as the pool; docs/benchmarks.md).
 
 The block mask. Row b's kv block list is its block table, from the first block inside its
 sliding window (0 without one) to the block of its last token: the kernel visits only those

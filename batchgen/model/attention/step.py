@@ -50,7 +50,10 @@ from batchgen.model.attention.windows import window_ok
 class DecodeBackend(enum.Enum):
     """How decodes read their keys/values; one path per device, chosen by the runner."""
 
-    GATHER = "gather"  # copy each row's blocks, then SDPA: the CPU's (measured faster there)
+    # copy each row's blocks, then SDPA: the CPU's (issue 41: through its kept buffer, at most
+    # a fifth slower a call than inductor's CPU flex at its best, with no compile per row count
+    # and no block lists as wide as the pool; docs/benchmarks.md)
+    GATHER = "gather"
     FLEX = "flex"  # FlexAttention over the pool in place, no copy (paged_flex.py): CUDA's
 
 
@@ -212,7 +215,8 @@ def step_attention(
             )
             parts.append(out[:n])
         else:
-            parts.append(decode_attention(qg, cache.k, cache.v, bs, g.blocks, g.mask, params))
+            buf = cache.gather_buffer()
+            parts.append(decode_attention(qg, cache.k, cache.v, bs, g.blocks, g.mask, params, buf))
     for s in step.prefills:
         sl = slice(s.q_start, s.q_start + s.q_len)
         parts.append(prefill_attention(q[sl], k[sl], v[sl], cache, s, params))
