@@ -13,8 +13,11 @@ GPU, another group size) the layer is kept as torchao's Int8Tensor of q - z with
 scales: exact, a byte a weight; said in one log line. Act-order GPTQ (g_idx out of order,
 so a group is not a run of columns) is dequantized at load to the model dtype, in one line.
 
-Memory: a layer's packed tensors are read whole (a tensor-parallel rank too) and unpacked to
-int8 while the model loads, so the linears peak at a byte a weight before they are packed.
+Memory: a layer's packed tensors are read whole (a tensor-parallel rank too), with plain
+reads, not through the file's memory map (files.WholeReads: their pages would stay resident),
+and unpacked to int8 as soon as the last is read; the loader packs each linear as soon as its
+rows are all placed (model/checkpoint/stored_linears.py), so one layer at a time is held at a
+byte a weight.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 
 from batchgen.errors import ModelLoadError
-from batchgen.model.checkpoint.files import reading
+from batchgen.model.checkpoint.files import WholeReads, reading
 from batchgen.model.checkpoint.int4_formats import AWQ_ORDER, Int4Layout
 from batchgen.model.quiet_import import quiet_torchao
 
@@ -117,6 +120,7 @@ def unpacked(
         return
     pending: dict[str, dict[str, torch.Tensor]] = {}
     said = False
+    whole = WholeReads()
     for name, tensor, file in tensors:
         prefix, _, part = name.rpartition(".")
         if part not in layout.parts:
@@ -124,11 +128,11 @@ def unpacked(
             continue
         if part == "g_idx" and not layout.act_order:  # in order, as the config says
             with reading(file):
-                _check_in_order(tensor[...], layout, prefix)
+                _check_in_order(whole.read(file, name, tensor), layout, prefix)
             continue
         with reading(file):
             parts = pending.setdefault(prefix, {})
-            parts[part] = tensor[...]
+            parts[part] = whole.read(file, name, tensor)
         if all(r in parts for r in layout.required):
             done = unpack_layer(layout, pending.pop(prefix), prefix, dtype)
             if len(done) == 1 and not said:
