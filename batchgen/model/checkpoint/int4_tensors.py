@@ -37,6 +37,7 @@ from batchgen.model.quiet_import import quiet_torchao
 log = logging.getLogger(__name__)
 
 TINYGEMM_GROUPS = (256, 128, 64, 32)  # the group sizes the CPU int4 kernel takes
+_PACK_WEIGHTS = 1 << 20  # weights packed for the CPU kernel at a time
 _AWQ_UNDO = [AWQ_ORDER.index(i) for i in range(8)]  # column j sits in nibble _AWQ_UNDO[j]
 
 
@@ -59,7 +60,7 @@ def _q_z_scale(layout: Int4Layout, p: dict[str, torch.Tensor], prefix: str):
     """(q (out, in), z (out, groups), s (out, groups) float32, g_idx (in,) or None)."""
     if layout.kind == "compressed-tensors":
         out, n_in = (int(x) for x in p["weight_shape"].tolist())
-        q = nibbles(_int(p["weight_packed"], f"{prefix}.weight_packed"))[:, :n_in] - 8
+        q = nibbles(_int(p["weight_packed"], f"{prefix}.weight_packed"))[:, :n_in].sub_(8)
         s = p["weight_scale"].float().reshape(out, -1)
         z = torch.zeros(out, s.shape[1], dtype=q.dtype)
         if not layout.symmetric:  # packed along the output rows
@@ -106,7 +107,7 @@ def unpack_layer(
         groups = g_idx.long()  # act-order: each column's own group
         w = (q - z[:, groups]).float() * s[:, groups]
         return {f"{prefix}.weight": w.to(dtype)}
-    d = q.reshape(out, -1, width) - z.unsqueeze(-1)  # int8, -15..15
+    d = q.reshape(out, -1, width).sub_(z.unsqueeze(-1))  # int8, -15..15; q is this one's
     return {f"{prefix}.weight": d.reshape(out, n_in).contiguous(), f"{prefix}.weight_scale": s}
 
 
@@ -169,8 +170,14 @@ def int4_weight(d: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
 
             groups = d.reshape(out, -1, group)
             c = -groups.amin(-1)  # (out, groups): q - z + c lies in 0..15
-            q = (groups + c.unsqueeze(-1)).reshape(out, n_in).to(torch.int32)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            # the kernel packs each row on its own, from int32: a block of rows at a time
+            # keeps that copy at 4 MiB, not 4 bytes a weight of the whole layer
+            packed = torch.empty((out, n_in // 2), dtype=torch.uint8)
+            step = max(16, _PACK_WEIGHTS // n_in // 16 * 16)  # rows: a multiple of 16
+            for r in range(0, out, step):
+                rows = slice(r, r + step)
+                q = (groups[rows] + c[rows].unsqueeze(-1)).reshape(-1, n_in).to(torch.int32)
+                packed[rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             zero = (8 - c).float() * scale
             sz = pack_tinygemm_scales_and_zeros(scale.to(dtype), zero.to(dtype), dtype)
             return Int4OpaqueTensor(packed, sz, [1, group], torch.Size((out, n_in)))

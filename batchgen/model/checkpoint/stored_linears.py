@@ -3,7 +3,9 @@
 their scale rows, and its stored rows dropped then. Packing them after the last was read held
 every linear in its stored form until the end: for INT4, unpacked to int8 q - z, a byte a
 weight, twice the packed size, and the peak RSS of a load was 1.8-2.2x the weights
-(docs/quantization.md); now one layer at a time is held so.
+(docs/quantization.md); now one layer at a time is held so, and the heap's free pages are
+handed back after each INT4 layer (host_malloc.trim: the transients lie among the packed
+layers kept, and stayed resident, 10-60 MiB on a 100 MiB model).
 
 A scale's rows follow its weight's (prequantized.scale_rows needs the weight's checkpoint
 shape), so a scale read before its weight (in another file of a sharded checkpoint) waits for
@@ -29,6 +31,7 @@ from batchgen.model.checkpoint.prequantized import (
     scale_rows,
 )
 from batchgen.model.config import ModelConfig
+from batchgen.model.host_malloc import trim
 from batchgen.model.parallel.sharding import TPShard
 
 # the stored weights' dtypes; INT4 layers come unpacked to int8 q - z (int4_tensors.py)
@@ -81,6 +84,8 @@ class StoredLinears:
             return
         p.out[key] = quantized_weight(p.out[key], p.out.pop(key + SCALE), self.dtype, self.s)
         self.packed.add(key)
+        if self.s.weights == "int4":  # its unpacked rows and their copies, given back
+            trim()
 
     def finish(self) -> set[str]:
         """The packed weights' names; ModelLoadError for a weight without a scale, or a scale
