@@ -35,6 +35,7 @@ from batchgen.model.checkpoint.placing import Placing
 from batchgen.model.checkpoint.prequantized import (
     INPUT_SCALE,
     StoredScheme,
+    check_experts,
     check_widths,
     stored_bytes,
 )
@@ -143,11 +144,8 @@ def load_model(
         stored = checkpoint_scheme(path, hf)
     if stored is not None:
         check_widths(local_config(cfg, tp), stored)
-    if stored is not None and cfg.n_experts:
-        raise ModelLoadError(
-            f"{path}: a MoE model's experts stored as {stored.source} are not loaded yet; use "
-            "the model's bf16 release (with --quantize for its attention)"
-        )
+    if stored is not None:
+        check_experts(cfg, stored, path)
     device = torch.device(device)
     # The one table built from config.json alone, not read from the checkpoint: 10**9
     # positions would be a 16 GB allocation before any weight is read.

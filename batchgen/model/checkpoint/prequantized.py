@@ -230,3 +230,14 @@ def check_widths(cfg: ModelConfig, s: StoredScheme) -> None:
             f"{bc}-column scale blocks, which batchgen's quantized tensors cannot hold; use "
             "fewer tensor-parallel ranks, or the model's bf16 release with --quantize"
         )
+
+
+def check_experts(cfg: ModelConfig, s: StoredScheme, path: object) -> None:
+    """ModelLoadError, before any weight is read, for a MoE model stored as s: its experts'
+    stored tensors are not loaded yet (each format stacks them its own way), and loading the
+    rest would leave them unread or read them as something else."""
+    if cfg.n_experts:
+        raise ModelLoadError(
+            f"{path}: a MoE model's experts stored as {s.source} are not loaded yet; use "
+            "the model's bf16 release (with --quantize for its attention)"
+        )
