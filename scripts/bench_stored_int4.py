@@ -56,9 +56,9 @@ def load(model: Path) -> dict:
     with quiet_torchao():
         import torchao  # noqa: F401 - in the baseline, as a stored checkpoint needs it
     _warm_up()
-    before = _reset_peak()
+    before, linux = _reset_peak()
     m = load_model(model, dtype=torch.bfloat16)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status("VmHWM") if linux else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     mib = 2**20
     return dict(model=model.name, weights_mib=weight_bytes(m) / mib, peak_mib=(peak - before) / mib)
 
@@ -73,16 +73,23 @@ def _warm_up() -> None:
     int4_weight(d - 8, torch.ones(256, 2), torch.bfloat16)
 
 
-def _reset_peak() -> int:
-    """The process's resident bytes now, with its peak (ru_maxrss) reset to them: importing
-    torch peaks above where it settles, and a load that stays under that earlier peak would
-    not show in ru_maxrss. Linux (/proc/self/clear_refs); elsewhere the peak so far."""
+def _reset_peak() -> tuple[int, bool]:
+    """(the process's resident bytes now, whether its peak was reset to them). Importing torch
+    peaks above where it settles, so the load's peak is read as VmHWM after resetting it
+    (Linux: /proc/self/clear_refs). Not ru_maxrss: it keeps the peak from before execve, the
+    size of the parent that forked this process (a test run's ~1 GB). Elsewhere: ru_maxrss,
+    and the peak so far as the start."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
-        status = Path("/proc/self/status").read_text().splitlines()
-        return next(int(ln.split()[1]) for ln in status if ln.startswith("VmRSS:")) * 1024
+        return _status("VmRSS"), True
     except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, False
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status figure (kB) in bytes."""
+    lines = Path("/proc/self/status").read_text().splitlines()
+    return next(int(ln.split()[1]) for ln in lines if ln.startswith(key + ":")) * 1024
 
 
 def speed(model: Path, rows: int = 8, new: int = 32) -> dict:

@@ -1,10 +1,11 @@
 """Peak memory while an INT4 checkpoint loads: each linear is packed as soon as its parts are
-read (model/checkpoint/stored_linears.py) and its packed words are read with plain reads, not
-through the file's memory map (files.WholeReads), so the load's peak RSS stays near the
-weights' resident size. Measured in a fresh process (scripts/bench_stored_int4.py `load`: its
-ru_maxrss above the same process after importing torch, torchao and batchgen), on a random
-Llama of 83 M parameters (64 MiB as loaded). Before the change the peak was 1.8-2.2x the
-weights (docs/quantization.md)."""
+read (model/checkpoint/stored_linears.py), its packed words are read with plain reads, not
+through the file's memory map (files.WholeReads), and the heap is trimmed after each, so the
+load's peak RSS stays near the weights' resident size. Measured in a fresh process
+(scripts/bench_stored_int4.py `load`: VmHWM, reset once torch, torchao and batchgen are
+imported and one small layer packed, above the RSS then), on a random Llama of 83 M
+parameters (65 MiB as loaded): 1.2-1.3x here; the code before the change peaked at 3.0-3.2x
+on it (1.9x at 334 M parameters, docs/quantization.md)."""
 
 import json
 import subprocess
