@@ -193,7 +193,8 @@ def test_unsupported_int4_variants_are_refused_before_any_weight_is_read(
 def test_resident_bytes_are_the_checkpoints_and_plan_counts_half_a_byte(
     int4_dirs, hf_dirs, tmp_path
 ):
-    """stats.json's weights_bytes_per_rank: the float model's, less the linears' float32
+    """stats.json's weights_bytes_per_rank (and the roofline's weights_read_bytes, from it):
+    the float model's, less the linears' float32
     weights, plus the int4 tensors: their packed weights are the checkpoint's qweight bytes
     exactly; their scales and float zero points, a float32 pair per group and output (8
     bytes where GPTQ keeps 2 + 0.5 in fp16 and packed int4), are what makes the resident
@@ -219,6 +220,10 @@ def test_resident_bytes_are_the_checkpoints_and_plan_counts_half_a_byte(
         if "layers" in k and not k.endswith("norm.weight")
     )
     assert packed + pairs <= 1.36 * quantized
+    # the roofline's bytes a decode step reads: the same resident bytes, less a lookup table
+    m = llm.model
+    lookup = 0 if m.lm_head.weight is m.embed.weight else m.embed.weight.numel() * 4
+    assert stats["weights_read_bytes"] == stats["weights_bytes_per_rank"] - lookup
     plan = json.loads(run_plan(src, d, "--json").stdout)
     norms = sum(p.numel() * 4 for k, p in llm.model.named_parameters() if "norm" in k)
     assert plan["weights_bytes_per_rank"] == stats["weights_bytes_per_rank"] - pairs - norms

@@ -32,6 +32,7 @@ from batchgen.model.attention.step import DECODE_ATTENTION_ENV
 from batchgen.model.checkpoint.format import checkpoint_scheme
 from batchgen.model.checkpoint.lora import LoraAdapter, check_adapter
 from batchgen.model.checkpoint.multimodal import language_config
+from batchgen.model.checkpoint.prequantized import check_experts
 from batchgen.model.config import ModelConfig
 from batchgen.model.families.hf_config import native_config, read_hf_config
 from batchgen.model.hf.lora import check_hf_adapter
@@ -198,7 +199,9 @@ class ModelSpec:
         native = impl is ModelImpl.NATIVE  # a pre-quantized checkpoint's scheme, or refused:
         dequantized = () if native else DEQUANTIZED
         stored = checkpoint_scheme(model_dir, hf, dequantized, native, quantize, lora is not None)
-        quant = stored_quant_scheme(stored) if stored is not None else quant
+        if stored is not None:  # before the job writes anything
+            check_experts(model_cfg, stored, model_dir)
+            quant = stored_quant_scheme(stored)
         tokenizer = load_tokenizer(model_dir, hf.get("model_type"))
         check_vocab(model_dir, len(tokenizer), model_cfg.vocab_size)
         gen = read_generation_config(model_dir)

@@ -72,6 +72,15 @@ def release_freed_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def trim() -> None:
+    """Hand the heap's free pages back to the kernel now (glibc's malloc_trim, which also
+    releases whole free pages inside the heap, not only at its top). A load's transients are
+    freed among the weights kept after them, so without it their pages stay resident: an INT4
+    load packs each layer and trims (model/checkpoint/stored_linears.py)."""
+    if is_glibc():
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _set(mmap_threshold: int, trim_threshold: int) -> bool:
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

@@ -1,13 +1,19 @@
 """Reading a checkpoint directory's weight files: which files (a sharded index, single
 safetensors files, or trusted pickles), each tensor as a slice handle so a tensor-parallel rank
 reads only its part, a failed read as one line, and the dtypes pre-quantized weights are
-stored in. model/checkpoint/loader.py puts what these return into the model."""
+stored in. model/checkpoint/loader.py puts what these return into the model.
+
+A slice handle reads through the file's memory map, and every page it touches stays in the
+process's resident memory while the file is open: right for a tensor that is kept as it is
+(its pages are the weight), twice the bytes for one that is converted at once (INT4's packed
+words). Those are read whole into fresh memory instead (`WholeReads`), with plain reads."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import pickle
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,3 +103,53 @@ def stored_dtype(tensor: Any) -> torch.dtype | None:
 
 def shape_of(tensor: Any) -> list[int]:
     return tensor.get_shape() if hasattr(tensor, "get_shape") else list(tensor.shape)
+
+
+_TORCH_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
+
+
+class WholeReads:
+    """Whole safetensors tensors read with plain file reads into fresh memory, not through the
+    memory map: nothing of the file stays resident after the caller drops the tensor. Each
+    file's header is read once (a safetensors file: an 8-byte little-endian header length,
+    the JSON header of each tensor's dtype, shape and byte offsets, then the data)."""
+
+    def __init__(self) -> None:
+        self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+
+    def _header(self, f: Path) -> tuple[int, dict[str, Any]]:
+        if f not in self._headers:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                self._headers[f] = (8 + n, json.loads(fh.read(n)))
+        return self._headers[f]
+
+    def read(self, f: Path, name: str, handle: Any) -> torch.Tensor:
+        """Tensor name of file f; handle: its slice handle (or tensor), read as it is where
+        f is not a safetensors file or the dtype is not one named here."""
+        if f.suffix != ".safetensors":
+            return handle[...]
+        start, header = self._header(f)
+        entry = header[name]
+        dtype = _TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            return handle[...]
+        begin, end = entry["data_offsets"]
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        with open(f, "rb") as fh:
+            fh.seek(start + begin)
+            if fh.readinto(buf.numpy()) != end - begin:
+                raise ModelLoadError(f"weights file {f} ends inside its tensor {name}")
+        return buf.view(dtype).reshape(entry["shape"])

@@ -13,8 +13,11 @@ GPU, another group size) the layer is kept as torchao's Int8Tensor of q - z with
 scales: exact, a byte a weight; said in one log line. Act-order GPTQ (g_idx out of order,
 so a group is not a run of columns) is dequantized at load to the model dtype, in one line.
 
-Memory: a layer's packed tensors are read whole (a tensor-parallel rank too) and unpacked to
-int8 while the model loads, so the linears peak at a byte a weight before they are packed.
+Memory: a layer's packed tensors are read whole (a tensor-parallel rank too), with plain
+reads, not through the file's memory map (files.WholeReads: their pages would stay resident),
+and unpacked to int8 as soon as the last is read; the loader packs each linear as soon as its
+rows are all placed (model/checkpoint/stored_linears.py), so one layer at a time is held at a
+byte a weight.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from typing import Any
 import torch
 
 from batchgen.errors import ModelLoadError
-from batchgen.model.checkpoint.files import reading
+from batchgen.model.checkpoint.files import WholeReads, reading
 from batchgen.model.checkpoint.int4_formats import AWQ_ORDER, Int4Layout
 from batchgen.model.quiet_import import quiet_torchao
 
 log = logging.getLogger(__name__)
 
 TINYGEMM_GROUPS = (256, 128, 64, 32)  # the group sizes the CPU int4 kernel takes
+_PACK_WEIGHTS = 1 << 20  # weights packed for the CPU kernel at a time
 _AWQ_UNDO = [AWQ_ORDER.index(i) for i in range(8)]  # column j sits in nibble _AWQ_UNDO[j]
 
 
@@ -56,7 +60,7 @@ def _q_z_scale(layout: Int4Layout, p: dict[str, torch.Tensor], prefix: str):
     """(q (out, in), z (out, groups), s (out, groups) float32, g_idx (in,) or None)."""
     if layout.kind == "compressed-tensors":
         out, n_in = (int(x) for x in p["weight_shape"].tolist())
-        q = nibbles(_int(p["weight_packed"], f"{prefix}.weight_packed"))[:, :n_in] - 8
+        q = nibbles(_int(p["weight_packed"], f"{prefix}.weight_packed"))[:, :n_in].sub_(8)
         s = p["weight_scale"].float().reshape(out, -1)
         z = torch.zeros(out, s.shape[1], dtype=q.dtype)
         if not layout.symmetric:  # packed along the output rows
@@ -103,7 +107,7 @@ def unpack_layer(
         groups = g_idx.long()  # act-order: each column's own group
         w = (q - z[:, groups]).float() * s[:, groups]
         return {f"{prefix}.weight": w.to(dtype)}
-    d = q.reshape(out, -1, width) - z.unsqueeze(-1)  # int8, -15..15
+    d = q.reshape(out, -1, width).sub_(z.unsqueeze(-1))  # int8, -15..15; q is this one's
     return {f"{prefix}.weight": d.reshape(out, n_in).contiguous(), f"{prefix}.weight_scale": s}
 
 
@@ -117,6 +121,7 @@ def unpacked(
         return
     pending: dict[str, dict[str, torch.Tensor]] = {}
     said = False
+    whole = WholeReads()
     for name, tensor, file in tensors:
         prefix, _, part = name.rpartition(".")
         if part not in layout.parts:
@@ -124,11 +129,11 @@ def unpacked(
             continue
         if part == "g_idx" and not layout.act_order:  # in order, as the config says
             with reading(file):
-                _check_in_order(tensor[...], layout, prefix)
+                _check_in_order(whole.read(file, name, tensor), layout, prefix)
             continue
         with reading(file):
             parts = pending.setdefault(prefix, {})
-            parts[part] = tensor[...]
+            parts[part] = whole.read(file, name, tensor)
         if all(r in parts for r in layout.required):
             done = unpack_layer(layout, pending.pop(prefix), prefix, dtype)
             if len(done) == 1 and not said:
@@ -165,8 +170,14 @@ def int4_weight(d: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
 
             groups = d.reshape(out, -1, group)
             c = -groups.amin(-1)  # (out, groups): q - z + c lies in 0..15
-            q = (groups + c.unsqueeze(-1)).reshape(out, n_in).to(torch.int32)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            # the kernel packs each row on its own, from int32: a block of rows at a time
+            # keeps that copy at 4 MiB, not 4 bytes a weight of the whole layer
+            packed = torch.empty((out, n_in // 2), dtype=torch.uint8)
+            step = max(16, _PACK_WEIGHTS // n_in // 16 * 16)  # rows: a multiple of 16
+            for r in range(0, out, step):
+                rows = slice(r, r + step)
+                q = (groups[rows] + c[rows].unsqueeze(-1)).reshape(-1, n_in).to(torch.int32)
+                packed[rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             zero = (8 - c).float() * scale
             sz = pack_tinygemm_scales_and_zeros(scale.to(dtype), zero.to(dtype), dtype)
             return Int4OpaqueTensor(packed, sz, [1, group], torch.Size((out, n_in)))

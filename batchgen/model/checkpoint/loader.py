@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -32,23 +31,22 @@ from batchgen.model.checkpoint.files import (
 from batchgen.model.checkpoint.format import checkpoint_scheme
 from batchgen.model.checkpoint.int4_tensors import unpacked
 from batchgen.model.checkpoint.names import weight_slot
+from batchgen.model.checkpoint.placing import Placing
 from batchgen.model.checkpoint.prequantized import (
     INPUT_SCALE,
-    SCALE,
     StoredScheme,
-    attach_scales,
+    check_experts,
     check_widths,
-    scale_copy,
-    scale_rows,
     stored_bytes,
 )
+from batchgen.model.checkpoint.stored_linears import StoredLinears
 from batchgen.model.config import ModelConfig
 from batchgen.model.families.classifier_head import add_classifier_head
 from batchgen.model.families.gemma import decoder_class
 from batchgen.model.families.hf_config import config_from_hf, read_hf_config
 from batchgen.model.families.transformer import Transformer
 from batchgen.model.memory import check_allocation
-from batchgen.model.parallel.sharding import SINGLE, Copy, TPShard, local_config
+from batchgen.model.parallel.sharding import SINGLE, TPShard, local_config
 
 
 def load_state_dict(
@@ -59,22 +57,21 @@ def load_state_dict(
     tp: TPShard = SINGLE,
     shapes: dict[str, torch.Size] | None = None,
     stored: StoredScheme | None = None,
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Rank tp's parameters, read from the checkpoint files slice by slice and moved straight
-    to device/dtype. shapes: the local parameters' shapes (needed for fused matrices and
-    zero biases). stored: a pre-quantized checkpoint's scheme (model/checkpoint/prequantized.py):
-    its stored weights keep their dtype, and each one's scale rows come as `<weight>.scale`."""
-    out: dict[str, torch.Tensor] = {}
+    to device/dtype, and the names of those that are pre-quantized torchao tensors. shapes:
+    the local parameters' shapes (needed for fused matrices and zero biases). stored: a
+    pre-quantized checkpoint's scheme (model/checkpoint/prequantized.py): its stored weights
+    keep their dtype, and each becomes a torchao tensor with its scales as soon as both are
+    read whole (model/checkpoint/stored_linears.py)."""
     known = shapes is not None  # the model's parameters are known: a weight must have a place
-    shapes = dict(shapes or {})
-    filled: dict[str, int] = {}  # elements written into each fused matrix so far
-    scales: list[tuple[str, Any, Path]] = []  # (its weight's checkpoint name, scale, file)
-    stored_shapes: dict[str, tuple[int, int]] = {}  # checkpoint shapes of stored weights
+    placing = Placing(shapes or {})
+    linears = StoredLinears(cfg, tp, stored, dtype, device, placing) if stored else None
     inputs: dict[str, list[torch.Tensor]] = {}  # static input scales, by our weight's name
     int4 = stored.int4 if stored is not None else None  # INT4 layers come unpacked to int8
     for name, tensor, file in unpacked(iter_tensors(files), int4, dtype):
-        if stored is not None and name.endswith(f".{stored.scale_suffix}"):
-            scales.append((name.removesuffix(stored.scale_suffix) + "weight", tensor, file))
+        if linears is not None and name.endswith(f".{stored.scale_suffix}"):
+            linears.scale(name.removesuffix(stored.scale_suffix) + "weight", tensor, file)
             continue
         if stored is not None and stored.act == "static" and name.endswith(".input_scale"):
             slot = weight_slot(cfg, name.removesuffix("input_scale") + "weight", tp)
@@ -85,41 +82,29 @@ def load_state_dict(
         slot = weight_slot(cfg, name, tp)
         if slot is None:
             continue
-        if known and slot.name not in shapes:  # a layer past n_layers, ...
+        if known and slot.name not in placing.shapes:  # a layer past n_layers, ...
             raise ModelLoadError(
                 f"the checkpoint's {name} has no place in the {cfg.n_layers}-layer model its "
                 "config.json describes; the weights and config.json must come from the same model"
             )
         keep = stored_dtype(tensor)
-        if keep is not None and stored is None:  # a caller that skipped checkpoint_scheme
+        if keep is not None and linears is None:  # a caller that skipped checkpoint_scheme
             raise ModelLoadError(
                 f"{file}: {name} is stored as {keep} and no quantization scheme was read for "
                 "it; load the model through LLM or batchgen run, which read the checkpoint's"
             )
-        if keep is not None:
-            stored_shapes[name] = tuple(shape_of(tensor))
         for c in slot.copies:
             if c.zero:
-                out[slot.name] = torch.zeros(shapes[slot.name], device=device, dtype=dtype)
+                placing.out[slot.name] = torch.zeros(
+                    placing.shapes[slot.name], device=device, dtype=dtype
+                )
                 continue
             with reading(file):
                 t = take(tensor, c, slot.transposed).to(device=device, dtype=keep or dtype)
-            _put(out, filled, shapes, name, slot.name, c, t)
-    for name, tensor, file in scales:
-        slot = weight_slot(cfg, name, tp)
-        if slot is None:
-            continue
-        if name not in stored_shapes:
-            raise ModelLoadError(
-                f"the checkpoint has a scale for {name}, which is not stored as {stored.source} "
-                "weights are; the checkpoint and its quantization_config disagree"
-            )
-        with reading(file):
-            rows = scale_rows(tensor[...], stored_shapes[name], stored).to(device)
-        key = slot.name + SCALE
-        shapes[key] = torch.Size((shapes[slot.name][0], rows.shape[1]))
-        for c in slot.copies:
-            _put(out, filled, shapes, name, key, c, take(rows, scale_copy(c, stored), False))
+            placing.put(name, slot.name, c, t)
+        if keep is not None:
+            linears.weight(name, slot.name, shape_of(tensor))
+    out = placing.out
     for key, pieces in inputs.items():  # q, k, v (gate, up) share one input, so one scale
         if any(not torch.equal(p, pieces[0]) for p in pieces):
             raise ModelLoadError(
@@ -128,36 +113,10 @@ def load_state_dict(
                 "layer with one input scale; use the model's bf16 release"
             )
         out[key.removesuffix(".weight") + INPUT_SCALE] = pieces[0].to(device)
-    missing = sorted(k for k, n in filled.items() if n != shapes[k].numel())
+    missing = placing.missing()
     if missing:
         raise ModelLoadError(f"checkpoint is missing pieces of {missing}")
-    return out
-
-
-def _put(
-    out: dict[str, torch.Tensor],
-    filled: dict[str, int],
-    shapes: dict[str, torch.Size],
-    name: str,
-    key: str,
-    c: Copy,
-    t: torch.Tensor,
-) -> None:
-    """t (checkpoint tensor name's slice c) into out[key], whole or into rows c.dst."""
-    if c.dst is None:
-        out[key] = t
-        return
-    if key not in out:
-        out[key] = torch.empty(shapes[key], device=t.device, dtype=t.dtype)
-    want = out[key][c.dst].shape
-    if t.shape != want or t.dtype != out[key].dtype:
-        raise ModelLoadError(
-            f"the checkpoint's {name} does not match its config.json (size mismatch: "
-            f"{tuple(t.shape)} {t.dtype} read, {tuple(want)} {out[key].dtype} expected for "
-            f"{key}); the weights and config.json must come from the same model"
-        )
-    out[key][c.dst].copy_(t)
-    filled[key] = filled.get(key, 0) + t.numel()
+    return out, (linears.finish() if linears is not None else set())
 
 
 def load_model(
@@ -185,11 +144,8 @@ def load_model(
         stored = checkpoint_scheme(path, hf)
     if stored is not None:
         check_widths(local_config(cfg, tp), stored)
-    if stored is not None and cfg.n_experts:
-        raise ModelLoadError(
-            f"{path}: a MoE model's experts stored as {stored.source} are not loaded yet; use "
-            "the model's bf16 release (with --quantize for its attention)"
-        )
+    if stored is not None:
+        check_experts(cfg, stored, path)
     device = torch.device(device)
     # The one table built from config.json alone, not read from the checkpoint: 10**9
     # positions would be a 16 GB allocation before any weight is read.
@@ -218,11 +174,8 @@ def load_model(
     fix = "--tensor-parallel-size (more ranks), --quantize or --dtype"
     check_allocation(nbytes, f"{who} ({path})", fix, device)
     files = checkpoint_files(path, allow_pickle)
-    sd = load_state_dict(cfg, files, dtype, device, tp, shapes, stored)
-    quantized: set[str] = set()
+    sd, quantized = load_state_dict(cfg, files, dtype, device, tp, shapes, stored)
     static = {k.removesuffix(INPUT_SCALE): sd.pop(k) for k in list(sd) if k.endswith(INPUT_SCALE)}
-    if stored is not None:  # each stored weight and its scale rows as one torchao tensor
-        quantized = attach_scales(sd, dtype, stored)
     head = sd.get("lm_head.weight")
     if cfg.tie_embeddings and head is not None and not torch.equal(head, sd["embed.weight"]):
         # As transformers does: a checkpoint's own head that differs from the embedding is

@@ -29,15 +29,13 @@ import torch
 
 from batchgen.errors import ModelLoadError
 from batchgen.model.checkpoint.int4_formats import Int4Layout, int4_layout
-from batchgen.model.checkpoint.int4_tensors import int4_weight, say_kept_as
+from batchgen.model.checkpoint.int4_tensors import int4_weight
 from batchgen.model.config import ModelConfig
 from batchgen.model.parallel.sharding import Copy
 from batchgen.model.quiet_import import quiet_torchao
 
 SCALE = ".scale"  # our key of a weight's scale rows: "layers.0.attn.wqkv.weight.scale"
 INPUT_SCALE = ".input_scale"  # our key of a layer's static input scale, by its weight's
-# the stored weights' dtypes; INT4 layers come unpacked to int8 q - z (int4_tensors.py)
-_DTYPES = {"fp8": (torch.float8_e4m3fn,), "int8": (torch.int8,), "int4": (torch.int8,)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,31 +202,6 @@ def quantized_weight(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return Int8Tensor(qdata, scale, block_size=block, dtype=dtype)
 
 
-def attach_scales(sd: dict[str, torch.Tensor], dtype: torch.dtype, s: StoredScheme) -> set[str]:
-    """Each stored weight of sd with its scale rows (popped) as one torchao tensor, in place;
-    returns the names of the quantized weights. ModelLoadError for a weight without a scale,
-    or a scale without its weight."""
-    scales = {k.removesuffix(SCALE): sd.pop(k) for k in [k for k in sd if k.endswith(SCALE)]}
-    stored = {k for k, v in sd.items() if v.dtype in _DTYPES[s.weights]}
-    if stored != set(scales):
-        raise ModelLoadError(
-            f"the checkpoint's {s.source} weights and scales do not pair up: weights without a "
-            f"scale {sorted(stored - set(scales))[:3]}, scales without a stored weight "
-            f"{sorted(set(scales) - stored)[:3]}"
-        )
-    outside = sorted(k for k in stored if not k.startswith("layers."))
-    if outside:
-        raise ModelLoadError(
-            f"the checkpoint stores {outside[0]} quantized; batchgen loads quantized decoder "
-            "linears only (embeddings and lm_head in a float dtype)"
-        )
-    for k in stored:
-        sd[k] = quantized_weight(sd[k], scales[k], dtype, s)
-    if s.int4 is not None:
-        say_kept_as((sd[k] for k in stored), s.int4)
-    return stored
-
-
 def stored_bytes(cfg: ModelConfig, dtype_bytes: int, s: StoredScheme | None = None) -> int:
     """Bytes of cfg's parameters (one rank's config) with the decoder linears stored at a byte
     a weight (half a byte: INT4, s) and the rest at dtype_bytes; the scales (4 bytes a row, or
@@ -256,4 +229,15 @@ def check_widths(cfg: ModelConfig, s: StoredScheme) -> None:
             f"{s.source}: input widths ({shown}, on this rank) are not a whole number of "
             f"{bc}-column scale blocks, which batchgen's quantized tensors cannot hold; use "
             "fewer tensor-parallel ranks, or the model's bf16 release with --quantize"
+        )
+
+
+def check_experts(cfg: ModelConfig, s: StoredScheme, path: object) -> None:
+    """ModelLoadError, before any weight is read, for a MoE model stored as s: its experts'
+    stored tensors are not loaded yet (each format stacks them its own way), and loading the
+    rest would leave them unread or read them as something else."""
+    if cfg.n_experts:
+        raise ModelLoadError(
+            f"{path}: a MoE model's experts stored as {s.source} are not loaded yet; use "
+            "the model's bf16 release (with --quantize for its attention)"
         )
