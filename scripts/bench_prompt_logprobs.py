@@ -114,7 +114,9 @@ def main() -> None:
     stats = json.loads((root / "batchgen-0" / ".batchgen" / "stats.json").read_text())
     tokens = sum(len(v) for v in ours.values())
     print(f"{a.rows} rows, {tokens} prompt tokens, {a.shape}, medians of {a.pairs} runs")
-    print(f"batchgen stats: {stats.get('rows_per_s')} rows/s in its engine")
+    phases = ("startup_s", "warmup_s", "prefill_s")
+    times = ", ".join(f"{k} {stats.get(k, 0):.2f} s" for k in phases)
+    print(f"batchgen stats: {stats.get('rows_per_s'):.1f} rows/s in its engine; {times}")
     for name, times in runs.items():
         m = statistics.median(times)
         diff = 0.0
