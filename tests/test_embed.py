@@ -6,6 +6,7 @@ chunked prompts and a prefix-cache hit; the pooling read from the checkpoint's o
 modules.json; Matryoshka dimensions truncated then normalized; and `batchgen run --task
 embed`'s fixed-size float32 `embedding` column, read back with DuckDB."""
 
+import base64
 import json
 import shutil
 from pathlib import Path
@@ -280,6 +281,71 @@ def test_openai_embeddings_lines(st_dirs, tmp_path):
     rows = rows_by_id(tmp_path / "mixed", "custom_id")
     assert rows["r0"]["error"] is None and len(rows["r0"]["embedding"]) == 32
     assert "runs /v1/embeddings lines only" in rows["c"]["error"]
+
+
+def openai_embeddings(out: Path) -> dict[str, dict]:
+    lines = (out / ".batchgen" / "results.jsonl").read_text().splitlines()
+    return {g["custom_id"]: g for g in map(json.loads, lines)}
+
+
+def line_embedding(line: dict) -> np.ndarray:
+    """An output line's one embedding: a float list, or base64 of little-endian float32."""
+    assert line["error"] is None and line["response"]["status_code"] == 200, line
+    (data,) = line["response"]["body"]["data"]
+    e = data["embedding"]
+    if isinstance(e, str):
+        return np.frombuffer(base64.b64decode(e), dtype="<f4")
+    return np.asarray(e, dtype=np.float32)
+
+
+@pytest.mark.parametrize("normalize", ["--normalize", "--no-normalize"])
+def test_openai_embeddings_dimensions_and_base64_equal_the_cli(st_dirs, tmp_path, normalize):
+    """A line's `dimensions` equals `--dimensions N` (cut, then normalized again where the
+    job normalizes; without, the same floats); `encoding_format` base64 is the float list's
+    little-endian float32 bytes; a bad value is its line's error, the job goes on."""
+    d = st_dirs["llama", "last"]
+    lines = [
+        embeddings_line("r0", TEXTS[0], dimensions=8),
+        embeddings_line("r1", TEXTS[1], dimensions=8, encoding_format="base64"),
+        embeddings_line("r2", TEXTS[2], encoding_format="base64"),
+        embeddings_line("r2f", TEXTS[2], encoding_format="float"),
+        embeddings_line("r3", TEXTS[3], dimensions=32),
+        embeddings_line("big", TEXTS[0], dimensions=33),
+        embeddings_line("zero", TEXTS[0], dimensions=0),
+        embeddings_line("text", TEXTS[0], dimensions="8"),
+        embeddings_line("hex", TEXTS[0], encoding_format="hex"),
+    ]
+    src = tmp_path / "req.jsonl"
+    src.write_text("".join(lines))
+    flags = ("--task", "embed", normalize, "--max-num-batched-tokens", "16")
+    run_job(src, tmp_path / "out", d, *flags, "--output-format", "openai", "--max-error-rate", "1")
+    got = openai_embeddings(tmp_path / "out")
+    cli = tmp_path / "in.parquet"
+    write_parquet(cli, {"prompt": TEXTS})
+    run_job(cli, tmp_path / "cli8", d, *flags, "--dimensions", "8")
+    run_job(cli, tmp_path / "cli", d, *flags)
+    rows8, rows = rows_by_id(tmp_path / "cli8"), rows_by_id(tmp_path / "cli")
+    want8 = [np.asarray(rows8[i]["embedding"], dtype=np.float32) for i in range(4)]
+    want = [np.asarray(rows[i]["embedding"], dtype=np.float32) for i in range(4)]
+    for cid, i in (("r0", 0), ("r1", 1)):
+        e = line_embedding(got[cid])
+        assert e.shape == (8,)
+        if normalize == "--no-normalize":
+            assert np.array_equal(e, want8[i])  # a cut alone
+        else:  # a cut of the normalized vector normalized again: within rounding
+            np.testing.assert_allclose(e, want8[i], rtol=1e-6, atol=1e-7)
+    assert np.array_equal(line_embedding(got["r2"]), line_embedding(got["r2f"]))
+    assert np.array_equal(line_embedding(got["r2f"]), want[2])
+    np.testing.assert_allclose(line_embedding(got["r3"]), want[3], rtol=1e-6, atol=1e-7)
+    messages = {
+        "big": "above this job's embedding size, 32",
+        "zero": "dimensions is 0, below 1",
+        "text": "dimensions is '8', not an integer",
+        "hex": "encoding_format 'hex' is not one of float, base64",
+    }
+    for cid, words in messages.items():
+        assert got[cid]["response"]["status_code"] == 400, got[cid]
+        assert words in got[cid]["error"]["message"]
 
 
 def test_report_of_an_embed_job_has_no_decode_plots(st_dirs, tmp_path):

@@ -88,6 +88,8 @@ def test_parse_chat_line_maps_every_field():
         "logit_bias": '{"1": 2}',  # JSON text: the row's logit_bias column
         "model": "any",
         "embeddings": False,  # a chat line, not /v1/embeddings
+        "dimensions": None,  # an embeddings line's
+        "encoding_format": None,
         OPENAI_ERROR_COLUMN: None,
     }
     assert unsupported == ["tools"]

@@ -49,6 +49,8 @@ SCHEMA = pa.schema(
         ("logit_bias", pa.string()),  # the body's {"token id": bias} as JSON text
         ("model", pa.string()),  # the body's model, echoed in the output lines
         ("embeddings", pa.bool_()),  # a /v1/embeddings line (task embed)
+        ("dimensions", pa.int64()),  # an embeddings line's Matryoshka size
+        ("encoding_format", pa.string()),  # an embeddings line's: float or base64
         (OPENAI_ERROR_COLUMN, pa.string()),
     ]
 )
@@ -74,6 +76,7 @@ MAPPED_FIELDS = frozenset(
         "logit_bias",
         "input",  # /v1/embeddings
         "encoding_format",
+        "dimensions",
     }
 )
 _PARSE_ROWS = 4096  # lines per Arrow batch while parsing

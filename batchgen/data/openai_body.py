@@ -15,6 +15,7 @@ from batchgen.choices import MAX_N  # a line asking for more is an error line
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 EMBEDDINGS_URL = "/v1/embeddings"  # a job of --task embed: `input`, one string a line
+ENCODING_FORMATS = ("float", "base64")  # an embedding's, as OpenAI writes it
 
 
 class LineError(Exception):
@@ -61,7 +62,8 @@ def parse_body(url: Any, body: dict[str, Any], record: dict[str, Any]) -> None:
 
 def _embedding_input(body: dict[str, Any], record: dict[str, Any]) -> None:
     """An embeddings body: one `input` string (a list, OpenAI's several inputs a request, is
-    refused: one line is one row here), `encoding_format` float (OpenAI's default)."""
+    refused: one line is one row here), `dimensions` (1 or more; the job checks it against the
+    model's size) and `encoding_format`, float (OpenAI's default) or base64."""
     text = body.get("input")
     if isinstance(text, list):
         raise LineError(
@@ -72,9 +74,11 @@ def _embedding_input(body: dict[str, Any], record: dict[str, Any]) -> None:
         what = "no input" if text is None else f"input is {type(text).__name__}"
         raise LineError(f"{what}; a {EMBEDDINGS_URL} body needs an input string")
     fmt = body.get("encoding_format", "float")
-    if fmt != "float":
-        raise LineError(f"encoding_format {fmt!r}: batchgen writes float embeddings only")
+    if fmt not in ENCODING_FORMATS:
+        raise LineError(f"encoding_format {fmt!r} is not one of {', '.join(ENCODING_FORMATS)}")
     record["prompt"] = text
+    record["dimensions"] = _int(body.get("dimensions"), "dimensions", minimum=1)
+    record["encoding_format"] = fmt
     model = body.get("model")
     record["model"] = model if isinstance(model, str) else None
 

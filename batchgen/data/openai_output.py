@@ -14,18 +14,25 @@ token's likeliest alternatives where the request asked for some (the parts' `top
 column), else `[]` (chat) or null (completion). The body's `model` is the request's own where
 it named one, else the local model's path. A task embed job's lines (/v1/embeddings) get an
 embeddings response: `{"object": "list", "data": [{"object": "embedding", "index": 0,
-"embedding": [...]}], "model", "usage": {"prompt_tokens", "total_tokens"}}`.
+"embedding": [...]}], "model", "usage": {"prompt_tokens", "total_tokens"}}`; a line's
+`dimensions` cuts the job's embedding to its first N values and normalizes it again where the
+job normalized (the embedding field's metadata says), as `--dimensions N` would have made it;
+`encoding_format` base64 writes it as OpenAI does: its little-endian float32 bytes, base64.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
+from batchgen.data.pooled_columns import NORMALIZED_KEY, finish_embedding
 from batchgen.data.records import TEXT_COLUMN
 from batchgen.data.writer import RESULTS_FILE, write_file
 
@@ -40,6 +47,24 @@ _RESULT_COLUMNS = (
 
 
 TokenText = Callable[[int], str]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingShape:
+    """How an embeddings line wants its vector: cut to `dimensions` (None: as the job made
+    it), normalized again after the cut where the job normalized, written as float or base64."""
+
+    dimensions: int | None = None
+    encoding: str = "float"
+    normalized: bool = False
+
+    def encode(self, embedding: list[float]) -> list[float] | str:
+        v = np.asarray(embedding, dtype=np.float32)
+        if self.dimensions is not None:
+            v = finish_embedding(v, self.dimensions, self.normalized)
+        if self.encoding == "base64":
+            return base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+        return v.tolist()
 
 
 def write_results(
@@ -72,11 +97,16 @@ def write_results(
     named = requests.column("model") if "model" in requests.column_names else None
     models = [model] * len(ids) if named is None else named.fill_null(model).to_pylist()
     eos = frozenset(eos_ids)
+    shapes = _embedding_shapes(requests, results)
     lines = [
         json.dumps(
-            output_line(i, cid, chat, by_id[cid], named, created, token_text if lp else None, eos)
+            output_line(
+                i, cid, chat, by_id[cid], named, created, token_text if lp else None, eos, shape
+            )
         )
-        for i, (cid, chat, lp, named) in enumerate(zip(ids, chats, asked, models, strict=True))
+        for i, (cid, chat, lp, named, shape) in enumerate(
+            zip(ids, chats, asked, models, shapes, strict=True)
+        )
         if cid in by_id
     ]
     data = "".join(line + "\n" for line in lines).encode()
@@ -93,6 +123,7 @@ def output_line(
     created: int,
     token_text: TokenText | None = None,
     eos_ids: Collection[int] = frozenset(),
+    shape: EmbeddingShape = EmbeddingShape(),
 ) -> dict[str, Any]:
     """The output line of request `index` of the input, from its result rows (one a sample).
     A request with any failed sample failed. token_text: the request asked for logprobs."""
@@ -108,7 +139,7 @@ def output_line(
         return line
     if "embedding" in rows[0]:  # task embed: an embeddings response
         line["response"] = {"status_code": 200, "request_id": request_id}
-        line["response"]["body"] = embeddings_body(rows[0], model)
+        line["response"]["body"] = embeddings_body(rows[0], model, shape)
         line["error"] = None
         return line
     choices = []
@@ -139,9 +170,22 @@ def output_line(
     return line
 
 
-def embeddings_body(row: dict[str, Any], model: str) -> dict[str, Any]:
+def _embedding_shapes(requests: pa.Table, results: pa.Table) -> list[EmbeddingShape]:
+    """Each request's EmbeddingShape (the default for a line that sets neither field)."""
+    n, names = requests.num_rows, requests.column_names
+    dims = requests.column("dimensions").to_pylist() if "dimensions" in names else [None] * n
+    fmts = requests.column("encoding_format") if "encoding_format" in names else None
+    fmts = [None] * n if fmts is None else fmts.to_pylist()
+    field = results.schema.field("embedding") if "embedding" in results.schema.names else None
+    normalized = field is not None and (field.metadata or {}).get(NORMALIZED_KEY) == b"true"
+    return [EmbeddingShape(d, f or "float", normalized) for d, f in zip(dims, fmts, strict=True)]
+
+
+def embeddings_body(
+    row: dict[str, Any], model: str, shape: EmbeddingShape = EmbeddingShape()
+) -> dict[str, Any]:
     """A /v1/embeddings response body, OpenAI's shape, for one input."""
-    data = [{"object": "embedding", "index": 0, "embedding": row["embedding"]}]
+    data = [{"object": "embedding", "index": 0, "embedding": shape.encode(row["embedding"])}]
     n = row["prompt_tokens"]
     usage = {"prompt_tokens": n, "total_tokens": n}
     return {"object": "list", "data": data, "model": model, "usage": usage}

@@ -3,7 +3,9 @@
 datasets and DuckDB read as an array column), and task classify's `label` and `probs` (the
 softmax over the classifier head's labels), or for a one-label (reward) head `score`, its raw
 logit. An embedding is its pooled vector truncated to `dimensions`, then L2-normalized where
-asked (Matryoshka embeddings are meant to be cut, then normalized)."""
+asked (Matryoshka embeddings are meant to be cut, then normalized); whether they were is in the
+embedding field's metadata (NORMALIZED_KEY), so a shorter cut made later (an OpenAI line's
+`dimensions`) normalizes again only where the job did."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pyarrow as pa
 EMBED_COLUMNS = ("embedding",)
 CLASSIFY_COLUMNS = ("label", "probs")
 REWARD_COLUMNS = ("score",)
+NORMALIZED_KEY = b"batchgen.normalized"  # the embedding field's metadata: "true" or "false"
 
 
 def finish_embedding(pooled: list[float], dimensions: int | None, normalize: bool) -> np.ndarray:
@@ -52,7 +55,8 @@ class PooledColumns:
     def fields(self) -> list[pa.Field]:
         if self.dimensions:
             kind = pa.float16() if self.float16 else pa.float32()
-            return [pa.field("embedding", pa.list_(kind, self.dimensions))]
+            meta = {NORMALIZED_KEY: str(self.normalize).lower()}  # read by openai_output.py
+            return [pa.field("embedding", pa.list_(kind, self.dimensions), metadata=meta)]
         if len(self.labels) == 1:
             return [pa.field("score", pa.float64())]
         return [pa.field("label", pa.string()), pa.field("probs", pa.list_(pa.float32()))]

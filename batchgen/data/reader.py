@@ -120,8 +120,10 @@ class OpenAIBatchSource(InputSource):
     @property
     def requests(self) -> pa.Table:
         """Every line's custom_id, messages (null for a completion), whether it asked for
-        logprobs, its body's model and whether it is an embeddings line, in input order."""
-        return self._table.select(["custom_id", "messages", "logprobs", "model", "embeddings"])
+        logprobs, its body's model, whether it is an embeddings line and that line's
+        dimensions and encoding_format, in input order."""
+        names = ["custom_id", "messages", "logprobs", "model", "embeddings"]
+        return self._table.select([*names, "dimensions", "encoding_format"])
 
     def _read(self, batch_rows: int, columns: Sequence[str] | None) -> Iterator[pa.RecordBatch]:
         table = self._table if columns is None else self._table.select(list(columns))

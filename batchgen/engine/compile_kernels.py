@@ -30,8 +30,6 @@ import uuid
 import zlib
 from pathlib import Path, PurePosixPath
 
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
 log = logging.getLogger(__name__)
 
 KERNELS, HEADERS = "kernels", "headers"  # the tar's two folders
@@ -41,7 +39,11 @@ _SUFFIXES = {KERNELS: (".so",), HEADERS: (".h", ".h.gch")}
 
 def header_dir() -> Path:
     """Where inductor keeps its precompiled headers: outside its cache folder, in the default
-    one (torch/_inductor/codecache.py's _HEADER_DIR), so the key's folder does not hold them."""
+    one (torch/_inductor/codecache.py's _HEADER_DIR), so the key's folder does not hold them.
+    Imported here, not at the top: torch._inductor brings all of torch._dynamo, 1.6 CPU-s of
+    an eager job's start-up on this CPU."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     return Path(default_cache_dir()) / "precompiled_headers"
 
 

@@ -95,11 +95,17 @@ def pooled_task(cfg: RunConfig, spec: ModelSpec) -> PooledTask | None:
     return PooledTask(o.pooling, PooledColumns(o.dimensions or dim, o.normalize, f16), o.prompt)
 
 
-def endpoint_error(embeddings: bool, embed_job: bool) -> str | None:
+def line_error(rec: dict, pooled: PooledTask | None) -> str | None:
     """Why an OpenAI batch line cannot run in this job (None: it can): /v1/embeddings lines
-    run in a --task embed job, and only they do."""
-    if embeddings and not embed_job:
+    run in a --task embed job, and only they do; a line's `dimensions` at most the job's
+    embedding size (the model's, or --dimensions)."""
+    embed_job = pooled is not None
+    if rec["embeddings"] and not embed_job:
         return "url /v1/embeddings: an embeddings line runs in a --task embed job"
-    if embed_job and not embeddings:
+    if embed_job and not rec["embeddings"]:
         return "a completion line: a --task embed job runs /v1/embeddings lines only"
+    dims = rec.get("dimensions")
+    if pooled is not None and dims is not None and dims > pooled.columns.dimensions:
+        size = pooled.columns.dimensions
+        return f"dimensions {dims} is above this job's embedding size, {size}"
     return None

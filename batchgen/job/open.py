@@ -166,7 +166,7 @@ def check_openai_task(task: Task, embeddings: list[bool | None]) -> None:
     """An OpenAI batch file's lines (embeddings: each line's, None for a malformed one) and
     the job's task agree where all its lines are of one kind: /v1/embeddings lines are a --task
     embed job's, and only they are. In a mixed file the other kind's lines are error rows
-    (job/embedding.py's endpoint_error)."""
+    (job/embedding.py's line_error)."""
     kinds = {e for e in embeddings if e is not None}
     if kinds == {True} and task is not Task.EMBED:
         raise ConfigError("the batch file has /v1/embeddings lines: run it with --task embed")

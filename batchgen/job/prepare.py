@@ -26,7 +26,7 @@ from batchgen.engine.sequence import Request
 from batchgen.errors import InputError, RowError
 from batchgen.job.bias_column import compact_bias_column, compact_field
 from batchgen.job.config import RunConfig
-from batchgen.job.embedding import PooledTask, endpoint_error
+from batchgen.job.embedding import PooledTask, line_error
 from batchgen.job.ids import check_id_type
 from batchgen.job.passthrough import passthrough_columns
 from batchgen.job.prompt_builders import make_prompt_builder, openai_prompt_builders
@@ -78,7 +78,7 @@ class Preparer:
         needed = self.builder.required_columns() | set(self.passthrough) | self.options.columns
         needed |= {"n"} if self.n_column else set()
         if self.chat_builder is not None:
-            needed |= self.chat_builder.required_columns() | {"embeddings"}  # its endpoint
+            needed |= self.chat_builder.required_columns() | {"embeddings", "dimensions"}
         needed |= {c for c in (self.id_column, source.error_column) if c}
         source.require_columns(sorted(needed), self.builder.missing_fixes(source.columns))
         if self.id_column:
@@ -185,7 +185,7 @@ class Preparer:
             if error is None and error_column and rec[error_column] is not None:
                 error = rec[error_column]
             if error is None and self.chat_builder is not None:  # an OpenAI line: its endpoint
-                error = endpoint_error(rec["embeddings"], self.pooled is not None)
+                error = line_error(rec, self.pooled)
             if error is None:
                 if self.chat_builder is not None and rec["messages"] is not None:
                     builder, chat = self.chat_builder, True

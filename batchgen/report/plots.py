@@ -180,9 +180,11 @@ def roofline(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
         xs = [1.0, float(tokens.max()) * 2.0]
         xs = [xs[0] * (xs[1] / xs[0]) ** (i / 50) for i in range(51)]
         # A decode step's every row goes through the LM head, a prefill step's last prompt
-        # token only: at least one row.
+        # token only (at least one row), a prompt-logprobs prefill's every token; a pooled
+        # job's head is a classifier's or none (stats/roofline.py).
+        every = stats.get("head_on_every_prompt_token", False)
         decode = [compute_ceiling_s(stats, x, x) for x in xs]
-        compute = [compute_ceiling_s(stats, x, 1) for x in xs]
+        compute = [compute_ceiling_s(stats, x, x if every else 1) for x in xs]
         memory = weights / bw
         if decodes:
             label = "compute ceiling, decode (FLOPs / peak)"
@@ -193,7 +195,7 @@ def roofline(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
             color="tab:green",
             lw=1,
             ls="--",
-            label="compute ceiling, prefill (one row's LM head)",
+            label=f"compute ceiling, prefill ({_prefill_head(stats)})",
         )
         ax.axhline(
             memory, color="tab:purple", lw=1, ls="--", label="bandwidth ceiling (weights / peak)"
@@ -217,3 +219,14 @@ def roofline(steps: dict[str, list], stats: dict[str, Any]) -> Figure:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small", loc="lower right")
     return fig
+
+
+def _prefill_head(stats: dict[str, Any]) -> str:
+    """What the prefill ceiling charges after the decoder (stats.json's head keys)."""
+    head = stats.get("head", "lm")
+    if head == "none":
+        return "no head"
+    if head == "classifier":
+        return "one row's classifier head"
+    every = stats.get("head_on_every_prompt_token")
+    return "every token's LM head" if every else "one row's LM head"

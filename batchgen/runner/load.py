@@ -8,6 +8,7 @@ import logging
 import time
 from contextlib import ExitStack
 
+from batchgen.choices import Task
 from batchgen.data import OutputDir
 from batchgen.job.fingerprint import check_weights
 from batchgen.job.open import Job
@@ -33,7 +34,7 @@ def load_model(job: Job, out: OutputDir, done: set, stats: RunStats, scope: Exit
     load_s = time.perf_counter() - t0
     tp = spec.tensor_parallel_size
     peaks = resolve_peaks(spec.device, spec.dtype, cfg.peak_tflops, cfg.peak_bandwidth_gbs, tp)
-    stats.loaded(info, load_s, _model_cost(llm, info), peaks)
+    stats.loaded(info, load_s, _model_cost(llm, info, cfg.task), peaks)
     return llm
 
 
@@ -76,14 +77,15 @@ def _run_info(llm: LLM) -> RunInfo:
     )
 
 
-def _model_cost(llm: LLM, info: RunInfo) -> ModelCost:
-    """What the job's tokens cost (stats/roofline.py). A decode step reads every weight but
-    the input embedding, a gather of a few rows (unless it is also the LM head)."""
+def _model_cost(llm: LLM, info: RunInfo, task: Task) -> ModelCost:
+    """What the job's tokens cost (stats/roofline.py; the task decides the head). A decode
+    step reads every weight but the input embedding, a gather of a few rows (unless it is
+    also the LM head)."""
     cfg, dtype_bytes = llm.spec.model_cfg, llm.spec.dtype.itemsize
     weights = info.weights_bytes_per_rank * info.tensor_parallel_size
     if not cfg.tie_embeddings:
         weights -= cfg.vocab_size * cfg.dim * dtype_bytes
-    return ModelCost.from_config(cfg, dtype_bytes, weights)
+    return ModelCost.from_config(cfg, dtype_bytes, weights, task)
 
 
 def _job_longest_row(job: Job, done: set) -> int | None:

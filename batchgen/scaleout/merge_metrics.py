@@ -27,7 +27,14 @@ from batchgen.stats.latency import Latencies
 from batchgen.stats.steps import read_steps
 
 # Per-token costs: the same model in every shard, taken from the first.
-_SAME = ("model_flops_per_token", "head_flops_per_row", "weights_read_bytes", "kv_bytes_per_token")
+_SAME = (
+    "model_flops_per_token",
+    "head_flops_per_row",
+    "head",
+    "head_on_every_prompt_token",
+    "weights_read_bytes",
+    "kv_bytes_per_token",
+)
 
 
 def merged_metrics(reports: list[ShardReport]) -> dict[str, Any]:
