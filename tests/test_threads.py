@@ -36,21 +36,28 @@ def test_threads_are_the_affinity_mask_capped_by_the_cgroup_quota(tmp_path, v2, 
     assert cpu_threads(cpu_max, v1_dir) == want
 
 
-def test_one_cpu_of_affinity_is_one_thread_and_waits_are_passive():
+def test_one_cpu_of_affinity_is_one_thread_and_waits_spin_briefly():
     """taskset's mask (Slurm binds CPUs so too) gives one thread; importing batchgen makes
-    OpenMP's waits passive before torch loads it, and a user's OMP_WAIT_POLICY is kept."""
+    OpenMP's threads spin 0.1 ms before sleeping (set before torch loads OpenMP), and a wait
+    policy or spin count the user set is kept."""
     code = (
         "import os, sys, batchgen, torch\n"
         "from batchgen.job.threads import cpu_threads\n"
         "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
-        "print(cpu_threads(), os.environ['OMP_WAIT_POLICY'])\n"
+        "e = os.environ.get\n"
+        "print(cpu_threads(), e('GOMP_SPINCOUNT'), e('OMP_WAIT_POLICY'))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert r.stdout.split() == ["1", "PASSIVE"], r.stderr
-    env["OMP_WAIT_POLICY"] = "ACTIVE"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert r.stdout.split() == ["1", "ACTIVE"], r.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+    def run(**extra: str) -> list[str]:
+        r = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env | extra
+        )
+        return r.stdout.split() or [r.stderr]
+
+    assert run() == ["1", "10000", "None"]
+    assert run(OMP_WAIT_POLICY="PASSIVE") == ["1", "None", "PASSIVE"]
+    assert run(GOMP_SPINCOUNT="0") == ["1", "0", "None"]
 
 
 def test_a_job_without_threads_runs_on_cpu_threads(model, tmp_path, monkeypatch):

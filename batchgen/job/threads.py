@@ -2,14 +2,17 @@
 affinity mask (taskset, Slurm's binding) capped by a cgroup CPU quota (a container's or a
 Slurm job's `cpu.max`, rounded up), which OpenMP's own default (the affinity mask) ignores.
 
-The threads wait for work passively (`OMP_WAIT_POLICY=PASSIVE`, set in batchgen/__init__.py
-before torch loads OpenMP). With OpenMP's active spinning, a core busy with another process
-stalls every parallel region: the demo job took 14-38 s with 2 threads against 2.3-2.7 s with
-1 thread, and 1.1-1.6 s with 2 passive threads (docs/benchmarks.md, "Threads on a busy
-machine").
-
-While a job runs, `ThreadGovernor` takes a thread off for each CPU that other processes keep
-busy, and gives it back when they stop (`batchgen run` without --threads, on the CPU)."""
+OpenMP splits each op evenly over its threads and waits for the last: a thread that shares
+its core with another busy process holds every parallel region. With OpenMP's default
+spinning the demo job took 14-38 s with 2 threads against 2.3-2.7 s with 1 thread on a busy
+machine; passive waits fixed that but cost a quiet machine ~20% (a sleeping thread's wake-up,
+at every parallel region). So the threads spin 0.1 ms before sleeping (`GOMP_SPINCOUNT=10000`,
+set in batchgen/__init__.py before torch loads OpenMP), and while a job runs,
+`ThreadGovernor` takes a thread off for each CPU that other processes keep busy, and gives it
+back when they stop (`batchgen run` without --threads, on the CPU). The 192-row mixed
+workload on 2 CPUs: 12.7 s quiet and 20.3 s beside a busy loop, against 15.5 and 20.4 s with
+passive waits and 19.8 and 19.5 s with 1 thread (docs/benchmarks.md, "Threads, quiet and
+busy")."""
 
 from __future__ import annotations
 
@@ -104,6 +107,15 @@ class ThreadGovernor:
         self._proposed: int | None = None
         self.changes = 0
         self.fewest = most
+
+    def summary(self) -> dict[str, int]:
+        """stats.json's `threads`: at the start, the fewest, at the end, how many changes."""
+        return {
+            "start": self.most,
+            "fewest": self.fewest,
+            "last": self.threads,
+            "changes": self.changes,
+        }
 
     def _read(self) -> tuple[float, int | None, float]:
         return self._clock(), self._busy(), self._own()

@@ -120,6 +120,7 @@ def _run(cfg: RunConfig, job_scope: ExitStack, watchdog: Watchdog) -> RunStats:
             sink.close(complete)  # on a signal too: every finished row is kept, written once
             progress.close()
             gpu = nvml.stop() if nvml is not None else None
+            stats.threads = _threads_summary(governor)
             stats.finish(complete, peak_memory_bytes(job.spec.device), llm.engine.kv_pool, gpu)
             out.write_stats(stats.to_dict())
         if cfg.output_format is OutputFormat.OPENAI:
@@ -158,6 +159,13 @@ def _thread_governor(job: Job) -> ThreadGovernor | None:
     if job.cfg.threads or spec.device.type != "cpu" or spec.tensor_parallel_size > 1:
         return None
     return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
+
+
+def _threads_summary(governor: ThreadGovernor | None) -> dict[str, int]:
+    if governor is not None:
+        return governor.summary()
+    n = torch.get_num_threads()
+    return {"start": n, "fewest": n, "last": n, "changes": 0}
 
 
 def _warn_about_input(job: Job) -> dict[str, int] | None:

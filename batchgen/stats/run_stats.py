@@ -102,6 +102,7 @@ class RunStats:
     wall_s: float = 0.0  # the job: from its statistics' start (after start-up) to its end
     startup_s: float | None = field(default_factory=process_age_s)  # the process before that
     verdict: ErrorVerdict | None = None  # the complete job's error rate (data/verdict.py)
+    threads: dict[str, int] | None = None  # torch's CPU threads: start, fewest, last, changes
 
     def __post_init__(self) -> None:
         self.timeline = StepRecorder(self.started)
@@ -220,8 +221,7 @@ class RunStats:
         d.update(peaks.to_dict())
         if self.roofline is not None:
             d.update(self.roofline.summary(peaks.flops, peaks.bandwidth))
-        d.setdefault("mfu", None)
-        d.setdefault("mbu", None)
+        d.update({k: d.get(k) for k in ("mfu", "mbu")})  # None where no peak is known
         computed = self.computed_prompt_tokens
         d.update(
             rows_per_s=self.rate(self.rows),

@@ -64,21 +64,30 @@ def bound(step: BoundStep) -> Iterator[None]:
         _BOUND.reset(token)
 
 
-@torch.library.custom_op("batchgen::attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+def attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """q (T, H, D), k, v (T, Hkv, D) of layer `layer` in the bound step -> (T, H, Dv): the
     keys/values written at the step's slots (the pool mutated in place: not an argument, so
     the graph does not hold it), then each token's attention. Rows past the step's decodes
-    and prefill chunks (a compiled step's padding tokens) come back zero."""
+    and prefill chunks (a compiled step's padding tokens) come back zero.
+
+    The op's body, which an eager forward calls directly: through the dispatcher, torch runs a
+    custom op's kernel inside `_disable_dynamo`, whose first call imports torch._dynamo (1.6
+    CPU-s of an eager job's start on a 2-core CPU, with nothing compiled)."""
     step = _BOUND.get()
     if step is None:
-        raise RuntimeError("batchgen::attention called outside a bound step (attention_op.bound)")
+        raise RuntimeError("batchgen::attention called outside a bound step (op.bound)")
     layer_ = step.layers[layer]
     # contiguous: a compiled graph may hand over views of other strides, which eager flex's
     # vmap over its mask cannot query ("NYI: querying is_contiguous inside of vmap")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     y = step_attention(q, k, v, layer_.cache, step.steps[layer_.window], layer_.params)
     return y.contiguous()
+
+
+@torch.library.custom_op("batchgen::attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """attention_eager as one op, opaque to the compiler: what a compiled forward calls."""
+    return attention_eager(q, k, v, layer)
 
 
 @attention.register_fake

@@ -12,7 +12,7 @@ layer's hidden states: the part `--compile` compiles, one graph over a symbolic 
 engine/compiled_forward.py) and `logits` (the sampled rows through the final norm and the LM
 head, eager: one large matmul, outside the token-count graphs since its rows vary apart).
 Eager and compiled runs go through the same code (eager, the attention op's body is called
-without the dispatcher: see _ATTENTION_BODY).
+without the dispatcher: op.attention_eager).
 """
 
 from __future__ import annotations
@@ -22,19 +22,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.model.attention.kv_cache import PagedKVCache
-from batchgen.model.attention.op import BoundStep, LayerAttention, attention, bound
+from batchgen.model.attention.op import (
+    BoundStep,
+    LayerAttention,
+    attention_eager,
+    bound,
+)
 from batchgen.model.attention.sdpa import DEFAULT
 from batchgen.model.attention.step import StepAttention
 from batchgen.model.config import ModelConfig, NormKind, PositionKind
 from batchgen.model.families.activations import activation
 from batchgen.model.families.moe import MoE
 from batchgen.model.families.rope import apply_rope, rope_tables
-
-# The function the attention custom op was made from, which an eager forward calls directly:
-# through the dispatcher, torch runs a custom op's kernel inside `_disable_dynamo`, whose first
-# call imports torch._dynamo (1.6 CPU-s of an eager job's start on this 2-core CPU, with
-# nothing compiled). A compiled forward calls the op, opaque to the graph.
-_ATTENTION_BODY = attention._init_fn
 
 
 class RMSNorm(nn.Module):
@@ -84,7 +83,7 @@ class Attention(nn.Module):
         if torch.compiler.is_compiling():  # (T, H, D), the bound step's
             y = torch.ops.batchgen.attention(q, k, v, self.layer_idx)
         else:
-            y = _ATTENTION_BODY(q, k, v, self.layer_idx)
+            y = attention_eager(q, k, v, self.layer_idx)
         return self.wo(y.reshape(t, q_size))
 
 
