@@ -183,7 +183,8 @@ HELP: dict[str, str] = {
     "allow_pickle": ("Allow loading pytorch_model.bin pickle checkpoints (can run code)."),
     "threads": (
         "CPU threads for torch. Default: the CPUs this process may use (its affinity mask, "
-        "capped by a cgroup CPU quota); the threads wait passively, so a busy core costs little."
+        "capped by a cgroup CPU quota), one fewer for each CPU other processes keep busy while "
+        "the job runs (given back when they stop). A count given here stays fixed."
     ),
     "shard": (
         "Run only shard I/N of the rows (by id hash), into OUTPUT/shard-IIIII-of-NNNNN/. "
