@@ -9,7 +9,6 @@ what differs from vLLM and why.
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 from collections.abc import Sequence
@@ -39,14 +38,13 @@ from batchgen.engine.sequence import Completion, Request
 from batchgen.errors import RequestError
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.seeds import SEED_RANGE
+from batchgen.job.threads import ThreadGovernor
 from batchgen.model.host_malloc import release_freed_memory
 from batchgen.model.parallel.collectives import CollectiveClock
 from batchgen.model.parallel.sharding import TPShard
 from batchgen.parallel.rank_model import RankSpec, load_hf_rank_model, load_rank_model
 from batchgen.parallel.ranks import RankedRunner, Ranks
 from batchgen.quant import weight_bytes
-
-log = logging.getLogger(__name__)
 
 
 class LLM(PoolingCalls):
@@ -67,6 +65,9 @@ class LLM(PoolingCalls):
         spec = ModelSpec.resolve(args.model, **args.spec)
         self._limits(spec, args.max_model_len, args.seed)
         self._load(spec, resumable=False)
+        if spec.device.type == "cpu" and self.ranks is None:  # `batchgen run` has its own
+            self._threads_before = torch.get_num_threads()  # put back by close()
+            self._governor = ThreadGovernor(self._threads_before, torch.set_num_threads)
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, resumable: bool = True) -> LLM:
@@ -82,6 +83,7 @@ class LLM(PoolingCalls):
         self.max_model_len = self._checker.max_model_len
         self._rng = random.Random(seed)  # None: seeded from the OS
         self._lock = threading.Lock()
+        self._governor: ThreadGovernor | None = None  # threads that give up CPUs others use
 
     def _load(self, spec: ModelSpec, resumable: bool) -> None:
         self.spec = spec
@@ -289,6 +291,8 @@ class LLM(PoolingCalls):
                     results[c.index] = c
                 if bar is not None:
                     bar.update(len(report.finished))
+                if self._governor is not None:
+                    self._governor.tick()
         finally:
             if bar is not None:
                 bar.close()

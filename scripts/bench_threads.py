@@ -7,7 +7,8 @@ settings, each quiet and beside a busy loop pinned to one CPU, whole processes, 
 A mode is NAME=ENV;FLAGS: environment variables (K=V, comma-separated) and extra `batchgen run`
 flags. The defaults compare what batchgen does unasked (OpenMP's passive waits, the thread
 governor: job/threads.py) with spinning waits under the governor, two fixed threads and one
-thread; `--ov-python` adds OpenVINO GenAI (scripts/ov_baseline.py, 2048-token steps). Each
+thread; `--ov-python` adds OpenVINO GenAI (scripts/ov_baseline.py, 2048-token steps) and
+`--hf sorted:16` a transformers baseline (scripts/hf_baseline.py). Each
 round runs every mode quiet, then every mode with `taskset -c CPU python -c "while True:
 pass"` running (CPU: --busy-cpu). Printed: each mode's median wall seconds quiet and busy and
 its slowdown (busy / quiet); every run's seconds are in the JSON.
@@ -79,6 +80,7 @@ def main(argv=None) -> dict:
     p.add_argument("--mode", action="append", default=None, help="NAME=K=V,K=V;FLAGS (repeat)")
     p.add_argument("--busy-cpu", type=int, default=min(os.sched_getaffinity(0)))
     p.add_argument("--ov-python", default=None, help="OpenVINO GenAI's interpreter: add it")
+    p.add_argument("--hf", default=None, help="add a transformers baseline, MODE:BATCH (sorted:16)")
     p.add_argument("--workdir", type=Path, default=bench.ROOT / "out" / "bench-threads")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
@@ -100,6 +102,14 @@ def main(argv=None) -> dict:
                     log = a.workdir / f"{name.replace(' ', '_')}-{cond}-{r}.log"
                     times.setdefault(name, {}).setdefault(cond, []).append(
                         run_once(a, cmd, env, log)
+                    )
+                if a.hf:
+                    mode, batch = a.hf.split(":")
+                    out = a.workdir / f"hf-{r}.parquet"
+                    cmd = bench.hf_cmd(a, model, data, out, mode, int(batch))
+                    log = a.workdir / f"hf-{cond}-{r}.log"
+                    times.setdefault(f"transformers {a.hf}", {}).setdefault(cond, []).append(
+                        run_once(a, cmd, {}, log)
                     )
                 if a.ov_python:
                     out = a.workdir / f"ov-{r}.parquet"

@@ -179,3 +179,22 @@ def test_a_job_without_threads_is_governed_between_steps(model, tmp_path, monkey
     assert len(made) == 1 and made[0].ticks >= 4, [g.ticks for g in made]
     run_job(prompt_file(tmp_path, 3), tmp_path / "b", model, "--max-new-tokens", 4, "--threads", 2)
     assert len(made) == 1
+
+
+def test_the_python_api_governs_its_threads_and_puts_them_back(model, monkeypatch):
+    """LLM on the CPU ticks a governor after each step, which may move torch's thread count;
+    close() puts back the count it found."""
+    import torch
+
+    from batchgen import LLM, SamplingParams
+
+    ticks = []
+    monkeypatch.setattr(ThreadGovernor, "tick", lambda self: ticks.append(1) or self.threads)
+    before = torch.get_num_threads()
+    llm = LLM(model, device="cpu")
+    assert llm._governor is not None and llm._governor.most == before
+    llm.generate(["a b c"], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(ticks) >= 3
+    torch.set_num_threads(1)  # as the governor does on a busy machine
+    llm.close()
+    assert torch.get_num_threads() == before
