@@ -65,7 +65,7 @@ class LLM(PoolingCalls):
         spec = ModelSpec.resolve(args.model, **args.spec)
         self._limits(spec, args.max_model_len, args.seed)
         self._load(spec, resumable=False)
-        if spec.device.type == "cpu" and self.ranks is None:  # `batchgen run` has its own
+        if spec.device.type == "cpu" and self.ranks is None and not spec.compile:  # as a job's
             self._threads_before = torch.get_num_threads()  # put back by close()
             self._governor = ThreadGovernor(self._threads_before, torch.set_num_threads)
 

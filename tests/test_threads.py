@@ -198,3 +198,24 @@ def test_the_python_api_governs_its_threads_and_puts_them_back(model, monkeypatc
     torch.set_num_threads(1)  # as the governor does on a busy machine
     llm.close()
     assert torch.get_num_threads() == before
+
+
+def test_a_compiled_job_keeps_its_threads():
+    """Inductor's C++ kernels are built for one thread count and dynamo guards on it: a
+    compiled job is not governed (a change would recompile its forward), nor a fixed count, a
+    GPU job or tensor-parallel ranks."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from batchgen.runner.run import _thread_governor
+
+    def job(threads=None, compile=False, device="cpu", tp=1):
+        spec = SimpleNamespace(
+            device=torch.device(device), compile=compile, tensor_parallel_size=tp
+        )
+        return SimpleNamespace(cfg=SimpleNamespace(threads=threads), spec=spec)
+
+    assert isinstance(_thread_governor(job()), ThreadGovernor)
+    for other in (job(compile=True), job(threads=2), job(device="cuda"), job(tp=2)):
+        assert _thread_governor(other) is None

@@ -153,10 +153,14 @@ def _generate(
 
 
 def _thread_governor(job: Job) -> ThreadGovernor | None:
-    """Threads that follow what other processes leave of the CPUs: a CPU job of one rank
-    whose thread count the user did not set (--threads fixes it)."""
+    """Threads that follow what other processes leave of the CPUs: an eager CPU job of one
+    rank whose thread count the user did not set (--threads fixes it). Not a compiled one:
+    inductor's C++ kernels are built for one thread count, and dynamo guards on it, so a
+    change would recompile the forward."""
     spec = job.spec
     if job.cfg.threads or spec.device.type != "cpu" or spec.tensor_parallel_size > 1:
+        return None
+    if spec.compile:
         return None
     return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
 
