@@ -121,15 +121,27 @@ def test_no_thread_left_after_a_job(tmp_path, src, model):
     assert _new_threads(before) == []
 
 
-def test_reader_error_is_the_jobs_one_line_error(tmp_path, model):
-    """A repeated id in the third window is found on the reader's thread and ends the job
-    as it did on the engine's: the same one-line error and exit code, no thread left."""
-    keys = [f"k{i}" for i in range(N - 1)] + ["k2"]
-    data = write_parquet(tmp_path / "in.parquet", {"prompt": prompts(N), "key": keys})
+def test_reader_error_is_the_jobs_one_line_error(tmp_path, src, model, monkeypatch):
+    """An input error raised on the reader's thread while it prepares the third window ends
+    the job as one on the engine's would: the same one-line error and exit code, no thread
+    left. (Repeated ids, which once showed this, are found before the model loads.)"""
+    from batchgen.errors import InputError
+    from batchgen.job.prepare import Preparer
+
+    real, seen = Preparer._tokenize, []
+
+    def failing(self, texts, chats):
+        if threading.current_thread().name == "batchgen-read-ahead":
+            seen.append(len(texts))
+            if len(seen) == 3:  # the third window (the reader makes every window)
+                raise InputError("row 13: cannot be read (a test's error)")
+        return real(self, texts, chats)
+
+    monkeypatch.setattr(Preparer, "_tokenize", failing)
     before = set(threading.enumerate())
-    flags = (*FLAGS, "--id-column", "key", "--window-rows", 6)
-    r = run_job(data, tmp_path / "out", model, *flags, exit_code=2)
-    assert_one_line_error(r, "'key'", "'k2' twice")
+    r = run_job(src, tmp_path / "out", model, *FLAGS, "--window-rows", 6, exit_code=2)
+    assert_one_line_error(r, "row 13: cannot be read")
+    assert seen == [6, 6, 4], seen  # raised on the reader's thread, at the last window
     assert _new_threads(before) == []
     assert not success(tmp_path / "out")
 
