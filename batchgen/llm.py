@@ -38,7 +38,7 @@ from batchgen.engine.sequence import Completion, Request
 from batchgen.errors import RequestError
 from batchgen.job.model_spec import ModelSpec
 from batchgen.job.seeds import SEED_RANGE
-from batchgen.job.threads import ThreadGovernor
+from batchgen.job.threads import ThreadGovernor, governable
 from batchgen.model.host_malloc import release_freed_memory
 from batchgen.model.parallel.collectives import CollectiveClock
 from batchgen.model.parallel.sharding import TPShard
@@ -65,7 +65,7 @@ class LLM(PoolingCalls):
         spec = ModelSpec.resolve(args.model, **args.spec)
         self._limits(spec, args.max_model_len, args.seed)
         self._load(spec, resumable=False)
-        if spec.device.type == "cpu" and self.ranks is None and not spec.compile:  # as a job's
+        if governable(spec):  # as a job's (runner/run.py)
             self._threads_before = torch.get_num_threads()  # put back by close()
             self._governor = ThreadGovernor(self._threads_before, torch.set_num_threads)
 

@@ -69,8 +69,9 @@ open(sys.argv[1], "w").write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru
 sys.exit(code)"""
 
 
-def timed(cmd: list[str], log: Path) -> dict:
-    """Run cmd to completion: wall seconds and the process's peak RSS."""
+def timed(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> dict:
+    """Run cmd to completion (env: variables set over this process's): wall seconds and the
+    process's peak RSS."""
     rss = log.with_suffix(".rss")
     t0 = time.perf_counter()
     with log.open("w") as f:
@@ -79,6 +80,7 @@ def timed(cmd: list[str], log: Path) -> dict:
             cwd=ROOT,
             stdout=f,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **env} if env else None,
         )
     wall = time.perf_counter() - t0
     print(f"[bench] {log.stem}: exit {code} after {wall:.1f} s", flush=True)  # progress

@@ -61,16 +61,6 @@ def busy_loop(cpu: int | None):
         p.wait()
 
 
-def run_once(a, cmd: list[str], env: dict[str, str], log: Path) -> float:
-    saved = dict(os.environ)
-    os.environ.update(env)  # bench.timed's child inherits it
-    try:
-        return bench.timed(cmd, log)["wall_s"]
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workload", default="mixed")
@@ -101,7 +91,7 @@ def main(argv=None) -> dict:
                     cmd = bench.batchgen_cmd(a, model, data, out)
                     log = a.workdir / f"{name.replace(' ', '_')}-{cond}-{r}.log"
                     times.setdefault(name, {}).setdefault(cond, []).append(
-                        run_once(a, cmd, env, log)
+                        bench.timed(cmd, log, env)["wall_s"]
                     )
                 if a.hf:
                     mode, batch = a.hf.split(":")
@@ -109,14 +99,14 @@ def main(argv=None) -> dict:
                     cmd = bench.hf_cmd(a, model, data, out, mode, int(batch))
                     log = a.workdir / f"hf-{cond}-{r}.log"
                     times.setdefault(f"transformers {a.hf}", {}).setdefault(cond, []).append(
-                        run_once(a, cmd, {}, log)
+                        bench.timed(cmd, log)["wall_s"]
                     )
                 if a.ov_python:
                     out = a.workdir / f"ov-{r}.parquet"
                     cmd = bench.ov_cmd(a, model, data, out, 2048)
                     log = a.workdir / f"ov-{cond}-{r}.log"
                     times.setdefault("OpenVINO GenAI", {}).setdefault(cond, []).append(
-                        run_once(a, cmd, {}, log)
+                        bench.timed(cmd, log)["wall_s"]
                     )
     print(f"\n{a.workload}, {a.rows} rows, {a.rounds} rounds; busy loop on CPU {a.busy_cpu}\n")
     print("| mode | quiet s | busy s | slowdown |\n|---|---|---|---|")

@@ -22,6 +22,10 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchgen.job.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,13 @@ def cpu_threads(v2: Path = CGROUP_V2, v1: Path = CGROUP_V1) -> int:
     n = len(affinity(0)) if affinity else os.cpu_count() or 1
     quota = _quota(v2, v1)
     return max(1, min(n, math.ceil(quota))) if quota else max(1, n)
+
+
+def governable(spec: ModelSpec) -> bool:
+    """Whether a model's thread count may follow what other processes leave of the CPUs: an
+    eager CPU model of one rank. Not a compiled one: inductor's C++ kernels are built for one
+    thread count, and dynamo guards on it, so a change would recompile the forward."""
+    return spec.device.type == "cpu" and spec.tensor_parallel_size == 1 and not spec.compile
 
 
 def _busy_ticks(cpus: frozenset[int], stat: Path = Path("/proc/stat")) -> int | None:

@@ -26,7 +26,7 @@ from batchgen.job.fingerprint import job_fingerprint
 from batchgen.job.open import Job, open_job
 from batchgen.job.passthrough import legacy_renames
 from batchgen.job.prepare import Window
-from batchgen.job.threads import ThreadGovernor, cpu_threads
+from batchgen.job.threads import ThreadGovernor, cpu_threads, governable
 from batchgen.llm import LLM
 from batchgen.runner.background import Prefetch
 from batchgen.runner.deadline import Watchdog, deadlines
@@ -153,14 +153,9 @@ def _generate(
 
 
 def _thread_governor(job: Job) -> ThreadGovernor | None:
-    """Threads that follow what other processes leave of the CPUs: an eager CPU job of one
-    rank whose thread count the user did not set (--threads fixes it). Not a compiled one:
-    inductor's C++ kernels are built for one thread count, and dynamo guards on it, so a
-    change would recompile the forward."""
-    spec = job.spec
-    if job.cfg.threads or spec.device.type != "cpu" or spec.tensor_parallel_size > 1:
-        return None
-    if spec.compile:
+    """Threads that follow what other processes leave of the CPUs, for a job whose model may
+    (threads.governable) and whose thread count the user did not set (--threads fixes it)."""
+    if job.cfg.threads or not governable(job.spec):
         return None
     return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
 
