@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pickle
 import struct
 from collections.abc import Iterator
@@ -120,6 +121,31 @@ _TORCH_DTYPES = {
 }
 
 
+# safetensors' own bound on a header (its Rust reader refuses more): a larger length is garbage
+MAX_HEADER_BYTES = 100_000_000
+
+
+def safetensors_layout(file: Path) -> tuple[int, dict[str, dict]]:
+    """Where a safetensors file's data starts, and its JSON header: name -> {"dtype",
+    "shape", "data_offsets"} (offsets from that start); no data read. A file that is not
+    safetensors is one line (ModelLoadError)."""
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(os.fstat(f.fileno()).st_size - 8, MAX_HEADER_BYTES):  # not safetensors
+                raise ValueError(f"a header of {n} bytes does not fit the file")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as e:
+        raise ModelLoadError(f"cannot read weights file {file}: {e}") from None
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def safetensors_header(file: Path) -> dict[str, dict]:
+    """name -> {"dtype", "shape", ...} from a safetensors file's JSON header, no data read."""
+    return safetensors_layout(file)[1]
+
+
 class WholeReads:
     """Whole safetensors tensors read with plain file reads into fresh memory, not through the
     memory map: nothing of the file stays resident after the caller drops the tensor. Each
@@ -131,9 +157,7 @@ class WholeReads:
 
     def _header(self, f: Path) -> tuple[int, dict[str, Any]]:
         if f not in self._headers:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                self._headers[f] = (8 + n, json.loads(fh.read(n)))
+            self._headers[f] = safetensors_layout(f)
         return self._headers[f]
 
     def read(self, f: Path, name: str, handle: Any) -> torch.Tensor:

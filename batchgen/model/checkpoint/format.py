@@ -13,14 +13,13 @@ from the checkpoint's own description, never guessed (docs/quantization.md).
 from __future__ import annotations
 
 import json
-import os
-import struct
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from batchgen.errors import ModelLoadError
+from batchgen.model.checkpoint.files import safetensors_header
 from batchgen.model.checkpoint.prequantized import StoredScheme, stored_scheme
 
 FIX = (
@@ -50,8 +49,6 @@ QUANT_SUFFIXES = tuple(
     )
 )
 QUANT_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I8", "U8", "I32", "I16"})
-# safetensors' own bound on a header (its Rust reader refuses more): a larger length is garbage
-MAX_HEADER_BYTES = 100_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,20 +112,6 @@ def read_checkpoint_quant(path: Path, hf: dict) -> CheckpointQuant | None:
         q = {"quant_method": "modelopt", **q}
         return CheckpointQuant("modelopt", describe(q), q)
     return None
-
-
-def safetensors_header(file: Path) -> dict[str, dict]:
-    """name -> {"dtype", "shape", ...} from a safetensors file's JSON header, no data read."""
-    try:
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > min(os.fstat(f.fileno()).st_size - 8, MAX_HEADER_BYTES):  # not safetensors
-                raise ValueError(f"a header of {n} bytes does not fit the file")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
-        raise ModelLoadError(f"cannot read weights file {file}: {e}") from None
-    header.pop("__metadata__", None)
-    return header
 
 
 def quantized_tensors(path: Path) -> list[str]:

@@ -10,9 +10,9 @@ each tensor's dtype, shape and byte offsets), so it costs a few reads of kilobyt
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from batchgen.model.checkpoint.files import safetensors_header
 from batchgen.model.checkpoint.multimodal import TEXT_MODEL_WRAPPERS, is_language_model
 from batchgen.model.memory import format_bytes
 
@@ -21,10 +21,7 @@ def _headers(path: Path) -> dict[str, dict]:
     """Every tensor's header entry, over the checkpoint's safetensors files."""
     out = {}
     for f in sorted(path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            out.update(json.loads(fh.read(size)))
-    out.pop("__metadata__", None)
+        out.update(safetensors_header(f))
     return out
 
 
