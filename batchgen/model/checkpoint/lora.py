@@ -12,8 +12,8 @@ land in row slices of the fused `wqkv`, gate/up in row slices of `w_in`. GPT-2's
 store their weight as (in, out), which is what peft's `fan_in_fan_out` is about, but their A and
 B are (r, in) and (out, r) like a Linear's, and we store every weight as (out, in), so B @ A adds
 straight on. An adapter is checked against the model's config (tensor shapes from the file's
-header, parameter shapes from a model built on the meta device) before any weights load, so one
-for another base model fails fast, naming the mismatch.
+header, parameter shapes from a meta-device model) before any weights load: one for another
+base model fails fast, naming the mismatch (`pair_scaling`, shared with the transformers backend).
 """
 
 from __future__ import annotations
@@ -89,11 +89,8 @@ class LoraAdapter:
             "layers_adapted": len(self.merges),
             "sha256": self.sha256,
         }
-        if self.rank_pattern:
-            out["rank_pattern"] = dict(self.rank_pattern)
-        if self.alpha_pattern:
-            out["alpha_pattern"] = dict(self.alpha_pattern)
-        return out
+        patterns = {"rank_pattern": self.rank_pattern, "alpha_pattern": self.alpha_pattern}
+        return out | {k: dict(v) for k, v in patterns.items() if v}
 
 
 def adapter_sha256(path: str | Path) -> str:
@@ -168,6 +165,32 @@ def _read_config(path: Path):
     return config
 
 
+def pair_scaling(path: Path, config: Any, module: str, ab: dict, want: tuple[int, int]) -> float:
+    """The merge scaling of module's lora_A/lora_B pair (ab: "A"/"B" -> shape), after checking
+    that both are there, that B @ A is want (out, in) and that their rank is the config's."""
+    if set(ab) != {"A", "B"}:
+        (have,) = ab
+        raise LoraError(
+            f"LoRA adapter {path} has lora_{have} but no lora_{'AB'.replace(have, '')} for {module}"
+        )
+    (r_a, n_in), (n_out, r_b) = ab["A"], ab["B"]
+    if (n_out, n_in) != want:
+        trained_on = config.base_model_name_or_path
+        raise LoraError(
+            f"LoRA adapter {path} does not fit this model: its {module} update is "
+            f"{n_out}x{n_in} (out x in), the model's is {want[0]}x{want[1]}; the adapter was "
+            "trained for another base model" + (f" ({trained_on})" if trained_on else "")
+        )
+    r = _pattern_value(config.rank_pattern, module, config.r)
+    alpha = _pattern_value(config.alpha_pattern, module, config.lora_alpha)
+    if r_a != r or r_b != r:
+        raise LoraError(
+            f"LoRA adapter {path}: {module} has rank {r_a} (A) and {r_b} (B), but its "
+            f"{CONFIG_FILE} says r={r}"
+        )
+    return alpha / math.sqrt(r) if config.use_rslora else alpha / r
+
+
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     """peft's rank_pattern/alpha_pattern lookup: the first key matching the module's name end."""
     for key in patterns:
@@ -224,30 +247,9 @@ def check_adapter(path: str | Path, cfg: ModelConfig) -> LoraAdapter:
                 f"LoRA adapter {path} adapts {module}, but the model has {cfg.n_layers} layers; "
                 "the adapter was trained for another base model"
             )
-        if set(ab) != {"A", "B"}:
-            (have,) = ab
-            raise LoraError(
-                f"LoRA adapter {path} has lora_{have} but no lora_{'AB'.replace(have, '')} "
-                f"for {module}"
-            )
-        (r_a, n_in), (n_out, r_b) = ab["A"], ab["B"]
-        rows, cols = params[slot.name]
-        want_out = rows if slot.rows is None else slot.rows.stop - slot.rows.start
-        if (n_out, n_in) != (want_out, cols):
-            trained_on = config.base_model_name_or_path
-            raise LoraError(
-                f"LoRA adapter {path} does not fit this model: its {module} update is "
-                f"{n_out}x{n_in} (out x in), the model's is {want_out}x{cols}; the adapter was "
-                "trained for another base model" + (f" ({trained_on})" if trained_on else "")
-            )
-        r = _pattern_value(config.rank_pattern, module, config.r)
-        alpha = _pattern_value(config.alpha_pattern, module, config.lora_alpha)
-        if r_a != r or r_b != r:
-            raise LoraError(
-                f"LoRA adapter {path}: {module} has rank {r_a} (A) and {r_b} (B), but its "
-                f"{CONFIG_FILE} says r={r}"
-            )
-        scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
+        out, cols = params[slot.name]
+        out = out if slot.rows is None else slot.rows.stop - slot.rows.start
+        scaling = pair_scaling(path, config, module, ab, (out, cols))
         merges.append(LoraMerge(module, slot.name, slot.rows, scaling))
         kinds.add(module.rsplit(".", 1)[-1])
     if others:

@@ -16,7 +16,6 @@ are left out with it.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from torch import nn
@@ -27,10 +26,10 @@ from batchgen.model.checkpoint.lora import (
     LoraAdapter,
     LoraError,
     LoraMerge,
-    _pattern_value,
     _read_config,
     _tensor_shapes,
     _weights_file,
+    pair_scaling,
 )
 from batchgen.model.checkpoint.multimodal import is_language_model, text_name
 from batchgen.model.hf.support import load_plan, meta_model
@@ -96,26 +95,8 @@ def _merge(path: Path, config, module: str, name: str, layer, ab: dict) -> LoraM
             f"LoRA adapter {path} adapts {module}, of type {type(layer).__name__}; the "
             "transformers backend merges adapters of linear layers (nn.Linear) only"
         )
-    if set(ab) != {"A", "B"}:
-        (have,) = ab
-        raise LoraError(
-            f"LoRA adapter {path} has lora_{have} but no lora_{'AB'.replace(have, '')} for {module}"
-        )
-    (r_a, n_in), (n_out, r_b) = ab["A"], ab["B"]
-    if (n_out, n_in) != (layer.out_features, layer.in_features):
-        raise LoraError(
-            f"LoRA adapter {path} does not fit this model: its {module} update is "
-            f"{n_out}x{n_in} (out x in), the model's is {layer.out_features}x"
-            f"{layer.in_features}; the adapter was trained for another base model"
-        )
-    r = _pattern_value(config.rank_pattern, module, config.r)
-    alpha = _pattern_value(config.alpha_pattern, module, config.lora_alpha)
-    if r_a != r or r_b != r:
-        raise LoraError(
-            f"LoRA adapter {path}: {module} has rank {r_a} (A) and {r_b} (B), but its "
-            f"{CONFIG_FILE} says r={r}"
-        )
-    scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
+    want = (layer.out_features, layer.in_features)
+    scaling = pair_scaling(path, config, module, ab, want)
     return LoraMerge(module, name + ".weight", None, scaling)
 
 
