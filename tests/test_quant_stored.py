@@ -275,12 +275,6 @@ def test_quantize_lora_and_the_transformers_backend_are_refused(ct_dirs, hf_dirs
     assert_one_line_error(r, "LoRA adapter cannot be merged", "unquantized release")
 
 
-def test_a_moe_models_stored_checkpoint_is_refused(hf_dirs, tmp_path):
-    d = block_fp8(hf_dirs("qwen3_moe"), tmp_path / "moe")
-    r = run_job(prompt_file(tmp_path, 2), tmp_path / "out", d, exit_code=2)
-    assert_one_line_error(r, "MoE model's experts", "bf16 release")
-
-
 def test_fp8_runs_record_the_dequantized_bytes(ct_dirs, hf_dirs, tmp_path):
     """stats.json, the roofline and plan count what is resident: the float32 linears."""
     src, d = prompt_file(tmp_path, 2), ct_dirs("fp8-dynamic")

@@ -70,6 +70,7 @@ def make_plan(cfg: RunConfig) -> dict[str, Any]:
             weights * tp,
             dtype,
             spec.quant.stored,
+            bool(spec.model_cfg.n_experts),
             spec.device.type,
         ),
         "rows": rows,

@@ -129,9 +129,10 @@ def quantize_model(
     if not scheme.enabled:
         model.to(device)
         return scheme
+    moe = tuple(f"layers.{i}.mlp" for i, b in enumerate(model.layers) if isinstance(b.mlp, MoE))
     if scheme.checkpoint is not None:  # loaded as the checkpoint stores it: nothing to do
-        model.to(device)
-        return dataclasses.replace(scheme, weight_format=_formats(model))
+        model.to(device)  # (a MoE layer's experts and router: dequantized at load)
+        return dataclasses.replace(scheme, weight_format=_formats(model), unquantized=moe)
     scheme.check_available(device.type, model.embed.weight.dtype)
     int8: dict[str, int] = {}
     if scheme.group_size is not None:
@@ -150,7 +151,6 @@ def quantize_model(
             )
     backend = _BACKENDS[scheme.backend]
     as_int8 = QuantScheme(QuantMethod.INT8, scheme.backend)
-    moe = tuple(f"layers.{i}.mlp" for i, b in enumerate(model.layers) if isinstance(b.mlp, MoE))
     if moe:
         log.warning("--quantize: the MoE layers' experts and routers keep the model dtype")
         scheme = dataclasses.replace(scheme, unquantized=moe)

@@ -8,7 +8,7 @@ in host memory. A tensor-parallel rank builds its part of the model
 (parallel.sharding.local_config) and reads only its slices of each tensor: no rank ever holds
 the whole model. A pre-quantized checkpoint's weights keep their stored dtype and come with
 their scales (model/checkpoint/prequantized.py), or are dequantized at load where no kernel
-takes them (model/checkpoint/dequantized.py: fp8 on the CPU); one
+takes them (model/checkpoint/dequantized.py: fp8 on the CPU, a MoE model's experts); one
 batchgen does not load is refused before any weight is read (model/checkpoint/format.py).
 """
 
@@ -22,7 +22,12 @@ import torch
 
 from batchgen.errors import ModelLoadError
 from batchgen.model.checkpoint.activation_quant import quantize_inputs
-from batchgen.model.checkpoint.dequantized import note, on_device
+from batchgen.model.checkpoint.dequantized import (
+    check_experts,
+    moe_dequantized,
+    note,
+    on_device,
+)
 from batchgen.model.checkpoint.files import (
     WholeReads,
     checkpoint_files,
@@ -39,7 +44,6 @@ from batchgen.model.checkpoint.placing import Placing
 from batchgen.model.checkpoint.prequantized import (
     INPUT_SCALE,
     StoredScheme,
-    check_experts,
     check_widths,
     stored_bytes,
 )
@@ -75,8 +79,11 @@ def load_state_dict(
     linears = StoredLinears(cfg, tp, stored, dtype, device, placing) if stored else None
     inputs: dict[str, list[torch.Tensor]] = {}  # static input scales, by our weight's name
     int4 = stored.int4 if stored is not None else None  # INT4 layers come unpacked to int8
+    tensors = unpacked(iter_tensors(files), int4, dtype)
+    if stored is not None:  # a MoE model's experts, dequantized one by one (dequantized.py)
+        tensors = moe_dequantized(tensors, cfg, stored, dtype)
     whole = WholeReads()
-    for name, tensor, file in unpacked(iter_tensors(files), int4, dtype):
+    for name, tensor, file in tensors:
         if linears is not None and name.endswith(f".{stored.scale_suffix}"):
             linears.scale(name.removesuffix(stored.scale_suffix) + "weight", tensor, file)
             continue
@@ -218,7 +225,7 @@ def load_model(
         model.lm_head.weight = model.embed.weight
     if stored is not None:
         nbytes = sum(tensor_bytes(p) for p in model.parameters())
-        if line := note(stored, dtype, nbytes, device.type):
+        if line := note(stored, bool(cfg.n_experts), dtype, nbytes, device.type):
             log.warning("%s", line)
     if stored is not None and stored.act:  # W8A8: inputs quantized as the format does
         layers = sorted(k.removesuffix(".weight") for k in quantized)

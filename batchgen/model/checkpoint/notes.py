@@ -7,7 +7,7 @@ each tensor's dtype, shape and byte offsets), so it costs a few reads of kilobyt
 - an MXFP4 checkpoint (gpt-oss) on the transformers backend: its experts are dequantized at
   load, so the weights take the --dtype's bytes per parameter, several times the file's;
 - a stored format dequantized at load where no kernel takes it (dequantized.py: fp8 on the
-  CPU), in the line the load logs.
+  CPU, a MoE model's experts), in the line the load logs.
 """
 
 from __future__ import annotations
@@ -48,12 +48,13 @@ def load_notes(
     weights_bytes: int,
     dtype: str,
     stored: StoredScheme | None = None,
+    moe: bool = False,
     device: str = "cpu",
 ) -> list[str]:
     """plan's notes on how the model in path (config.json: hf) loads; weights_bytes: what its
-    weights take loaded at dtype; stored: its stored scheme on device."""
+    weights take loaded at dtype; stored: its stored scheme on device, moe: it has experts."""
     notes = []
-    if stored is not None and (line := note(stored, dtype, weights_bytes, device)):
+    if stored is not None and (line := note(stored, moe, dtype, weights_bytes, device)):
         notes.append(line)
     if hf.get("model_type") in TEXT_MODEL_WRAPPERS:
         n, nbytes, parts = unloaded_tensors(path)
