@@ -97,16 +97,17 @@ def write_int4(
     sym: bool = False,
     act_order: bool = False,
     v2: bool = False,
+    linears: tuple[str, ...] = LINEARS,
 ) -> tuple[Path, Path]:
-    """(dst: src's checkpoint with every decoder linear stored as method, "gptq" or "awq",
-    declares it (group -1: one group a row, GPTQ's per channel); dst-reference: src with
-    those weights dequantized, a float checkpoint)."""
+    """(dst: src's checkpoint with every decoder linear (a module named as one of linears)
+    stored as method, "gptq" or "awq", declares it (group -1: one group a row, GPTQ's per
+    channel); dst-reference: src with those weights dequantized, a float checkpoint)."""
     write = {"gptq": _gptq_layer, "awq": _awq_layer}[method]
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")
     reference = dict(tensors)
     g = torch.Generator().manual_seed(0)
-    for name in [n for n in tensors if n.endswith(tuple(f"{m}.weight" for m in LINEARS))]:
+    for name in [n for n in tensors if n.endswith(tuple(f".{m}.weight" for m in linears))]:
         prefix = name.removesuffix(".weight")
         stored, w = write(prefix, tensors.pop(name).float(), group, sym, act_order, v2, g)
         tensors.update(stored)

@@ -92,7 +92,7 @@ def test_greedy_tokens_and_logits_equal_the_reference(name, int4_dirs):
     q = cpu_llm(d).quant.to_dict()
     assert q["method"] == "int4"
     # act-order: dequantized at load, float weights
-    formats = {"gptq-act-order": "Parameter", "gptq-group16": "Int8Tensor"}
+    formats = {"gptq-act-order": "float32", "gptq-group16": "Int8Tensor"}
     assert q["weight_format"] == formats.get(name, "Int4OpaqueTensor")
     assert q["granularity"] == {
         "w4a16-channel": "per channel",

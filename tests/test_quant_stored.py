@@ -1,10 +1,11 @@
-"""Pre-quantized checkpoints batchgen loads as stored (torchao Float8Tensor / Int8Tensor
-weights), made from the sharpened tiny Llama: compressed-tensors' (FP8 per channel with
-dynamic fp8 activations, FP8 per tensor, W8A8 int8, W8A16 int8 in groups), written by
-compressed-tensors itself, and fine-grained block FP8 (`weight_scale_inv`), written as
-DeepSeek's and Qwen3's are. Compared with transformers on the same checkpoint: greedy tokens,
-and logits to float32 rounding; one altered scale changes the tokens, and leaving out the
-activations' quantization moves the logits (negative controls)."""
+"""Pre-quantized checkpoints batchgen loads as stored (torchao Int8Tensor weights; fp8 ones
+dequantized at load on this CPU, which has no fp8 matmul), made from the sharpened tiny
+Llama: compressed-tensors' (FP8 per channel with dynamic fp8 activations, FP8 per tensor,
+W8A8 int8, W8A16 int8 in groups), written by compressed-tensors itself, and fine-grained
+block FP8 (`weight_scale_inv`), written as DeepSeek's and Qwen3's are. Compared with
+transformers on the same checkpoint: greedy tokens, and logits to float32 rounding; one
+altered scale changes the tokens, and leaving out the activations' quantization moves the
+logits (negative controls)."""
 
 import json
 from types import SimpleNamespace
@@ -33,9 +34,14 @@ from test_tensor_parallel import _whole_from_shards
 from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
 from batchgen.model.checkpoint.activation_quant import TokenQuant
+from batchgen.model.checkpoint.dequantized import on_device
+from batchgen.model.checkpoint.format import checkpoint_scheme
 from batchgen.model.checkpoint.loader import load_model
+from batchgen.model.families.hf_config import config_from_hf, read_hf_config
 from batchgen.model.families.transformer import LINEAR_LAYERS
+from batchgen.model.memory import format_bytes
 from batchgen.model.parallel.sharding import TPShard
+from batchgen.quant import weight_bytes
 
 PROMPTS = random_prompts([3, 11, 6, 17, 1])
 MAX_NEW = 12
@@ -93,12 +99,17 @@ def test_greedy_tokens_and_logits_equal_transformers(scheme, ct_dirs, hf_dirs):
         "w8a16-group": "groups of 16",
         "block-fp8": "blocks of 16x32",
     }.get(scheme, "per channel")
-    assert q["weight_format"] == ("Int8Tensor" if scheme.startswith("w8") else "Float8Tensor")
-    # the decoder linears at a byte a weight (and their float32 scales), the rest float32
+    fp8 = not scheme.startswith("w8")  # this CPU has no fp8 matmul: dequantized at load
+    assert q["weight_format"] == ("float32" if fp8 else "Int8Tensor")
     linears = [b.get_submodule(t).weight for b in llm.model.layers for t in LINEAR_LAYERS]
+    float_bytes = cpu_llm(hf_dirs("llama")).weights_bytes_per_rank
+    if fp8:  # dense float32, the float model's bytes
+        assert all(type(w) is torch.nn.Parameter for w in linears)
+        assert llm.weights_bytes_per_rank == float_bytes
+        return
+    # the decoder linears at a byte a weight (and their float32 scales), the rest float32
     n = sum(w.qdata.numel() for w in linears)
     scales = sum(w.scale.numel() * 4 for w in linears)
-    float_bytes = cpu_llm(hf_dirs("llama")).weights_bytes_per_rank
     assert llm.weights_bytes_per_rank == float_bytes - 3 * n + scales
 
 
@@ -200,10 +211,39 @@ def test_blocks_that_do_not_tile_a_weight_are_refused(hf_dirs, tmp_path):
     assert_one_line_error(r, "hidden 64", "not a whole number of 48-column scale blocks")
 
 
-def test_eager_fp8_on_the_cpu_says_to_compile(ct_dirs, caplog):
+@pytest.mark.parametrize("scheme", ["fp8-static", "block-fp8", "modelopt-fp8"])
+def test_fp8_on_the_cpu_is_dequantized_at_load_in_one_line(scheme, ct_dirs, caplog):
+    """No fp8 matmul on the CPU: each fp8 linear a dense float32 weight (q * scale), the
+    static input scales still applied, said in one line with the resident bytes."""
     with caplog.at_level("WARNING"):
-        cpu_llm(ct_dirs("block-fp8"))
-    assert "pass --compile" in caplog.text
+        model = load_model(ct_dirs(scheme))
+    for b in model.layers:
+        for t in LINEAR_LAYERS:
+            w = b.get_submodule(t).weight
+            assert type(w) is torch.nn.Parameter and w.dtype == torch.float32, t
+            assert hasattr(b.get_submodule(t), "input_quant") == (scheme != "block-fp8")
+    lines = [r.getMessage() for r in caplog.records if "fp8 matmul" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert (
+        "cpu has no fp8 matmul, so the fp8 weights are dequantized at load to float32" in (lines[0])
+    )
+    assert lines[0].endswith(f"the weights take {format_bytes(weight_bytes(model))}")
+
+
+def test_on_cuda_fp8_stays_float8_tensors_with_the_same_logits(ct_dirs):
+    """The stored path a GPU keeps (sm89+ has fp8 matmuls; its load runs on the host):
+    Float8Tensor weights, giving the logits the dequantized CPU load gives."""
+    d, row = ct_dirs("fp8-dynamic"), PROMPTS[3]
+    hf = read_hf_config(d, native=False)
+    stored = checkpoint_scheme(d, hf)
+    assert on_device(stored, "cuda") is stored and on_device(stored, "cpu").dequantized
+    w8 = ct_dirs("w8a16-group")
+    int8 = checkpoint_scheme(w8, read_hf_config(w8, native=False))
+    assert on_device(int8, "cpu") is int8  # an int8 kernel runs on the CPU
+    kept = load_model(d, cfg=config_from_hf(hf), stored=on_device(stored, "cuda"))
+    assert type(kept.layers[0].attn.wqkv.weight).__name__ == "Float8Tensor"
+    want = all_logits(load_model(d), row)
+    torch.testing.assert_close(all_logits(kept, row), want, rtol=0, atol=1e-5)
 
 
 def test_run_records_the_checkpoints_scheme_and_bytes(ct_dirs, hf_dirs, tmp_path):
@@ -235,7 +275,18 @@ def test_quantize_lora_and_the_transformers_backend_are_refused(ct_dirs, hf_dirs
     assert_one_line_error(r, "LoRA adapter cannot be merged", "unquantized release")
 
 
-def test_a_moe_models_stored_checkpoint_is_refused(hf_dirs, tmp_path):
-    d = block_fp8(hf_dirs("qwen3_moe"), tmp_path / "moe")
-    r = run_job(prompt_file(tmp_path, 2), tmp_path / "out", d, exit_code=2)
-    assert_one_line_error(r, "MoE model's experts", "bf16 release")
+def test_fp8_runs_record_the_dequantized_bytes(ct_dirs, hf_dirs, tmp_path):
+    """stats.json, the roofline and plan count what is resident: the float32 linears."""
+    src, d = prompt_file(tmp_path, 2), ct_dirs("fp8-dynamic")
+    run_job(src, tmp_path / "out", d, "--max-new-tokens", 4)
+    stats = read_stats(tmp_path / "out")
+    model = cpu_llm(hf_dirs("llama")).model
+    assert stats["weights_bytes_per_rank"] == weight_bytes(model)
+    lookup = 0 if model.lm_head.weight is model.embed.weight else model.embed.weight.numel() * 4
+    assert stats["weights_read_bytes"] == stats["weights_bytes_per_rank"] - lookup
+    plan = json.loads(run_plan(src, d, "--json").stdout)
+    norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
+    assert plan["weights_bytes_per_rank"] == stats["weights_bytes_per_rank"] - norms
+    assert "dequantized at load (no fp8 matmul here)" in plan["weights_stored_as"]
+    (line,) = [n for n in plan["load_notes"] if "fp8 matmul" in n]
+    assert "cpu has no fp8 matmul, so the fp8 weights are dequantized at load" in line

@@ -29,10 +29,10 @@ from batchgen.job.backend_options import check_backend_options
 from batchgen.job.generation import read_generation_config
 from batchgen.job.tokenizer import check_vocab, eos_token_ids, load_tokenizer
 from batchgen.model.attention.step import DECODE_ATTENTION_ENV
+from batchgen.model.checkpoint.dequantized import check_experts, on_device
 from batchgen.model.checkpoint.format import checkpoint_scheme
 from batchgen.model.checkpoint.lora import LoraAdapter, check_adapter
 from batchgen.model.checkpoint.multimodal import language_config
-from batchgen.model.checkpoint.prequantized import check_experts
 from batchgen.model.config import ModelConfig
 from batchgen.model.families.hf_config import native_config, read_hf_config
 from batchgen.model.hf.lora import check_hf_adapter
@@ -201,7 +201,7 @@ class ModelSpec:
         stored = checkpoint_scheme(model_dir, hf, dequantized, native, quantize, lora is not None)
         if stored is not None:  # before the job writes anything
             check_experts(model_cfg, stored, model_dir)
-            quant = stored_quant_scheme(stored)
+            quant = stored_quant_scheme(on_device(stored, dev))  # fp8 on a CPU: dequantized
         tokenizer = load_tokenizer(model_dir, hf.get("model_type"))
         check_vocab(model_dir, len(tokenizer), model_cfg.vocab_size)
         gen = read_generation_config(model_dir)

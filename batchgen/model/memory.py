@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import os
 
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
 from batchgen.errors import ConfigError
 
 
@@ -59,6 +62,14 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Storage bytes of t, summing the inner tensors of quantized tensor subclasses."""
+    if is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in inner if getattr(t, n) is not None)
+    return t.numel() * t.element_size()
 
 
 def _meminfo_available() -> int | None:

@@ -7,7 +7,6 @@ values (no tokenizer, no grammars), so rank 0 can hand it to the other ranks."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +26,6 @@ from batchgen.model.parallel.collectives import CollectiveClock, apply_tensor_pa
 from batchgen.model.parallel.sharding import SINGLE, TPShard
 from batchgen.quant import QuantScheme, quantize_model
 from batchgen.quant.hf_quantize import quantize_hf_model
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +100,6 @@ def load_rank_model(
     if spec.lora is not None:
         lora = merge_lora(model, spec.lora, cfg=spec.model_cfg, tp=tp)
     quant = quantize_model(model, spec.quant, device)
-    fp8 = spec.quant.stored is not None and spec.quant.stored.weights == "fp8"
-    if fp8 and device.type == "cpu" and not spec.compile:  # docs/quantization.md: 14-30x
-        log.warning(  # slower a layer than bf16 eager; 0.3-0.55x compiled
-            "stored fp8 weights are dequantized on every call when not compiled, which is "
-            "slow on the CPU; pass --compile"
-        )
     # Eager float32 on the CPU: weights packed once for oneDNN, after the LoRA merge and
     # before the TP hooks (model/families/packed_linear.py).
     if not spec.compile and not spec.quant.enabled and can_pack(device, spec.dtype):

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from batchgen.model.families.moe import MoE
 from batchgen.model.families.transformer import Transformer
+from batchgen.model.memory import tensor_bytes
 from batchgen.quant import quanto_backend, torchao_backend
 from batchgen.quant.scheme import (
     DEFAULT_INT4_GROUP_SIZE,
@@ -128,9 +129,10 @@ def quantize_model(
     if not scheme.enabled:
         model.to(device)
         return scheme
+    moe = tuple(f"layers.{i}.mlp" for i, b in enumerate(model.layers) if isinstance(b.mlp, MoE))
     if scheme.checkpoint is not None:  # loaded as the checkpoint stores it: nothing to do
-        model.to(device)
-        return dataclasses.replace(scheme, weight_format=_formats(model))
+        model.to(device)  # (a MoE layer's experts and router: dequantized at load)
+        return dataclasses.replace(scheme, weight_format=_formats(model), unquantized=moe)
     scheme.check_available(device.type, model.embed.weight.dtype)
     int8: dict[str, int] = {}
     if scheme.group_size is not None:
@@ -149,7 +151,6 @@ def quantize_model(
             )
     backend = _BACKENDS[scheme.backend]
     as_int8 = QuantScheme(QuantMethod.INT8, scheme.backend)
-    moe = tuple(f"layers.{i}.mlp" for i, b in enumerate(model.layers) if isinstance(b.mlp, MoE))
     if moe:
         log.warning("--quantize: the MoE layers' experts and routers keep the model dtype")
         scheme = dataclasses.replace(scheme, unquantized=moe)
@@ -175,18 +176,13 @@ def quantize_model(
 def _formats(model: Transformer) -> str:
     """The weight tensor types of the target layers: quanto picks one (and a kernel) per layer
     shape, so every one chosen is recorded."""
-    formats = {
-        type(b.get_submodule(n).weight).__name__ for b in model.layers for n in block_targets(b)
-    }
+    formats = {_format(b.get_submodule(n).weight) for b in model.layers for n in block_targets(b)}
     return "/".join(sorted(formats))
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Storage bytes of t, summing the inner tensors of quantized tensor subclasses."""
-    if is_traceable_wrapper_subclass(t):
-        inner, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, n)) for n in inner if getattr(t, n) is not None)
-    return t.numel() * t.element_size()
+def _format(w: torch.Tensor) -> str:
+    """A weight's tensor type; a plain one's dtype (a stored format dequantized at load)."""
+    return type(w).__name__ if is_traceable_wrapper_subclass(w) else str(w.dtype).split(".")[-1]
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -7,12 +7,14 @@ tensor is cast and moved straight to its target, so a 16 GB checkpoint never has
 in host memory. A tensor-parallel rank builds its part of the model
 (parallel.sharding.local_config) and reads only its slices of each tensor: no rank ever holds
 the whole model. A pre-quantized checkpoint's weights keep their stored dtype and come with
-their scales (model/checkpoint/prequantized.py); one batchgen does not load is refused before
-any weight is read (model/checkpoint/format.py).
+their scales (model/checkpoint/prequantized.py), or are dequantized at load where no kernel
+takes them (model/checkpoint/dequantized.py: fp8 on the CPU, a MoE model's experts); one
+batchgen does not load is refused before any weight is read (model/checkpoint/format.py).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +22,14 @@ import torch
 
 from batchgen.errors import ModelLoadError
 from batchgen.model.checkpoint.activation_quant import quantize_inputs
+from batchgen.model.checkpoint.dequantized import (
+    check_experts,
+    moe_dequantized,
+    note,
+    on_device,
+)
 from batchgen.model.checkpoint.files import (
+    WholeReads,
     checkpoint_files,
     iter_tensors,
     reading,
@@ -35,7 +44,6 @@ from batchgen.model.checkpoint.placing import Placing
 from batchgen.model.checkpoint.prequantized import (
     INPUT_SCALE,
     StoredScheme,
-    check_experts,
     check_widths,
     stored_bytes,
 )
@@ -45,8 +53,10 @@ from batchgen.model.families.classifier_head import add_classifier_head
 from batchgen.model.families.gemma import decoder_class
 from batchgen.model.families.hf_config import config_from_hf, read_hf_config
 from batchgen.model.families.transformer import Transformer
-from batchgen.model.memory import check_allocation
+from batchgen.model.memory import check_allocation, tensor_bytes
 from batchgen.model.parallel.sharding import SINGLE, TPShard, local_config
+
+log = logging.getLogger(__name__)
 
 
 def load_state_dict(
@@ -69,7 +79,11 @@ def load_state_dict(
     linears = StoredLinears(cfg, tp, stored, dtype, device, placing) if stored else None
     inputs: dict[str, list[torch.Tensor]] = {}  # static input scales, by our weight's name
     int4 = stored.int4 if stored is not None else None  # INT4 layers come unpacked to int8
-    for name, tensor, file in unpacked(iter_tensors(files), int4, dtype):
+    tensors = unpacked(iter_tensors(files), int4, dtype)
+    if stored is not None:  # a MoE model's experts, dequantized one by one (dequantized.py)
+        tensors = moe_dequantized(tensors, cfg, stored, dtype)
+    whole = WholeReads()
+    for name, tensor, file in tensors:
         if linears is not None and name.endswith(f".{stored.scale_suffix}"):
             linears.scale(name.removesuffix(stored.scale_suffix) + "weight", tensor, file)
             continue
@@ -93,6 +107,9 @@ def load_state_dict(
                 f"{file}: {name} is stored as {keep} and no quantization scheme was read for "
                 "it; load the model through LLM or batchgen run, which read the checkpoint's"
             )
+        if keep is not None and stored.dequantized:  # converted at once: not via the map
+            with reading(file):
+                tensor = whole.read(file, name, tensor)
         for c in slot.copies:
             if c.zero:
                 placing.out[slot.name] = torch.zeros(
@@ -142,9 +159,9 @@ def load_model(
         cfg = config_from_hf(hf)
         # never read quantized weights as if they were float: loaded as stored, or refused
         stored = checkpoint_scheme(path, hf)
+        stored = on_device(stored, device) if stored is not None else None
     if stored is not None:
         check_widths(local_config(cfg, tp), stored)
-    if stored is not None:
         check_experts(cfg, stored, path)
     device = torch.device(device)
     # The one table built from config.json alone, not read from the checkpoint: 10**9
@@ -168,8 +185,8 @@ def load_model(
         )
         * dtype.itemsize
     )
-    if stored is not None:  # the decoder linears at a byte a weight
-        nbytes = stored_bytes(local_config(cfg, tp), dtype.itemsize)
+    if stored is not None:  # the decoder linears as stored, or dequantized
+        nbytes = stored_bytes(local_config(cfg, tp), dtype.itemsize, stored)
     who = f"rank {tp.rank}'s share of the weights" if tp.size > 1 else "the weights"
     fix = "--tensor-parallel-size (more ranks), --quantize or --dtype"
     check_allocation(nbytes, f"{who} ({path})", fix, device)
@@ -206,6 +223,10 @@ def load_model(
         ) from None
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
+    if stored is not None:
+        nbytes = sum(tensor_bytes(p) for p in model.parameters())
+        if line := note(stored, bool(cfg.n_experts), dtype, nbytes, device.type):
+            log.warning("%s", line)
     if stored is not None and stored.act:  # W8A8: inputs quantized as the format does
         layers = sorted(k.removesuffix(".weight") for k in quantized)
         missing = sorted(set(layers) - set(static)) if stored.act == "static" else []

@@ -35,6 +35,7 @@ _PER_EXPERT = re.compile(
 )
 _STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight")
+_OURS = re.compile(r"layers\.\d+\.mlp\.(?:w_in|w_out|router\.weight)")  # what moe_weight fills
 
 
 def moe_weight(cfg: ModelConfig, name: str, tp: TPShard) -> tuple[str, tuple[Copy, ...]] | None:
@@ -51,3 +52,8 @@ def moe_weight(cfg: ModelConfig, name: str, tp: TPShard) -> tuple[str, tuple[Cop
         ours = "w_out" if piece == "down" else "w_in"
         return f"layers.{m.group(1)}.mlp.{ours}", expert_copies(cfg, tp, piece, None)
     return None
+
+
+def is_moe_param(ours: str) -> bool:
+    """Whether our parameter `ours` is a MoE layer's stacked experts or its router."""
+    return _OURS.fullmatch(ours) is not None

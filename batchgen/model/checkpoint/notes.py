@@ -5,15 +5,19 @@ each tensor's dtype, shape and byte offsets), so it costs a few reads of kilobyt
 - a multimodal wrapper run as its text model (multimodal.py): the tensors left unread (the
   vision tower, the projector), how many and their bytes;
 - an MXFP4 checkpoint (gpt-oss) on the transformers backend: its experts are dequantized at
-  load, so the weights take the --dtype's bytes per parameter, several times the file's.
+  load, so the weights take the --dtype's bytes per parameter, several times the file's;
+- a stored format dequantized at load where no kernel takes it (dequantized.py: fp8 on the
+  CPU, a MoE model's experts), in the line the load logs.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from batchgen.model.checkpoint.dequantized import note
 from batchgen.model.checkpoint.files import safetensors_header
 from batchgen.model.checkpoint.multimodal import TEXT_MODEL_WRAPPERS, is_language_model
+from batchgen.model.checkpoint.prequantized import StoredScheme
 from batchgen.model.memory import format_bytes
 
 
@@ -38,10 +42,20 @@ def unloaded_tensors(path: Path) -> tuple[int, int, list[str]]:
     return len(left), sum(map(_nbytes, left.values())), sorted(parts)
 
 
-def load_notes(path: Path, hf: dict, weights_bytes: int, dtype: str) -> list[str]:
+def load_notes(
+    path: Path,
+    hf: dict,
+    weights_bytes: int,
+    dtype: str,
+    stored: StoredScheme | None = None,
+    moe: bool = False,
+    device: str = "cpu",
+) -> list[str]:
     """plan's notes on how the model in path (config.json: hf) loads; weights_bytes: what its
-    weights take loaded at dtype."""
+    weights take loaded at dtype; stored: its stored scheme on device, moe: it has experts."""
     notes = []
+    if stored is not None and (line := note(stored, moe, dtype, weights_bytes, device)):
+        notes.append(line)
     if hf.get("model_type") in TEXT_MODEL_WRAPPERS:
         n, nbytes, parts = unloaded_tensors(path)
         notes.append(

@@ -1,6 +1,8 @@
 """Pre-quantized checkpoints loaded as they are stored: each decoder linear's fp8 or int8
 weight and its scales become one torchao weight tensor (Float8Tensor, Int8Tensor: the tensors
-`--quantize fp8|int8` produces), so the model holds the checkpoint's bytes, never a float copy.
+`--quantize fp8|int8` produces), so the model holds the checkpoint's bytes, never a float copy;
+where no kernel takes them (fp8 on the CPU, a MoE model's experts) they are dequantized at
+load instead, one at a time (model/checkpoint/dequantized.py).
 INT4 formats (compressed-tensors W4A16, GPTQ, AWQ: int4_formats.py) reach the loader unpacked
 to int8 q - z and group scales (int4_tensors.py) and become Int4OpaqueTensor where a kernel
 takes them.
@@ -52,9 +54,13 @@ class StoredScheme:
     # (a scale per token) or "static" (the checkpoint's input_scale per layer); None: not
     act: str | None = None
     int4: Int4Layout | None = None  # an INT4 format's packing (int4_formats.py)
+    # no matmul kernel takes the stored weights on the device that runs them: they are
+    # dequantized at load to the model dtype (dequantized.on_device)
+    dequantized: bool = False
 
     def describe(self) -> str:
-        return f"{self.source}, {self.granularity}; activations: {self.activations}"
+        how = f"{self.source}, {self.granularity}; activations: {self.activations}"
+        return how + ("; dequantized at load (no fp8 matmul here)" if self.dequantized else "")
 
 
 def _compressed_tensors(q: dict) -> StoredScheme | None:
@@ -204,12 +210,16 @@ def quantized_weight(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
 
 def stored_bytes(cfg: ModelConfig, dtype_bytes: int, s: StoredScheme | None = None) -> int:
     """Bytes of cfg's parameters (one rank's config) with the decoder linears stored at a byte
-    a weight (half a byte: INT4, s) and the rest at dtype_bytes; the scales (4 bytes a row, or
-    a row's block) are left out, under 1% for layers 256 or more wide."""
+    a weight (half a byte: INT4, s) and the rest at dtype_bytes: a MoE layer's experts and
+    router too, dequantized at load (dequantized.py), and every linear where s is dequantized
+    at load. The scales (4 bytes a row, or a row's block) are left out, under 1% for layers
+    256 or more wide."""
+    if s is not None and s.dequantized:
+        return cfg.num_params * dtype_bytes
     d, hd = cfg.dim, cfg.head_dim
     attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * hd * d
     mlp = (3 if cfg.gated_mlp else 2) * cfg.intermediate_size * d
-    linears = cfg.n_layers * (attn + mlp)
+    linears = cfg.n_layers * attn + (cfg.n_layers - cfg.n_moe_layers) * mlp
     stored = linears // 2 if s is not None and s.weights == "int4" else linears
     return (cfg.num_params - linears) * dtype_bytes + stored
 
@@ -229,15 +239,4 @@ def check_widths(cfg: ModelConfig, s: StoredScheme) -> None:
             f"{s.source}: input widths ({shown}, on this rank) are not a whole number of "
             f"{bc}-column scale blocks, which batchgen's quantized tensors cannot hold; use "
             "fewer tensor-parallel ranks, or the model's bf16 release with --quantize"
-        )
-
-
-def check_experts(cfg: ModelConfig, s: StoredScheme, path: object) -> None:
-    """ModelLoadError, before any weight is read, for a MoE model stored as s: its experts'
-    stored tensors are not loaded yet (each format stacks them its own way), and loading the
-    rest would leave them unread or read them as something else."""
-    if cfg.n_experts:
-        raise ModelLoadError(
-            f"{path}: a MoE model's experts stored as {s.source} are not loaded yet; use "
-            "the model's bf16 release (with --quantize for its attention)"
         )

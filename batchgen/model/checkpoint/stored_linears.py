@@ -1,6 +1,7 @@
 """A pre-quantized checkpoint's decoder linears, each made its torchao tensor
-(prequantized.quantized_weight) as soon as the loader has placed all of its rows and all of
-their scale rows, and its stored rows dropped then. Packing them after the last was read held
+(prequantized.quantized_weight), or dequantized where no kernel takes it (fp8 on the CPU:
+dequantized.py), as soon as the loader has placed all of its rows and all of their scale
+rows, and its stored rows dropped then. Packing them after the last was read held
 every linear in its stored form until the end: for INT4, unpacked to int8 q - z, a byte a
 weight, twice the packed size, and the peak RSS of a load was 1.8-2.2x the weights
 (docs/quantization.md); now one layer at a time is held so, and the heap's free pages are
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from batchgen.errors import ModelLoadError
+from batchgen.model.checkpoint.dequantized import dequantize_rows
 from batchgen.model.checkpoint.files import reading, take
 from batchgen.model.checkpoint.int4_tensors import say_kept_as
 from batchgen.model.checkpoint.names import weight_slot
@@ -82,9 +84,14 @@ class StoredLinears:
         p = self.placing
         if key in self.packed or not (p.complete(key) and p.complete(key + SCALE)):
             return
-        p.out[key] = quantized_weight(p.out[key], p.out.pop(key + SCALE), self.dtype, self.s)
+        w, rows = p.out.pop(key), p.out.pop(key + SCALE)
+        if self.s.dequantized:  # no kernel for it on this device (dequantized.py)
+            p.out[key] = dequantize_rows(w, rows, self.dtype)
+        else:
+            p.out[key] = quantized_weight(w, rows, self.dtype, self.s)
+        del w, rows  # the stored rows, freed before the heap is trimmed
         self.packed.add(key)
-        if self.s.weights == "int4":  # its unpacked rows and their copies, given back
+        if self.s.weights == "int4" or self.s.dequantized:  # the transients, given back
             trim()
 
     def finish(self) -> set[str]:
