@@ -246,7 +246,9 @@ def main() -> None:
     t0 = time.perf_counter()
     import transformers
 
-    logging.getLogger("llama-cpp-python").setLevel(logging.WARNING)  # llama.cpp's own log
+    # llama.cpp's warnings and errors only: llama-cpp-python's log callback maps ggml's WARN
+    # to ERROR (and INFO to WARNING), as its Llama(verbose=False) does
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
     tok = transformers.AutoTokenizer.from_pretrained(a.model_dir)
     table = pq.read_table(a.input)
     texts = table.column("prompt").to_pylist()
