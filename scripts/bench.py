@@ -12,7 +12,9 @@ engine does the same work):
    `generate` on rows sorted by length, the continuous batching manager) runs once at each
    batch size of --baselines (default 8, 16 and 32 for each), and so does CTranslate2
    (scripts/ct2_baseline.py, `ct2:B`; by default at 16, 32 and 64 when it is installed,
-   converted once before anything is timed); the fastest of each engine is its baseline;
+   converted once before anything is timed), and so do OpenVINO GenAI (`ov:TOKENS`,
+   --ov-python) and llama.cpp (`llamacpp:SLOTS`, --lcpp-python), each under its own
+   interpreter; the fastest of each engine is its baseline;
 2. then `batchgen run` and those baselines alternate, A B A B (A B C with CTranslate2),
    --pairs times: the machine is shared, so each headline is a ratio of the medians, with
    each pair's ratio beside it.
@@ -58,7 +60,8 @@ from bench_workloads import WORKLOADS, make_workload  # noqa: E402
 HF_MODES = ("input", "sorted", "cb")
 CT2 = "ct2"  # --baselines mode of scripts/ct2_baseline.py
 OV = "ov"  # --baselines mode of scripts/ov_baseline.py (BATCH: its max_num_batched_tokens)
-ENGINE_NAMES = {"hf": "transformers", CT2: "CTranslate2", OV: "OpenVINO GenAI"}
+LCPP = "llamacpp"  # --baselines mode of scripts/llamacpp_baseline.py (BATCH: its slots)
+ENGINE_NAMES = {"hf": "transformers", CT2: "CTranslate2", OV: "OpenVINO GenAI", LCPP: "llama.cpp"}
 
 
 # Linux's ru_maxrss of a child counts the memory of the process it was forked from, so
@@ -153,9 +156,17 @@ def ov_cmd(a, model: Path, data: Path | None, out: Path | None, batch: int) -> l
     return cmd + (["--threads", str(a.threads)] if a.threads else [])
 
 
+def lcpp_cmd(a, model: Path, data: Path | None, out: Path | None, slots: int) -> list[str]:
+    """llama.cpp runs under its own interpreter (--lcpp-python); with data and out None:
+    convert the checkpoint to GGUF (once; untimed, before any run)."""
+    cmd = [a.lcpp_python, str(HERE / "llamacpp_baseline.py"), str(model)]
+    cmd += ["--convert-only"] if data is None else [str(data), str(out), "--slots", str(slots)]
+    return cmd + (["--threads", str(a.threads)] if a.threads else [])
+
+
 def family(mode: str) -> str:
     """The engine a --baselines mode runs: "hf" for every transformers mode."""
-    return mode if mode in (CT2, OV) else "hf"
+    return mode if mode in (CT2, OV, LCPP) else "hf"
 
 
 def baseline_cmd(a, model: Path, data: Path, out: Path, mode: str, batch: int) -> list[str]:
@@ -163,6 +174,8 @@ def baseline_cmd(a, model: Path, data: Path, out: Path, mode: str, batch: int) -
         return ct2_cmd(a, model, data, out, batch)
     if mode == OV:
         return ov_cmd(a, model, data, out, batch)
+    if mode == LCPP:
+        return lcpp_cmd(a, model, data, out, batch)
     return hf_cmd(a, model, data, out, mode, batch)
 
 
@@ -280,16 +293,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--baselines",
         default=None,
         help=f"baseline runs to try, MODE:BATCH comma-separated, MODE one of {', '.join(HF_MODES)}"
-        f" (transformers), {CT2} (CTranslate2) or {OV} (OpenVINO GenAI, BATCH its tokens per "
-        "step); the fastest of each engine is its baseline (default: each transformers mode at "
-        f"8, 16 and 32, {CT2} at 16, 32 and 64 when ctranslate2 is installed, {OV} at 512, 1024 "
-        "and 2048 with --ov-python)",
+        f" (transformers), {CT2} (CTranslate2), {OV} (OpenVINO GenAI, BATCH its tokens per "
+        f"step) or {LCPP} (llama.cpp, BATCH its slots); the fastest of each engine is its "
+        "baseline (default: each transformers mode at 8, 16 and 32, "
+        f"{CT2} at 16, 32 and 64 when ctranslate2 is installed, {OV} at 512, 1024 and 2048 with "
+        f"--ov-python, {LCPP} at 16, 32 and 64 with --lcpp-python)",
     )
     p.add_argument(
         "--ov-python",
         default=os.environ.get("BATCHGEN_OV_PYTHON"),
         help="the interpreter of a virtual environment with openvino-genai and optimum-intel "
         "(docs/benchmarks.md has the recipe); default $BATCHGEN_OV_PYTHON",
+    )
+    p.add_argument(
+        "--lcpp-python",
+        default=os.environ.get("BATCHGEN_LCPP_PYTHON"),
+        help="the interpreter of a virtual environment with llama-cpp-python and the sdist's "
+        "converter (docs/benchmarks.md has the recipe); default $BATCHGEN_LCPP_PYTHON",
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -311,21 +331,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         runs = [f"{m}:{b}" for m in HF_MODES for b in (8, 16, 32)]
         runs += [f"{CT2}:{b}" for b in (16, 32, 64)] if has_ct2 else []
         runs += [f"{OV}:{b}" for b in (512, 1024, 2048)] if a.ov_python else []
+        runs += [f"{LCPP}:{b}" for b in (16, 32, 64)] if a.lcpp_python else []
         a.baselines = ",".join(runs)
     a.baselines = [parse_baseline(p, x) for x in a.baselines.split(",")]
     if not has_ct2 and any(m == CT2 for m, _ in a.baselines):
         p.error(f"--baselines {CT2}:B needs CTranslate2: pip install ctranslate2")
     if not a.ov_python and any(m == OV for m, _ in a.baselines):
         p.error(f"--baselines {OV}:B needs --ov-python (an OpenVINO GenAI environment)")
+    if not a.lcpp_python and any(m == LCPP for m, _ in a.baselines):
+        p.error(f"--baselines {LCPP}:B needs --lcpp-python (a llama-cpp-python environment)")
     return a
 
 
 def parse_baseline(p: argparse.ArgumentParser, entry: str) -> tuple[str, int]:
     mode, _, batch = entry.strip().partition(":")
-    if mode not in (*HF_MODES, CT2, OV) or not batch.isdigit() or int(batch) < 1:
+    if mode not in (*HF_MODES, CT2, OV, LCPP) or not batch.isdigit() or int(batch) < 1:
         p.error(
             f"--baselines: bad entry {entry!r}; want MODE:BATCH, MODE one of "
-            f"{', '.join((*HF_MODES, CT2, OV))}, e.g. sorted:16 or {CT2}:64"
+            f"{', '.join((*HF_MODES, CT2, OV, LCPP))}, e.g. sorted:16 or {CT2}:64"
         )
     return mode, int(batch)
 
@@ -349,7 +372,7 @@ def main(argv=None) -> dict:
         "matmul_flops": ceilings.matmul_flops if ceilings else None,
         "workloads": [],
     }
-    for mode, convert in ((CT2, ct2_cmd), (OV, ov_cmd)):
+    for mode, convert in ((CT2, ct2_cmd), (OV, ov_cmd), (LCPP, lcpp_cmd)):
         if not sweeping and any(m == mode for m, _ in a.baselines):
             subprocess.run(convert(a, model, None, None, 0), check=True, stdout=subprocess.DEVNULL)
     for name in a.workload.split(","):

@@ -1,9 +1,10 @@
 """The benchmark scripts on tiny models, run as whole processes the way they are run by hand
 (tests import nothing from scripts/): scripts/bench.py end to end (`batchgen run` and the
 transformers baseline): the report has its fields, the workloads their shapes, and greedy
-float32 batchgen produced exactly the baseline's tokens, CTranslate2's too where it is
-installed, and --baselines it cannot run are refused; bench_compile eager; quant_fidelity's
-float reference agrees with itself and its int8 row is reported."""
+float32 batchgen produced exactly the baseline's tokens, CTranslate2's, OpenVINO GenAI's and
+llama.cpp's too where they are installed, and --baselines it cannot run are refused;
+bench_compile eager; quant_fidelity's float reference agrees with itself and its int8 row is
+reported."""
 
 import json
 import os
@@ -125,16 +126,40 @@ def test_bench_openvino_baseline_on_tiny_model(tmp_path):
     assert (cache / "tiny-llama-float32-ov-fp32" / "openvino_model.xml").is_file()
 
 
+@pytest.mark.slow  # the conversion and three whole processes, in the llama.cpp environment
+def test_bench_llamacpp_baseline_on_tiny_model(tmp_path):
+    lcpp_python = os.environ.get("BATCHGEN_LCPP_PYTHON")
+    if not lcpp_python:
+        pytest.skip("BATCHGEN_LCPP_PYTHON (a llama-cpp-python environment) is not set")
+    work, cache = tmp_path / "work", tmp_path / "models"
+    r, report = _tiny_bench(
+        "bench.py", tmp_path, "--pairs", 1, "--baselines", "llamacpp:4", "--workload", "labeling"
+    )
+    (w,) = report["workloads"]
+    assert [x["engine"] for x in w["runs"]] == ["llamacpp", "batchgen"]
+    # greedy, f32 weights and KV, exactly max_new_tokens each, the shared instruction's cells
+    # reused across slots: llama.cpp's tokens are batchgen's
+    assert w["runs"][0]["rows_differing"] == 0
+    ids = pq.read_table(work / "labeling-llamacpp-4.parquet").to_pydict()
+    news = pq.read_table(work / "labeling.parquet").column("max_new_tokens").to_pylist()
+    assert ids["id"] == list(range(6)) and [len(t) for t in ids["token_ids"]] == news
+    (peer,) = w["peers"]
+    assert peer["engine"] == "llama.cpp" and peer["baseline"] == "llamacpp batch 4"
+    assert (cache / "tiny-llama-float32-gguf-f32" / "model.gguf").is_file()
+
+
 @pytest.mark.parametrize(
     ("baselines", "message"),
     [
         ("ct2:4", "needs CTranslate2: pip install ctranslate2"),
         ("ov:512", "needs --ov-python"),
+        ("llamacpp:16", "needs --lcpp-python"),
         ("fast:4", "bad entry 'fast:4'"),
     ],
 )
 def test_bench_rejects_baselines_it_cannot_run(tmp_path, baselines, message, monkeypatch):
     monkeypatch.delenv("BATCHGEN_OV_PYTHON", raising=False)
+    monkeypatch.delenv("BATCHGEN_LCPP_PYTHON", raising=False)
     # sys.modules[name] = None is how find_spec sees a package that is not installed
     hide = (
         "import runpy, sys; sys.modules['ctranslate2'] = None; sys.argv = sys.argv[1:]; "

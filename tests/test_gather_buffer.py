@@ -1,6 +1,7 @@
 """The CPU's gather buffer (model/attention/kv_cache.py, issue 41): decodes gathered a few rows
 at a time into one kept buffer, and prefill contexts copied into it where they fit, give
-bitwise the attention of a fresh gather, and never allocate a new buffer."""
+bitwise the attention of a fresh gather, and never allocate a new buffer; its size follows
+the thread count up to a cap."""
 
 import pytest
 import torch
@@ -36,13 +37,13 @@ def test_decodes_through_the_buffer_equal_a_fresh_gather(window, params, monkeyp
     want = decode_attention(q, cache.k, cache.v, 4, tables, mask, params)
     row = 2 * 4 * 4 * 2 * 8 * 4  # bytes of one row's K and V
     for rows in (1, 3, 7):  # rows per gather: 7 calls, 3 (of 3, 3, 1), one
-        monkeypatch.setattr(kv_cache, "GATHER_BYTES", rows * row)
+        monkeypatch.setattr(kv_cache, "gather_bytes", lambda threads, n=rows * row: n)
         cache._buffer = None
         buf = cache.gather_buffer()
         got = decode_attention(q, cache.k, cache.v, 4, tables, mask, params, buf)
         assert torch.equal(got, want)
         assert cache.gather_buffer() is buf  # one buffer, kept
-    monkeypatch.setattr(kv_cache, "GATHER_BYTES", row // 2)  # a row too long: a fresh gather
+    monkeypatch.setattr(kv_cache, "gather_bytes", lambda threads: row // 2)  # a row too long
     cache._buffer = None
     got = decode_attention(q, cache.k, cache.v, 4, tables, mask, params, cache.gather_buffer())
     assert torch.equal(got, want)
@@ -60,11 +61,19 @@ def test_a_prefill_context_goes_through_the_buffer_where_it_fits(monkeypatch):
     span = PrefillSpan(0, 6, 4, blocks)
     span.mask = prefill_mask(span, None, q.device)
     want = prefill_attention(q, kn, vn, cache, span)
-    monkeypatch.setattr(kv_cache, "GATHER_BYTES", 64)  # too small: a fresh copy
+    monkeypatch.setattr(kv_cache, "gather_bytes", lambda threads: 64)  # too small: a fresh copy
     cache._buffer = None
     k2, _ = cache.gather(blocks)
     assert k2.data_ptr() != cache.gather_buffer().data_ptr() and torch.equal(k2, k)
     assert torch.equal(prefill_attention(q, kn, vn, cache, span), want)
+
+
+def test_the_buffer_grows_with_the_threads_up_to_its_cap(monkeypatch):
+    mib = 1 << 20
+    sizes = [kv_cache.gather_bytes(t) for t in (1, 2, 4, 8, 64)]
+    assert sizes == [4 * mib, 4 * mib, 8 * mib, 16 * mib, 16 * mib]  # 2 cores: 4 MiB as before
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert _cache().gather_buffer().numel() * 4 == 8 * mib  # float32, sized at first use
 
 
 def test_no_buffer_off_the_cpu():

@@ -13,6 +13,9 @@ and their page faults cost more than the copy. Through a 4 MiB buffer, a few row
 (SDPA then reads the copy back from the cache), one layer's decode attention at 256 rows x
 1024 tokens took 65 ms where the fresh gather took 229 ms, and a whole decode step of the
 llama-55m shape ran 2.0-2.6x faster from 128 rows x 512 tokens up (docs/benchmarks.md).
+The buffer grows with the thread count (`gather_bytes`): SDPA splits a gathered chunk's rows
+and heads over the threads, so each thread wants its own share of rows in flight, not a
+slice of a 2-thread chunk.
 """
 
 from __future__ import annotations
@@ -20,9 +23,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Bytes of a layer's gather buffer on the CPU: the decodes gather and attend this much at a
-# time (within the last-level cache), a prefill chunk's context if it fits (else a fresh copy).
-GATHER_BYTES = 4 << 20
+# A layer's gather buffer on the CPU holds this much per torch thread (2 threads at least:
+# 4 MiB, what was measured on 2 cores), up to the cap: the decodes gather and attend that much
+# at a time (within the threads' caches), a prefill chunk's context if it fits (else a fresh
+# copy). The cap bounds the memory, one buffer a layer: 16 MiB x 32 layers is 512 MiB.
+GATHER_BYTES_PER_THREAD = 2 << 20
+GATHER_MAX_BYTES = 16 << 20
+
+
+def gather_bytes(threads: int) -> int:
+    """The gather buffer's size in bytes for a host running `threads` torch threads."""
+    return min(max(threads, 2) * GATHER_BYTES_PER_THREAD, GATHER_MAX_BYTES)
 
 
 class PagedKVCache(nn.Module):
@@ -51,12 +62,14 @@ class PagedKVCache(nn.Module):
         write_slots(self.k, self.v, slots, k, v)
 
     def gather_buffer(self) -> torch.Tensor | None:
-        """(GATHER_BYTES,) bytes of the pool's dtype that gathers may copy into, the same
-        tensor every call; None off the CPU (the CUDA allocator keeps freed memory)."""
+        """gather_bytes(threads at first use) bytes of the pool's dtype that gathers may copy
+        into, the same tensor every call; None off the CPU (the CUDA allocator keeps freed
+        memory)."""
         if self.k.device.type != "cpu":
             return None
         if self._buffer is None:
-            self._buffer = self.k.new_empty(GATHER_BYTES // self.k.element_size())
+            size = gather_bytes(torch.get_num_threads())
+            self._buffer = self.k.new_empty(size // self.k.element_size())
         return self._buffer
 
     def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
