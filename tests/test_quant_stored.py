@@ -246,6 +246,32 @@ def test_on_cuda_fp8_stays_float8_tensors_with_the_same_logits(ct_dirs):
     torch.testing.assert_close(all_logits(kept, row), want, rtol=0, atol=1e-5)
 
 
+def test_fp8_dynamic_as_a_gpus_fp8_gemm_gives_the_checkpoints_logits(ct_dirs):
+    """The path an sm90+ GPU takes for FP8_DYNAMIC, built and run here (torch._scaled_mm has
+    a CPU kernel): each linear a Float8Tensor that quantizes its input per token itself, no
+    TokenQuant hook, and the logits of the dequantized load with its fake-quantized inputs.
+    Without the input quantization the logits move (the control)."""
+    d, row = ct_dirs("fp8-dynamic"), PROMPTS[3]
+    hf = read_hf_config(d, native=False)
+    stored = checkpoint_scheme(d, hf)
+    assert not on_device(stored, "cuda").fp8_gemm  # no GPU here: the device says no
+    gemm = on_device(stored, "cuda", fp8_gemm=True)
+    assert gemm.fp8_gemm and gemm.describe().endswith("; fp8 x fp8 GEMM")
+    st = ct_dirs("fp8-static")
+    static = checkpoint_scheme(st, read_hf_config(st, native=False))
+    assert not on_device(static, "cuda", fp8_gemm=True).fp8_gemm  # static scales: weight-only
+    model = load_model(d, cfg=config_from_hf(hf), stored=gemm)
+    w = model.layers[0].attn.wqkv.weight
+    assert type(w).__name__ == "Float8Tensor" and w.act_quant_kwargs is not None
+    assert not any(isinstance(m, TokenQuant) for m in model.modules())
+    want = all_logits(load_model(d), row)
+    torch.testing.assert_close(all_logits(model, row), want, rtol=0, atol=1e-5)
+    for b in model.layers:
+        for t in LINEAR_LAYERS:
+            b.get_submodule(t).weight.act_quant_kwargs = None
+    assert (all_logits(model, row) - want).abs().max() > 1e-3
+
+
 def test_run_records_the_checkpoints_scheme_and_bytes(ct_dirs, hf_dirs, tmp_path):
     src = prompt_file(tmp_path, 2)
     run_job(src, tmp_path / "out", ct_dirs("w8a8"), "--max-new-tokens", 4)

@@ -47,11 +47,30 @@ _STACKED = re.compile(r"\.experts\.(?:gate_up_proj|down_proj)(?![a-z])")
 _FIX = "use the model's bf16 release (with --quantize for its attention)"
 
 
-def on_device(s: StoredScheme, device: torch.device | str) -> StoredScheme:
+def fp8_gemm_capable(device: torch.device | str) -> bool:
+    """CUDA sm90+ (H100, H200): torch._scaled_mm multiplies fp8 by fp8 with a scale per row
+    of each side (the checkpoint's per-channel weight scales, per-token activation scales)."""
+    d = torch.device(device)
+    if d.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(d) >= (9, 0)
+
+
+def on_device(
+    s: StoredScheme, device: torch.device | str, fp8_gemm: bool | None = None
+) -> StoredScheme:
     """s as the device that runs the model takes it: fp8 weights dequantized at load where
-    the device has no fp8 matmul."""
-    if s.weights == "fp8" and torch.device(device).type not in _FP8_MATMUL:
+    the device has no fp8 matmul; where it has a rowwise one (fp8_gemm; None: ask the device),
+    fp8 weights with dynamic per-token fp8 activations (FP8_DYNAMIC) run as fp8 x fp8 GEMMs.
+    Static input scales and 128x128 blocks keep the weight-only Float8Tensor."""
+    dev = torch.device(device)
+    if s.weights != "fp8":
+        return s
+    if dev.type not in _FP8_MATMUL:
         return replace(s, dequantized=True)
+    gemm = fp8_gemm_capable(dev) if fp8_gemm is None else fp8_gemm
+    if gemm and s.act == "dynamic" and s.block is None:
+        return replace(s, fp8_gemm=True)
     return s
 
 

@@ -227,7 +227,8 @@ def load_model(
         nbytes = sum(tensor_bytes(p) for p in model.parameters())
         if line := note(stored, bool(cfg.n_experts), dtype, nbytes, device.type):
             log.warning("%s", line)
-    if stored is not None and stored.act:  # W8A8: inputs quantized as the format does
+    # W8A8: inputs quantized as the format does (by the fp8 x fp8 GEMM's own Float8Tensor)
+    if stored is not None and stored.act and not stored.fp8_gemm:
         layers = sorted(k.removesuffix(".weight") for k in quantized)
         missing = sorted(set(layers) - set(static)) if stored.act == "static" else []
         if missing:

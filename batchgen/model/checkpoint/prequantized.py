@@ -57,9 +57,14 @@ class StoredScheme:
     # no matmul kernel takes the stored weights on the device that runs them: they are
     # dequantized at load to the model dtype (dequantized.on_device)
     dequantized: bool = False
+    # fp8 weights and dynamic per-token fp8 activations run as one fp8 x fp8 GEMM (torchao's
+    # Float8Tensor quantizing its input, torch._scaled_mm: CUDA sm90+; dequantized.on_device)
+    fp8_gemm: bool = False
 
     def describe(self) -> str:
         how = f"{self.source}, {self.granularity}; activations: {self.activations}"
+        if self.fp8_gemm:
+            return how + "; fp8 x fp8 GEMM"
         return how + ("; dequantized at load (no fp8 matmul here)" if self.dequantized else "")
 
 
@@ -202,10 +207,31 @@ def quantized_weight(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
         if s.weights == "fp8":
             from torchao.quantization import Float8Tensor
 
-            return Float8Tensor(qdata, scale, block_size=block, dtype=dtype)
+            return Float8Tensor(qdata, scale, block_size=block, dtype=dtype, **_fp8_gemm(s))
         from torchao.quantization import Int8Tensor
 
     return Int8Tensor(qdata, scale, block_size=block, dtype=dtype)
+
+
+def _fp8_gemm(s: StoredScheme) -> dict:
+    """Float8Tensor's settings for s: with fp8_gemm, the input quantized per token (a row's
+    max / 448, as the checkpoint's dynamic activations and activation_quant.TokenQuant) and
+    multiplied by torch._scaled_mm with fp32 accumulation; else none (weight-only: the weight
+    dequantized at each call)."""
+    if not s.fp8_gemm:
+        return {}
+    from torchao.float8.inference import Float8MMConfig
+    from torchao.quantization import PerRow
+    from torchao.quantization.quantize_.common import KernelPreference
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import (
+        QuantizeTensorToFloat8Kwargs,
+    )
+
+    return {
+        "mm_config": Float8MMConfig(use_fast_accum=True),
+        "act_quant_kwargs": QuantizeTensorToFloat8Kwargs(torch.float8_e4m3fn, PerRow()),
+        "kernel_preference": KernelPreference.AUTO,  # mslk's rowwise kernel where installed
+    }
 
 
 def stored_bytes(cfg: ModelConfig, dtype_bytes: int, s: StoredScheme | None = None) -> int:
