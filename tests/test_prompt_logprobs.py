@@ -270,6 +270,13 @@ def test_long_prompt_logprobs_peak_memory_does_not_grow_with_its_length(wide_voc
     assert long - short < 48, (short, long)
 
 
+def test_long_prompt_logprobs_peak_memory_does_not_grow_with_the_step_budget(wide_vocab_model):
+    """The 8k-token prompt in one step (8,192 tokens a step): the LM head still runs on
+    SLICE_ROWS rows at a time, so the peak stays far below the step's full logits (1000 MiB;
+    it grew by ~1,070 MiB when the head ran on the whole step at once)."""
+    assert peak_mib(wide_vocab_model, 8192, budget=8192) < 200
+
+
 def test_job_spec_plan_and_report_of_a_prompt_logprobs_job(tmp_path, model):
     """`task: prompt-logprobs` in a job spec; `batchgen plan` counts no output tokens and the
     prompt alone as a row's length; `batchgen report` draws the finished job's page."""
