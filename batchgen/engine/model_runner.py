@@ -204,11 +204,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    def forward(self, x: StepInputs, pool: PooledStep | None = None, split: bool = False):
-        """The float32 logits (len(x.logits_index), vocab) of one step's inputs (what a
-        tensor-parallel rank other than 0 runs). pool: the step's pooled rows, which take the
-        hidden states before the LM head (None for logits when only pooled rows ran). split
-        (the native model): the hidden states and the index, the head left to the caller."""
+    def forward(
+        self, x: StepInputs, pool: PooledStep | None = None, split: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """A step's float32 logits (len(x.logits_index), vocab), what other tensor-parallel ranks
+        run; with split its hidden states and index, the head left to the caller. pool: the
+        step's pooled rows, which take the hidden states (None: only pooled rows ran)."""
         d = self.inputs.upload(x)  # the step's one host -> device copy
         step = StepAttention(
             backend=self.attention,
