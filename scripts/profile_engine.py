@@ -2,6 +2,7 @@
 
     python scripts/profile_engine.py --workload mixed          # the 55M Llama, 192 rows, CPU
     python scripts/profile_engine.py --workload long-tail --rows 96 --top 25
+    python scripts/profile_engine.py --prompt-logprobs --rows 384 --threads 1   # issue 40
 
 The workload is scripts/bench.py's (same rows, EOS ignored). The model loads and one short
 warm-up job runs before the profiler starts, so the figures are the steady engine. Printed:
@@ -54,6 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--engine-args", default="", help="EngineConfig fields, k=v,k=v")
     p.add_argument(
+        "--prompt-logprobs",
+        action="store_true",
+        help="score every prompt token (one new token a row), as --task prompt-logprobs does",
+    )
+    p.add_argument(
         "--shapes", action="store_true", help="also the matmuls by rows per call and weight shape"
     )
     a = p.parse_args(argv)
@@ -65,7 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = dict(kv.split("=") for kv in a.engine_args.split(",") if kv)
     llm = LLM(model, device="cpu", dtype="float32", engine={k: int(v) for k, v in engine.items()})
     prompts = [llm.tokenizer(t)["input_ids"] for t in work["prompt"]]
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in work["max_new_tokens"]]
+    news = [1] * a.rows if a.prompt_logprobs else work["max_new_tokens"]
+    plp = 0 if a.prompt_logprobs else None
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, prompt_logprobs=plp) for n in news]
     # the pool is sized at the first call: for the workload's rows, not the warm-up's
     llm.engine.reserve(max(len(p) + s.max_new_tokens for p, s in zip(prompts, params, strict=True)))
     llm.generate(prompts[:4], params[:4])  # warm-up: first calls, lazy imports

@@ -30,6 +30,7 @@ from test_engine import dirs as dirs  # noqa: F401  (fixtures)
 from test_engine import preempted as preempted  # noqa: F401
 
 from batchgen.api.sampling import SamplingParams
+from batchgen.engine import scored_logprobs
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.sequence import Request
 from batchgen.engine.sequence import SamplingParams as EngineParams
@@ -93,6 +94,30 @@ def test_prompt_logprobs_equal_transformers(model, engine, dirs, prompts, refere
     for p, c, ref in zip(prompts, got, references[model], strict=True):
         assert c.token_ids == [] and c.cached_tokens == 0
         assert_equal_reference(p, c.prompt_logprobs, c.prompt_top_logprobs, ref, TOP)
+
+
+def test_the_lm_head_scores_a_step_a_slice_at_a_time(
+    monkeypatch,
+    dirs,  # noqa: F811
+    prompts,
+    references,
+):
+    """Every prompt in one step, and the LM head still runs on at most SLICE_ROWS scored rows
+    a call (their logits never the whole step's at once), the results transformers'."""
+    monkeypatch.setattr(scored_logprobs, "SLICE_ROWS", 4)
+    llm = cpu_llm(dirs["llama"], engine=EngineConfig(block_size=4))
+    reqs = [
+        Request(i, p, EngineParams(prompt_logprobs=1), score_from=1) for i, p in enumerate(prompts)
+    ]
+    llm._run(reqs[:1])  # the warm-up's steps run at the first call
+    rows: list[int] = []
+    head = llm.engine.runner.model.lm_head
+    hook = head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    got = llm._run(reqs)
+    hook.remove()
+    assert max(rows) == 4 and sum(rows) == sum(len(p) - 1 for p in prompts)
+    for p, c, ref in zip(prompts, got, references["llama"], strict=True):
+        assert_equal_reference(p, c.prompt_logprobs, c.prompt_top_logprobs, ref, 1)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
@@ -200,6 +225,7 @@ def test_cli_prompt_logprobs_refuses_options_that_mean_nothing(tmp_path, model, 
 
 PEAK_SOURCE = """
 import sys, torch
+from batchgen.engine import scored_logprobs
 from batchgen.engine.config import EngineConfig
 from batchgen.llm import LLM
 from batchgen.api.sampling import SamplingParams
@@ -242,6 +268,13 @@ def test_long_prompt_logprobs_peak_memory_does_not_grow_with_its_length(wide_voc
     short, long = peak_mib(wide_vocab_model, 2048), peak_mib(wide_vocab_model, 8192)
     assert long < 160, (short, long)  # the 8k prompt's logits alone: 1000 MiB
     assert long - short < 48, (short, long)
+
+
+def test_long_prompt_logprobs_peak_memory_does_not_grow_with_the_step_budget(wide_vocab_model):
+    """The 8k-token prompt in one step (8,192 tokens a step): the LM head still runs on
+    SLICE_ROWS rows at a time, so the peak stays far below the step's full logits (1000 MiB;
+    it grew by ~1,070 MiB when the head ran on the whole step at once)."""
+    assert peak_mib(wide_vocab_model, 8192, budget=8192) < 200
 
 
 def test_job_spec_plan_and_report_of_a_prompt_logprobs_job(tmp_path, model):

@@ -35,7 +35,7 @@ from batchgen.engine.block_table import BlockTables
 from batchgen.engine.input_buffer import InputBuffer
 from batchgen.engine.penalties import TokenCounts, apply_penalties
 from batchgen.engine.pooling import PooledStep, pooled_step
-from batchgen.engine.scored_logprobs import score_rows
+from batchgen.engine.scored_logprobs import score_rows, scored_after, split_head
 from batchgen.engine.sequence import ScoredChunk, SeqState, StepPlan
 from batchgen.engine.step_inputs import StepInputs, WarmUp, pack_step
 from batchgen.engine.step_sampling import Sampled, sample_rows, to_host, wants_top
@@ -99,6 +99,9 @@ class ModelRunner:
         self.compiled = compile
         self.attention = decode_backend(self.device, block_size, model.cfg.head_dim)
         self.broadcast, self.clock = broadcast, clock
+        # one rank of a native model: the head runs on scored rows a slice at a time (no
+        # all-gather in it to keep in step with other ranks; scored_logprobs.py)
+        self.head_slices = broadcast is None and isinstance(model, Transformer)
         self.shapes: set[int] = set()  # the token counts compiled steps ran at
         self.graph: CompiledForward | None = None
         # the logits' width: the whole model's (a tensor-parallel rank's cfg has its share)
@@ -201,10 +204,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    def forward(self, x: StepInputs, pool: PooledStep | None = None) -> torch.Tensor | None:
-        """The float32 logits (len(x.logits_index), vocab) of one step's inputs (what a
-        tensor-parallel rank other than 0 runs). pool: the step's pooled rows, which take the
-        hidden states before the LM head (None for logits when only pooled rows ran)."""
+    def forward(
+        self, x: StepInputs, pool: PooledStep | None = None, split: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """A step's float32 logits (len(x.logits_index), vocab), what other tensor-parallel ranks
+        run; with split its hidden states and index, the head left to the caller. pool: the
+        step's pooled rows, which take the hidden states (None: only pooled rows ran)."""
         d = self.inputs.upload(x)  # the step's one host -> device copy
         step = StepAttention(
             backend=self.attention,
@@ -215,7 +220,7 @@ class ModelRunner:
             prefills=tuple(PrefillSpan(q, n, c, b) for q, n, c, b in d.prefills),
         )
         tokens, positions, index = d.tokens, d.positions, d.logits_index
-        if self.graph is None and pool is None:  # eager: bind, hidden, logits (Transformer's)
+        if self.graph is None and pool is None and not split:  # eager: bind, hidden, logits
             return self.model(tokens, positions, step, index)
         if self.graph is not None:
             self.shapes.add(len(x.tokens))
@@ -226,10 +231,9 @@ class ModelRunner:
             pool.take(h)
             if pool.only:
                 return None
-        logits = self.model.logits(h, index)
         if x.save_compile_cache:
             self.graph.save()
-        return logits
+        return (h, index) if split else self.model.logits(h, index)
 
     def execute(
         self, plan: StepPlan, mask: DecodeMask | None = None
@@ -244,9 +248,7 @@ class ModelRunner:
             timing.compiled = not self.graph.failed
             t = sum(s.num_tokens for s in plan.scheduled)
             timing.padded_rows = self.graph.padded(t) - t
-            if (
-                self.graph.graphs + self.graph.sample_graphs > graphs
-            ):  # after the warm-up: none expected
+            if self.graph.graphs + self.graph.sample_graphs > graphs:  # none after the warm-up
                 timing.new_shape = True
                 timing.compile_seconds, timing.seconds = timing.seconds, 0.0
         if self.clock is not None:
@@ -269,11 +271,13 @@ class ModelRunner:
             self.broadcast(packed.inputs)
         # tensor parallel: the other ranks run the LM head's all-gather, so rank 0 runs it too
         pool = pooled_step(self.model, plan, packed.inputs.prefills, self.broadcast is None)
-        logits = self.forward(packed.inputs, pool)
-        if logits is None:  # pooled rows only: no scored token, nothing sampled
-            per_chunk = [ScoredChunk([]) for _ in packed.scored]
+        split = bool(packed.targets) and self.head_slices
+        out = self.forward(packed.inputs, pool, split)
+        if out is None:  # pooled rows only: no scored token, nothing sampled
+            logits, per_chunk = None, [ScoredChunk([]) for _ in packed.scored]
         else:  # the scored positions' rows follow the sampled ones (scored_logprobs.py)
-            per_chunk = score_rows(logits[n:], packed.targets, packed.scored, plan)
+            logits, scored = split_head(self.model, *out, n) if split else scored_after(out, n)
+            per_chunk = score_rows(scored, packed.targets, packed.scored, plan)
         if logits is None or not n:  # prefill chunks that sample nothing
             _sync(dev)
             return [], per_chunk, self._timing(t0, gap)
