@@ -159,3 +159,17 @@ def test_without_compressed_tensors_it_is_refused_naming_what_to_install(
         prompt_file(tmp_path, 2), tmp_path / "out", d, "--model-impl", "transformers", exit_code=2
     )
     assert_one_line_error(r, "pip install compressed-tensors", "--model-impl native")
+
+
+@pytest.mark.parametrize(("model_type", "words"), [("qwen3_moe", "MoE"), ("gemma3", "text model")])
+def test_stored_moe_models_and_wrappers_are_refused(model_type, words, ct_dirs, hf_dirs, tmp_path):
+    """A MoE model (its stored experts' load on the backend is not checked) and a multimodal
+    wrapper (its text model would load without the quantization_config): config.json alone
+    decides, the weights unread."""
+    d = _unreadable(hf_dirs(model_type), tmp_path / model_type)
+    q = json.loads((ct_dirs("fp8-tensor") / "config.json").read_text())["quantization_config"]
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "quantization_config": q}))
+    src = prompt_file(tmp_path, 2)
+    r = run_job(src, tmp_path / "out", d, "--model-impl", "transformers", exit_code=2)
+    assert_one_line_error(r, "pre-quantized" if model_type == "gemma3" else "native", words)
