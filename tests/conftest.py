@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import cached, make_adapter
+from quant_checkpoints import block_fp8, compress, modelopt_fp8
 from tiny_hf_models import save_tiny_hf_model
 from tiny_models import FAMILIES, SHARPEN, save_tiny_model
 
@@ -48,6 +49,24 @@ def hf_dirs(tmp_path_factory):
 
     made = cached(make)
     return lambda model_type, **overrides: made(json.dumps([model_type, overrides], sort_keys=True))
+
+
+@pytest.fixture(scope="session")
+def ct_dirs(hf_dirs, tmp_path_factory):
+    """a scheme of quant_checkpoints' CT_SCHEMES or CT_INT4 (skipped without
+    compressed-tensors), "block-fp8" or "modelopt-fp8" -> the sharpened tiny Llama (hidden 64)
+    stored as it."""
+    root = tmp_path_factory.mktemp("stored")
+
+    def make(name: str):
+        if name == "block-fp8":
+            return block_fp8(hf_dirs("llama"), root / name)
+        if name == "modelopt-fp8":
+            return modelopt_fp8(hf_dirs("llama"), root / name)
+        pytest.importorskip("compressed_tensors")
+        return compress(hf_dirs("llama"), root / name, name)
+
+    return cached(make)
 
 
 @pytest.fixture(scope="session")

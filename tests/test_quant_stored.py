@@ -15,7 +15,6 @@ import torch
 import transformers
 from helpers import (
     assert_one_line_error,
-    cached,
     cpu_llm,
     hf_generate,
     hf_greedy,
@@ -27,7 +26,7 @@ from helpers import (
     run_plan,
 )
 from paged import all_logits
-from quant_checkpoints import CT_SCHEMES, block_fp8, compress, modelopt_fp8, modelopt_reference
+from quant_checkpoints import CT_SCHEMES, block_fp8, modelopt_reference
 from safetensors.torch import load_file, save_file
 from test_tensor_parallel import _whole_from_shards
 
@@ -48,23 +47,6 @@ MAX_NEW = 12
 
 
 FORMATS = (*CT_SCHEMES, "block-fp8")  # those transformers loads on the CPU
-
-
-@pytest.fixture(scope="module")
-def ct_dirs(hf_dirs, tmp_path_factory):
-    """a scheme of CT_SCHEMES, or "block-fp8" -> the sharpened tiny Llama (hidden 64) stored
-    as it."""
-    root = tmp_path_factory.mktemp("stored")
-
-    def make(name: str):
-        if name == "block-fp8":
-            return block_fp8(hf_dirs("llama"), root / name)
-        if name == "modelopt-fp8":
-            return modelopt_fp8(hf_dirs("llama"), root / name)
-        pytest.importorskip("compressed_tensors")
-        return compress(hf_dirs("llama"), root / name, name)
-
-    return cached(make)
 
 
 def _tokens(model_dir, **kw) -> list[list[int]]:
@@ -287,14 +269,13 @@ def test_run_records_the_checkpoints_scheme_and_bytes(ct_dirs, hf_dirs, tmp_path
     assert "int-quantized" in plan["weights_stored_as"]
 
 
-def test_quantize_lora_and_the_transformers_backend_are_refused(ct_dirs, hf_dirs, tmp_path):
+def test_quantize_and_lora_are_refused(ct_dirs, hf_dirs, tmp_path):
+    """(The transformers backend loads this checkpoint: tests/test_hf_quant_stored.py.)"""
     import peft
 
     d, src = ct_dirs("fp8-dynamic"), prompt_file(tmp_path, 2)
     r = run_job(src, tmp_path / "o1", d, "--quantize", "int8", exit_code=2)
     assert_one_line_error(r, "already quantized", "drop --quantize int8")
-    r = run_job(src, tmp_path / "o2", d, "--model-impl", "transformers", exit_code=2)
-    assert_one_line_error(r, "pre-quantized (compressed-tensors)", "transformers backend")
     adapter = tmp_path / "adapter"  # made on the float model the checkpoint was made from
     make_adapter(hf_dirs("llama"), adapter, peft.LoraConfig(r=2, target_modules=["q_proj"]))
     r = run_job(src, tmp_path / "o3", d, "--lora", adapter, exit_code=2)

@@ -36,7 +36,7 @@ from batchgen.model.checkpoint.multimodal import language_config
 from batchgen.model.config import ModelConfig
 from batchgen.model.families.hf_config import native_config, read_hf_config
 from batchgen.model.hf.lora import check_hf_adapter
-from batchgen.model.hf.refusal import DEQUANTIZED
+from batchgen.model.hf.refusal import DECOMPRESSED, DEQUANTIZED
 from batchgen.model.hf.support import backend_config, resolve_impl
 from batchgen.model.parallel.sharding import check_sizes
 from batchgen.quant import QuantScheme, make_scheme
@@ -197,8 +197,10 @@ class ModelSpec:
             raise ConfigError(str(e)) from None
         quant = make_scheme(quantize, quant_backend, dev, dt, group_size=quant_group_size)
         native = impl is ModelImpl.NATIVE  # a pre-quantized checkpoint's scheme, or refused:
-        dequantized = () if native else DEQUANTIZED
-        stored = checkpoint_scheme(model_dir, hf, dequantized, native, quantize, lora is not None)
+        dequantized, decompressed = ((), ()) if native else (DEQUANTIZED, DECOMPRESSED)
+        stored = checkpoint_scheme(
+            model_dir, hf, dequantized, native, quantize, lora is not None, decompressed
+        )
         if stored is not None:  # before the job writes anything
             check_experts(model_cfg, stored, model_dir)
             quant = stored_quant_scheme(on_device(stored, dev))  # fp8 on a CPU: dequantized

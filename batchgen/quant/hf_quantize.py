@@ -3,18 +3,23 @@ nn.Linear in its decoder layers (attention, dense MLP) is quantized by the schem
 a layer at a time on the device, so the device never holds more than one layer in float; the
 embeddings, norms and LM head keep the model dtype, as natively. int8 and fp8 only (one scale
 per output channel): int4's group sizes are chosen per native layer kind. A model with 3-D
-expert weights is refused before loading (job/backend_options.py)."""
+expert weights is refused before loading (job/backend_options.py). A pre-quantized checkpoint
+the backend loads (transformers decompressed it at load) is left as it is, said in one line."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 from torch import nn
 
+from batchgen.model.checkpoint.dequantized import note
 from batchgen.model.hf.backend import HFModel
-from batchgen.quant.quantize import _BACKENDS
+from batchgen.quant.quantize import _BACKENDS, weight_bytes
 from batchgen.quant.scheme import QuantScheme
+
+log = logging.getLogger(__name__)
 
 
 def quantize_hf_model(
@@ -26,6 +31,11 @@ def quantize_hf_model(
     if not scheme.enabled:
         model.to(device)
         return scheme
+    if scheme.stored is not None:  # a checkpoint transformers decompressed at load: said here
+        model.to(device)
+        dtype = model.embed.weight.dtype
+        log.warning("%s", note(scheme.stored, False, dtype, weight_bytes(model), device.type))
+        return dataclasses.replace(scheme, weight_format=str(dtype).removeprefix("torch."))
     scheme.check_available(device.type, model.embed.weight.dtype)
     backend = _BACKENDS[scheme.backend]
     formats, modules = set(), set()

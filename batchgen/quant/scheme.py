@@ -158,9 +158,11 @@ class QuantScheme:
             granularity = f"group of {next(iter(sizes.values()))}"
         else:
             granularity = f"groups of {'/'.join(map(str, sorted(set(sizes.values()))))}"
+        # a checkpoint the transformers backend loads: transformers' quantizer decompressed it
+        backend = "transformers" if self.stored and self.stored.transformers else None
         out = {
             "method": self.method.value,
-            "backend": self.backend.value,
+            "backend": backend or self.backend.value,
             "granularity": granularity,
             "group_size": self.group_size,
             "modules": modules,

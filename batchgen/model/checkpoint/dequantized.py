@@ -64,7 +64,7 @@ def on_device(
     fp8 weights with dynamic per-token fp8 activations (FP8_DYNAMIC) run as fp8 x fp8 GEMMs.
     Static input scales and 128x128 blocks keep the weight-only Float8Tensor."""
     dev = torch.device(device)
-    if s.weights != "fp8":
+    if s.weights != "fp8" or s.transformers:  # transformers' load decompresses it anywhere
         return s
     if dev.type not in _FP8_MATMUL:
         return replace(s, dequantized=True)
@@ -151,7 +151,9 @@ def note(s: StoredScheme, moe: bool, dtype: torch.dtype | str, nbytes: int, devi
     """The one line that says what of s is dequantized at load and why, and the bytes the
     weights take (nbytes); "" where nothing is."""
     dtype, size = str(dtype).removeprefix("torch."), format_bytes(nbytes)
-    if s.dequantized:
+    if s.transformers:
+        what = f"transformers decompresses the stored weights at load to {dtype}"
+    elif s.dequantized:
         what = f"{device} has no fp8 matmul, so the fp8 weights are dequantized at load to {dtype}"
     elif moe:
         what = (

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,12 +137,15 @@ def checkpoint_scheme(
     native: bool = True,
     quantize: str = "none",
     lora: bool = False,
+    decompressed: Collection[str] = (),
 ) -> StoredScheme | None:
     """The stored scheme of path's pre-quantized checkpoint that batchgen loads as it is (None:
     float weights, or a format in dequantized, which the implementation that runs it
     dequantizes at load: MXFP4 on the transformers backend). ModelLoadError, one line, for any
-    other quantized checkpoint; native: the implementation is batchgen's own decoder (the
-    transformers backend loads float weights only); quantize, lora: what is asked on top."""
+    other quantized checkpoint; native: the implementation is batchgen's own decoder, else the
+    transformers backend, which loads the formats in decompressed (their schemes as the native
+    loader reads them) through transformers' quantizer, decompressed at load; quantize, lora:
+    what is asked on top."""
     quant = read_checkpoint_quant(path, hf)
     if quant is not None and quant.method in dequantized:
         return None
@@ -155,9 +158,12 @@ def checkpoint_scheme(
                 f"quantization_config, so their scheme is unknown; {FIX}"
             )
         return None
-    stored = stored_scheme(quant.config) if native else None
+    loaded = native or quant.method in decompressed
+    stored = stored_scheme(quant.config) if loaded else None
+    if stored is not None and not native:
+        stored = replace(stored, dequantized=True, transformers=True)
     if stored is None:
-        where = "" if native else " on --model-impl transformers (use native)"
+        where = "" if loaded else " on --model-impl transformers (use native)"
         raise ModelLoadError(
             f"{path} holds a pre-quantized checkpoint ({quant.description}), which batchgen "
             f"does not load{where}; {FIX}"

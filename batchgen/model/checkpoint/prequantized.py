@@ -60,9 +60,14 @@ class StoredScheme:
     # fp8 weights and dynamic per-token fp8 activations run as one fp8 x fp8 GEMM (torchao's
     # Float8Tensor quantizing its input, torch._scaled_mm: CUDA sm90+; dequantized.on_device)
     fp8_gemm: bool = False
+    # loaded by the transformers backend: transformers' quantizer decompresses the weights to
+    # the model dtype at load (format.checkpoint_scheme; dequantized is set too)
+    transformers: bool = False
 
     def describe(self) -> str:
         how = f"{self.source}, {self.granularity}; activations: {self.activations}"
+        if self.transformers:
+            return how + "; decompressed at load by transformers"
         if self.fp8_gemm:
             return how + "; fp8 x fp8 GEMM"
         return how + ("; dequantized at load (no fp8 matmul here)" if self.dequantized else "")

@@ -210,8 +210,9 @@ def load_hf_model(
     lora: LoraAdapter | None = None,
 ) -> HFModel:
     """The model in path, loaded by transformers (offline) with batchgen's attention, as
-    hf.support.load_plan says (a wrapper's text model, MXFP4 dequantized); lora: a checked
-    adapter, merged into the weights (model/hf/lora.py)."""
+    hf.support.load_plan says (a wrapper's text model, MXFP4 dequantized, compressed-tensors and
+    block FP8 decompressed); lora: a checked adapter, merged into the weights
+    (model/hf/lora.py)."""
     from transformers.utils import logging as hf_logging
 
     register()
@@ -245,10 +246,26 @@ def load_hf_model(
             + "; the weights and config.json must come from the same model"
         )
     _refuse_extra_layers(path, hf, cfg.n_layers, info["unexpected_keys"])
+    _decompress(hf)
     if lora is not None:
         hf = merge_hf_lora(hf, lora, plan.options.get("key_mapping"))
     hf = hf.to(device).eval().requires_grad_(False)
     return HFModel(hf, cfg)
+
+
+def _decompress(hf: nn.Module) -> None:
+    """A compressed-tensors checkpoint's weights decompressed to the model dtype now, as
+    transformers' load leaves them for a hook to do at the first forward (compressed-tensors'
+    `decompress_model`, without its progress bar): the layers keep their input quantization."""
+    compressor = getattr(getattr(hf, "hf_quantizer", None), "compressor", None)
+    if compressor is None:
+        return
+    from compressed_tensors.compressors.base import decompress_module
+    from compressed_tensors.quantization.utils.helpers import is_module_quantized
+
+    for module in [m for m in hf.modules() if is_module_quantized(m)]:
+        decompress_module(module, compressor.force_compression_format)
+    compressor.remove_decompression_hook(hf)
 
 
 def _refuse_extra_layers(path: str | Path, hf: nn.Module, n_layers: int, unexpected) -> None:

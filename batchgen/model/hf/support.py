@@ -7,7 +7,8 @@ exactly the models whose every layer is softmax attention called through transfo
 `AttentionInterface` (the class says so with `_supports_attention_backend`), full, with a
 sliding window, or chunked (Llama 4's local layers: model/attention/windows.py). Refused, naming
 why: recurrent or linear-attention layers (Mamba state, Gated DeltaNet: Qwen3-Next, Granite 4
-hybrids, Jamba), encoder-decoders and pre-quantized checkpoints other than MXFP4.
+hybrids, Jamba), encoder-decoders and pre-quantized checkpoints other than MXFP4 and those
+transformers decompresses at load (refusal.quant_refusal: compressed-tensors, block FP8).
 
 Llama 4's NoPE layers scale their queries by a "temperature" of the position, which
 transformers computes from the cache length plus an arange over the forward's tokens, not from
@@ -23,6 +24,9 @@ alone,
 - gpt-oss's MXFP4 experts (blocks of 4-bit values with a shared power-of-two scale) are
   dequantized at load by transformers (`Mxfp4Config(dequantize=True)`, which needs no kernel
   and runs on the CPU): they take the --dtype's bytes, which is what memory is sized by.
+A compressed-tensors or block FP8 checkpoint loads through transformers' own quantizer, its
+weights decompressed to the --dtype at load (backend.load_hf_model; block FP8 with
+`dequantize`), so they too take the --dtype's bytes.
 """
 
 from __future__ import annotations
@@ -85,6 +89,11 @@ def load_plan(path: Path) -> LoadPlan:
         options: dict[str, Any] = {}
         model_type = config.model_type
         if config.model_type in TEXT_MODEL_WRAPPERS:
+            if quant_method(config) is not None:  # the text model loads without its config
+                raise UnsupportedModelError(
+                    f"{path}: a pre-quantized ({quant_method(config)}) {model_type} checkpoint "
+                    "cannot run on the transformers backend, which loads its text model alone"
+                )
             text = config.get_text_config()
             # The wrapper's tie decides (transformers 5 ties a wrapper's head by it), not the
             # text_config's own default: Mistral's is False, and a head saved tied is absent.
@@ -108,6 +117,13 @@ def load_plan(path: Path) -> LoadPlan:
 
         # without dequantize, transformers fetches a Triton kernel from the Hub
         options["quantization_config"] = Mxfp4Config(dequantize=True)
+    if quant_method(config) == "fp8":
+        # block FP8 dequantized at load on any device, as transformers does without an fp8
+        # GPU and as the native implementation computes it (activations in float); on an
+        # sm89+ GPU transformers would quantize the activations per block instead
+        q = config.quantization_config
+        config.quantization_config = {**(q if isinstance(q, dict) else q.to_dict())}
+        config.quantization_config["dequantize"] = True
     return LoadPlan(cls, config, options, model_type)
 
 
