@@ -14,7 +14,9 @@ from batchgen import LLM
 from batchgen.model.host_malloc import is_glibc
 
 # How many MiB of 512 1 MiB blocks, freed last to first, glibc keeps in its heap's top: all of
-# them while an LLM holds the tuning, at most its trim threshold (128 KiB) once it is back.
+# them while an LLM holds the tuning, at most its trim threshold (128 KiB) once it is back. A
+# block another thread takes from the same arena meanwhile (tqdm's monitor, on a loaded
+# machine) splits the top and lowers the figure, never raises it: the most of three is taken.
 PROBE = (
     KEPT_MIB_SOURCE
     + """
@@ -26,8 +28,8 @@ options = dict(device="cpu", compile=False)
 with LLM(sys.argv[1], **options) as llm, LLM(sys.argv[1], **options) as b:
     llm.generate("the lazy dog", SamplingParams(temperature=0, max_tokens=2))
     b.close()  # one of two closed: the other still holds the tuning
-    out["open"] = kept_mib()
-out["closed"] = kept_mib()
+    out["open"] = max(kept_mib() for _ in range(3))
+out["closed"] = max(kept_mib() for _ in range(3))
 print(json.dumps(out))
 """
 )
