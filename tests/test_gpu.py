@@ -6,7 +6,7 @@
   peaks from the GPU table and MFU/MBU in (0, 1];
 - greedy bf16 output agrees with transformers' bf16 generate within bf16's tolerance;
 - every quantized path the support table lists for CUDA produces output and does
-  not recompile.
+  not recompile; a stored FP8_DYNAMIC checkpoint runs fp8 x fp8 GEMMs on sm90+.
 
 Without CUDA, conftest.py skips them. The comparison helpers take a device, so they can
 be tried on the CPU too (see `agreement_report`).
@@ -271,3 +271,30 @@ def test_quantized_path_generates_without_recompiles(model_dir, backend, method)
         second = llm.generate(prompts(), greedy())
     assert counters["stats"]["unique_graphs"] == graphs
     assert [c.token_ids for c in second] == [c.token_ids for c in first]
+
+
+def test_fp8_dynamic_checkpoint_runs_fp8_gemms_on_sm90(model_dir, tmp_path):
+    """A compressed-tensors FP8_DYNAMIC checkpoint on an sm90+ GPU: each linear a
+    Float8Tensor quantizing its own input (torch._scaled_mm), compiled with no recompile on a
+    second pass, and its first greedy token per row the one the CPU's dequantized load picks
+    (float32 there, bf16 and fp8 GEMMs here: a row may differ only on a near-tie)."""
+    pytest.importorskip("compressed_tensors")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("fp8 x fp8 GEMMs with row scales: sm90+")
+    from quant_checkpoints import compress
+    from torch._dynamo.utils import counters
+
+    d = compress(model_dir, tmp_path / "fp8-dynamic", "fp8-dynamic")
+    llm = LLM(d, dtype="bfloat16", device="cuda", compile=True, engine=ENGINE)
+    assert "fp8 x fp8 GEMM" in json.dumps(llm.quant.to_dict())
+    assert llm.model.layers[0].attn.wqkv.weight.act_quant_kwargs is not None
+    first = llm.generate(prompts(), greedy())
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        second = llm.generate(prompts(), greedy())
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert [c.token_ids for c in second] == [c.token_ids for c in first]
+    cpu = LLM(d, dtype="float32", device="cpu", compile=False)
+    want = [c.token_ids[0] for c in cpu.generate(prompts(), greedy(1))]
+    same = sum(c.token_ids[0] == w for c, w in zip(first, want, strict=True))
+    assert same >= len(want) - 1, (same, len(want))
