@@ -99,7 +99,13 @@ def test_sigterm_stops_the_workers_and_a_rerun_resumes(tmp_path, gpt2):
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
-    while not list(out.glob("shard-*/part-*.parquet")) and time.monotonic() < deadline:
+
+    def both_running() -> bool:  # each worker's shard begun (one may start late on a busy
+        # machine) and a part written
+        begun = len(list(out.glob("shard-*-of-00002"))) == 2
+        return begun and bool(list(out.glob("shard-*/part-*.parquet")))
+
+    while not both_running() and time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
