@@ -50,8 +50,8 @@ def make(root: Path) -> None:
 
 def load(model: Path) -> dict:
     from batchgen.model.checkpoint.loader import load_model
+    from batchgen.model.memory import weight_bytes
     from batchgen.model.quiet_import import quiet_torchao
-    from batchgen.quant.quantize import weight_bytes
 
     with quiet_torchao():
         import torchao  # noqa: F401 - in the baseline, as a stored checkpoint needs it

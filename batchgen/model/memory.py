@@ -72,6 +72,12 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters (tied ones counted once); buffers such as the
+    KV cache are not weights."""
+    return sum(tensor_bytes(p) for p in model.parameters())
+
+
 def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:

@@ -16,7 +16,8 @@ from torch import nn
 
 from batchgen.model.checkpoint.dequantized import note
 from batchgen.model.hf.backend import HFModel
-from batchgen.quant.quantize import _BACKENDS, weight_bytes
+from batchgen.model.memory import weight_bytes
+from batchgen.quant.quantize import _BACKENDS
 from batchgen.quant.scheme import QuantScheme
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,6 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from batchgen.model.families.moe import MoE
 from batchgen.model.families.transformer import Transformer
-from batchgen.model.memory import tensor_bytes
 from batchgen.quant import quanto_backend, torchao_backend
 from batchgen.quant.scheme import (
     DEFAULT_INT4_GROUP_SIZE,
@@ -183,9 +182,3 @@ def _formats(model: Transformer) -> str:
 def _format(w: torch.Tensor) -> str:
     """A weight's tensor type; a plain one's dtype (a stored format dequantized at load)."""
     return type(w).__name__ if is_traceable_wrapper_subclass(w) else str(w.dtype).split(".")[-1]
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters (tied ones counted once); buffers such as the
-    KV cache are not weights."""
-    return sum(tensor_bytes(p) for p in model.parameters())

@@ -90,16 +90,21 @@ def _in_moe(cfg: ModelConfig, name: str) -> bool:
 
 
 def moe_dequantized(
-    tensors: Iterable[tuple[str, Any, Path]], cfg: ModelConfig, s: StoredScheme, dtype: torch.dtype
+    tensors: Iterable[tuple[str, Any, Path]],
+    cfg: ModelConfig,
+    s: StoredScheme,
+    dtype: torch.dtype,
+    whole: WholeReads,
 ) -> Iterator[tuple[str, Any, Path]]:
     """The checkpoint's tensors (after int4_tensors.unpacked) with each stored expert (or
-    router) weight and its scale replaced by the dequantized weight, once both are read."""
+    router) weight and its scale replaced by the dequantized weight, once both are read;
+    whole: the load's reader of tensors converted at once (read whole, not through the
+    file's map)."""
     if not cfg.n_experts:
         yield from tensors
         return
     suffix = f".{s.scale_suffix}"
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    whole = WholeReads()  # converted at once: read whole, not through the file's map
     for name, tensor, file in tensors:
         is_scale = name.endswith(suffix)
         prefix = name.removesuffix(suffix if is_scale else ".weight")

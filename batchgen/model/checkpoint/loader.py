@@ -53,7 +53,7 @@ from batchgen.model.families.classifier_head import add_classifier_head
 from batchgen.model.families.gemma import decoder_class
 from batchgen.model.families.hf_config import config_from_hf, read_hf_config
 from batchgen.model.families.transformer import Transformer
-from batchgen.model.memory import check_allocation, tensor_bytes
+from batchgen.model.memory import check_allocation, weight_bytes
 from batchgen.model.parallel.sharding import SINGLE, TPShard, local_config
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,9 @@ def load_state_dict(
     inputs: dict[str, list[torch.Tensor]] = {}  # static input scales, by our weight's name
     int4 = stored.int4 if stored is not None else None  # INT4 layers come unpacked to int8
     tensors = unpacked(iter_tensors(files), int4, dtype)
+    whole = WholeReads()  # tensors converted at once: read whole, not through the file's map
     if stored is not None:  # a MoE model's experts, dequantized one by one (dequantized.py)
-        tensors = moe_dequantized(tensors, cfg, stored, dtype)
-    whole = WholeReads()
+        tensors = moe_dequantized(tensors, cfg, stored, dtype, whole)
     for name, tensor, file in tensors:
         if linears is not None and name.endswith(f".{stored.scale_suffix}"):
             linears.scale(name.removesuffix(stored.scale_suffix) + "weight", tensor, file)
@@ -224,7 +224,7 @@ def load_model(
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     if stored is not None:
-        nbytes = sum(tensor_bytes(p) for p in model.parameters())
+        nbytes = weight_bytes(model)
         if line := note(stored, bool(cfg.n_experts), dtype, nbytes, device.type):
             log.warning("%s", line)
     # W8A8: inputs quantized as the format does (by the fp8 x fp8 GEMM's own Float8Tensor)
