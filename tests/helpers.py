@@ -20,6 +20,7 @@ from click.testing import CliRunner, Result
 
 from batchgen.cli import main
 from batchgen.data.layout import JOB_FILE, STATS_FILE, SUCCESS_FILE
+from batchgen.engine.sequence import SamplingParams
 from batchgen.llm import LLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,6 +211,27 @@ def random_prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
     """Prompts of token ids in [2, 500) (no BOS/EOS), one of each length."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, 500, (n,), generator=g).tolist() for n in lens]
+
+
+# What the tests of pre-quantized checkpoints (both model implementations, dense and MoE)
+# generate from: mixed lengths, one a single token, 12 greedy tokens each.
+STORED_PROMPTS = random_prompts([3, 11, 6, 17, 1])
+STORED_NEW = 12
+
+
+def stored_tokens(model_dir: Any, **kw: Any) -> list[list[int]]:
+    """Greedy tokens of STORED_PROMPTS through an eager CPU engine on model_dir (kw: cpu_llm's)."""
+    got = cpu_llm(model_dir, **kw).generate(
+        STORED_PROMPTS, SamplingParams(max_new_tokens=STORED_NEW)
+    )
+    return [c.token_ids for c in got]
+
+
+def hf_logits(model_dir: Any, row: list[int]) -> torch.Tensor:
+    """transformers' float32 logits (len(row), vocab) of row on the checkpoint in model_dir."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return hf.eval()(torch.tensor([row])).logits[0]
 
 
 def hf_generate(

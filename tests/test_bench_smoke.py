@@ -105,47 +105,52 @@ def test_bench_ct2_baseline_on_tiny_model(tmp_path):
     assert (cache / "tiny-llama-float32-ct2-float32" / "model.bin").is_file()
 
 
-@pytest.mark.slow  # the export and three whole processes, in the OpenVINO GenAI environment
-def test_bench_openvino_baseline_on_tiny_model(tmp_path):
-    ov_python = os.environ.get("BATCHGEN_OV_PYTHON")
-    if not ov_python:
-        pytest.skip("BATCHGEN_OV_PYTHON (an OpenVINO GenAI environment) is not set")
-    work, cache = tmp_path / "work", tmp_path / "models"
-    r, report = _tiny_bench(
-        "bench.py", tmp_path, "--pairs", 1, "--baselines", "ov:256", "--workload", "mixed"
-    )
-    (w,) = report["workloads"]
-    assert [x["engine"] for x in w["runs"]] == ["ov", "batchgen"]
-    # greedy, f32 weights, compute and KV, exactly max_new_tokens each: OpenVINO's tokens
-    assert w["runs"][0]["rows_differing"] == 0
-    ids = pq.read_table(work / "mixed-ov-256.parquet").to_pydict()
-    news = pq.read_table(work / "mixed.parquet").column("max_new_tokens").to_pylist()
-    assert ids["id"] == list(range(6)) and [len(t) for t in ids["token_ids"]] == news
-    (peer,) = w["peers"]
-    assert peer["engine"] == "OpenVINO GenAI" and peer["baseline"] == "ov batch 256"
-    assert (cache / "tiny-llama-float32-ov-fp32" / "openvino_model.xml").is_file()
+# Peers run in their own environments (python given by the variable): bench.py's spec, the
+# workload, its engine names and the converted model it caches beside the checkpoint.
+PEERS = {
+    "openvino": (
+        "BATCHGEN_OV_PYTHON",
+        "ov:256",
+        "mixed",
+        "ov",
+        "OpenVINO GenAI",
+        "ov batch 256",
+        "tiny-llama-float32-ov-fp32/openvino_model.xml",
+    ),
+    "llamacpp": (
+        "BATCHGEN_LCPP_PYTHON",
+        "llamacpp:4",
+        "labeling",
+        "llamacpp",
+        "llama.cpp",
+        "llamacpp batch 4",
+        "tiny-llama-float32-gguf-f32/model.gguf",
+    ),
+}
 
 
-@pytest.mark.slow  # the conversion and three whole processes, in the llama.cpp environment
-def test_bench_llamacpp_baseline_on_tiny_model(tmp_path):
-    lcpp_python = os.environ.get("BATCHGEN_LCPP_PYTHON")
-    if not lcpp_python:
-        pytest.skip("BATCHGEN_LCPP_PYTHON (a llama-cpp-python environment) is not set")
+@pytest.mark.slow  # the conversion and three whole processes, in the peer's environment
+@pytest.mark.parametrize("peer", sorted(PEERS))
+def test_bench_peer_baseline_on_tiny_model(tmp_path, peer):
+    """Greedy, f32 weights, compute and KV, exactly max_new_tokens each (on labeling, the
+    shared instruction's cells reused across llama.cpp's slots): the peer's tokens are
+    batchgen's."""
+    env, spec, workload, engine, name, baseline, converted = PEERS[peer]
+    if not os.environ.get(env):
+        pytest.skip(f"{env} (the {name} environment's python) is not set")
     work, cache = tmp_path / "work", tmp_path / "models"
     r, report = _tiny_bench(
-        "bench.py", tmp_path, "--pairs", 1, "--baselines", "llamacpp:4", "--workload", "labeling"
+        "bench.py", tmp_path, "--pairs", 1, "--baselines", spec, "--workload", workload
     )
     (w,) = report["workloads"]
-    assert [x["engine"] for x in w["runs"]] == ["llamacpp", "batchgen"]
-    # greedy, f32 weights and KV, exactly max_new_tokens each, the shared instruction's cells
-    # reused across slots: llama.cpp's tokens are batchgen's
+    assert [x["engine"] for x in w["runs"]] == [engine, "batchgen"]
     assert w["runs"][0]["rows_differing"] == 0
-    ids = pq.read_table(work / "labeling-llamacpp-4.parquet").to_pydict()
-    news = pq.read_table(work / "labeling.parquet").column("max_new_tokens").to_pylist()
+    ids = pq.read_table(work / f"{workload}-{spec.replace(':', '-')}.parquet").to_pydict()
+    news = pq.read_table(work / f"{workload}.parquet").column("max_new_tokens").to_pylist()
     assert ids["id"] == list(range(6)) and [len(t) for t in ids["token_ids"]] == news
-    (peer,) = w["peers"]
-    assert peer["engine"] == "llama.cpp" and peer["baseline"] == "llamacpp batch 4"
-    assert (cache / "tiny-llama-float32-gguf-f32" / "model.gguf").is_file()
+    (p,) = w["peers"]
+    assert p["engine"] == name and p["baseline"] == baseline
+    assert (cache / converted).is_file()
 
 
 @pytest.mark.parametrize(

@@ -13,14 +13,16 @@ import shutil
 import pytest
 import torch
 from helpers import (
+    STORED_NEW,
+    STORED_PROMPTS,
     assert_one_line_error,
     cpu_llm,
     hf_greedy,
     prompt_file,
-    random_prompts,
     read_stats,
     run_job,
     run_plan,
+    stored_tokens,
 )
 from int4_checkpoints import write_int4
 from quant_checkpoints import declare_format
@@ -30,8 +32,7 @@ from batchgen.engine.sequence import SamplingParams
 from batchgen.model.hf import refusal
 from batchgen.model.memory import format_bytes
 
-PROMPTS = random_prompts([3, 11, 6, 17, 1])
-MAX_NEW = 12
+PROMPTS, MAX_NEW = STORED_PROMPTS, STORED_NEW
 LOADED = (
     "fp8-dynamic",
     "fp8-tensor",
@@ -43,11 +44,6 @@ LOADED = (
     "block-fp8",
 )
 BACKEND = {"model_impl": "transformers"}
-
-
-def _tokens(model_dir, **kw) -> list[list[int]]:
-    llm = cpu_llm(model_dir, **kw)
-    return [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))]
 
 
 def _extra_bytes(llm) -> int:
@@ -69,7 +65,7 @@ def test_greedy_tokens_equal_transformers_and_native(scheme, ct_dirs, hf_dirs, c
     assert type(llm.model).__name__ == "HFModel"
     got = [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))]
     assert got == hf_greedy(d, PROMPTS, MAX_NEW)
-    assert got == _tokens(d, model_impl="native")
+    assert got == stored_tokens(d, model_impl="native")
     # every linear a dense float32 weight: transformers decompressed them at load
     linears = [m for m in llm.model.hf.modules() if isinstance(m, torch.nn.Linear)]
     assert all(type(m.weight) is torch.nn.Parameter for m in linears)
@@ -89,13 +85,13 @@ def test_greedy_tokens_equal_transformers_and_native(scheme, ct_dirs, hf_dirs, c
 @pytest.mark.parametrize("scheme", ["fp8-dynamic", "w8a16-group", "w4a16-group", "block-fp8"])
 def test_one_altered_scale_changes_the_tokens(scheme, ct_dirs, tmp_path):
     d = ct_dirs(scheme)
-    want = _tokens(d, **BACKEND)
+    want = stored_tokens(d, **BACKEND)
     altered = shutil.copytree(d, tmp_path / "altered")
     tensors = load_file(altered / "model.safetensors")
     suffix = "weight_scale_inv" if scheme == "block-fp8" else "weight_scale"
     tensors[f"model.layers.0.self_attn.k_proj.{suffix}"] *= 2
     save_file(tensors, altered / "model.safetensors", metadata={"format": "pt"})
-    assert _tokens(altered, **BACKEND) != want
+    assert stored_tokens(altered, **BACKEND) != want
 
 
 def test_run_and_plan_count_the_decompressed_float_weights(ct_dirs, hf_dirs, tmp_path):

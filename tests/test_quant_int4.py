@@ -11,18 +11,20 @@ import shutil
 
 import pytest
 import torch
-import transformers
 from helpers import (
+    STORED_NEW,
+    STORED_PROMPTS,
     assert_one_line_error,
     cached,
     cpu_llm,
     hf_greedy,
+    hf_logits,
     make_adapter,
     prompt_file,
-    random_prompts,
     read_stats,
     run_job,
     run_plan,
+    stored_tokens,
 )
 from int4_checkpoints import ct_reference, with_config, write_int4
 from paged import all_logits
@@ -38,8 +40,7 @@ from batchgen.model.checkpoint.loader import load_model
 from batchgen.model.families.transformer import LINEAR_LAYERS
 from batchgen.model.parallel.sharding import TPShard
 
-PROMPTS = random_prompts([3, 11, 6, 17, 1])
-MAX_NEW = 12
+PROMPTS, MAX_NEW = STORED_PROMPTS, STORED_NEW
 # name -> write_int4's arguments
 HAND = {
     "gptq": dict(method="gptq"),
@@ -67,27 +68,16 @@ def int4_dirs(hf_dirs, tmp_path_factory):
     return cached(make)
 
 
-def _tokens(model_dir, **kw) -> list[list[int]]:
-    llm = cpu_llm(model_dir, **kw)
-    return [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))]
-
-
-def _hf_logits(model_dir, row: list[int]) -> torch.Tensor:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        return hf.eval()(torch.tensor([row])).logits[0]
-
-
 @pytest.mark.parametrize("name", [*CT_INT4, *HAND])
 def test_greedy_tokens_and_logits_equal_the_reference(name, int4_dirs):
     d, ref = int4_dirs(name)
-    assert _tokens(d) == hf_greedy(ref, PROMPTS, MAX_NEW)
+    assert stored_tokens(d) == hf_greedy(ref, PROMPTS, MAX_NEW)
     if name in ("w4a16-group", "w4a16-channel"):  # transformers loads these right
-        assert _tokens(d) == hf_greedy(d, PROMPTS, MAX_NEW)
+        assert stored_tokens(d) == hf_greedy(d, PROMPTS, MAX_NEW)
     row = PROMPTS[3]
     # tinygemm computes (q' - 8) s + m, not (q - z) s: float32 rounding apart
     torch.testing.assert_close(
-        all_logits(load_model(d), row), _hf_logits(ref, row), rtol=0, atol=1e-4
+        all_logits(load_model(d), row), hf_logits(ref, row), rtol=0, atol=1e-4
     )
     q = cpu_llm(d).quant.to_dict()
     assert q["method"] == "int4"
@@ -130,13 +120,13 @@ def test_lora_and_the_transformers_backend_are_refused(int4_dirs, hf_dirs, tmp_p
 )
 def test_one_altered_scale_changes_the_tokens(name, scale, int4_dirs, tmp_path):
     d, _ = int4_dirs(name)
-    want = _tokens(d)
+    want = stored_tokens(d)
     altered = tmp_path / "altered"
     shutil.copytree(d, altered)
     tensors = load_file(altered / "model.safetensors")
     tensors[f"model.layers.0.self_attn.k_proj.{scale}"] *= 2
     save_file(tensors, altered / "model.safetensors", metadata={"format": "pt"})
-    assert _tokens(altered) != want
+    assert stored_tokens(altered) != want
 
 
 @pytest.mark.parametrize("name", ["gptq", "w4a16-asym"])
@@ -152,7 +142,7 @@ def test_two_ranks_give_the_references_tokens(name, int4_dirs):
 
 def test_compiled_tokens_equal_the_reference(int4_dirs):
     d, ref = int4_dirs("awq")
-    assert _tokens(d, compile=True) == hf_greedy(ref, PROMPTS, MAX_NEW)
+    assert stored_tokens(d, compile=True) == hf_greedy(ref, PROMPTS, MAX_NEW)
 
 
 def _actorder_group(q: dict) -> dict:

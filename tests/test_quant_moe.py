@@ -13,15 +13,17 @@ import shutil
 import pytest
 import torch
 from helpers import (
+    STORED_NEW,
+    STORED_PROMPTS,
     assert_one_line_error,
     cached,
     cpu_llm,
     hf_greedy,
     prompt_file,
-    random_prompts,
     read_stats,
     run_job,
     run_plan,
+    stored_tokens,
 )
 from moe_checkpoints import stack_experts, write_moe
 from safetensors.torch import load_file, save_file
@@ -29,8 +31,7 @@ from safetensors.torch import load_file, save_file
 from batchgen.engine.sequence import SamplingParams
 from batchgen.model.families.transformer import LINEAR_LAYERS
 
-PROMPTS = random_prompts([3, 11, 6, 17, 1])
-MAX_NEW = 12
+PROMPTS, MAX_NEW = STORED_PROMPTS, STORED_NEW
 CASES = [
     ("qwen3_moe", "gptq"),
     ("qwen3_moe", "awq"),
@@ -59,11 +60,6 @@ def moe_dirs(hf_dirs, tmp_path_factory):
     return lambda family, fmt: made((family, fmt))
 
 
-def _tokens(model_dir) -> list[list[int]]:
-    llm = cpu_llm(model_dir)
-    return [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))]
-
-
 @pytest.mark.parametrize(("family", "fmt"), CASES)
 def test_tokens_equal_the_dequantized_reference(family, fmt, moe_dirs, caplog):
     d, ref = moe_dirs(family, fmt)
@@ -90,13 +86,13 @@ def test_tokens_equal_the_dequantized_reference(family, fmt, moe_dirs, caplog):
 @pytest.mark.parametrize(("fmt", "scale"), [("gptq", "scales"), ("ct-fp8", "weight_scale")])
 def test_one_altered_expert_scale_changes_the_tokens(fmt, scale, moe_dirs, tmp_path):
     d, _ = moe_dirs("qwen3_moe", fmt)
-    want = _tokens(d)
+    want = stored_tokens(d)
     altered = tmp_path / "altered"
     shutil.copytree(d, altered)
     tensors = load_file(altered / "model.safetensors")
     tensors[f"model.layers.0.mlp.experts.1.down_proj.{scale}"] *= 2
     save_file(tensors, altered / "model.safetensors", metadata={"format": "pt"})
-    assert _tokens(altered) != want
+    assert stored_tokens(altered) != want
 
 
 def test_stats_and_plan_count_the_float_experts(moe_dirs, tmp_path):

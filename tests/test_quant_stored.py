@@ -12,18 +12,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import transformers
 from helpers import (
+    STORED_NEW,
+    STORED_PROMPTS,
     assert_one_line_error,
     cpu_llm,
     hf_generate,
     hf_greedy,
+    hf_logits,
     make_adapter,
     prompt_file,
-    random_prompts,
     read_stats,
     run_job,
     run_plan,
+    stored_tokens,
 )
 from paged import all_logits
 from quant_checkpoints import CT_SCHEMES, block_fp8, modelopt_reference
@@ -42,35 +44,23 @@ from batchgen.model.memory import format_bytes
 from batchgen.model.parallel.sharding import TPShard
 from batchgen.quant import weight_bytes
 
-PROMPTS = random_prompts([3, 11, 6, 17, 1])
-MAX_NEW = 12
+PROMPTS, MAX_NEW = STORED_PROMPTS, STORED_NEW
 
 
 FORMATS = (*CT_SCHEMES, "block-fp8")  # those transformers loads on the CPU
 
 
-def _tokens(model_dir, **kw) -> list[list[int]]:
-    llm = cpu_llm(model_dir, **kw)
-    return [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))]
-
-
-def _hf_logits(model_dir, row: list[int]) -> torch.Tensor:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        return hf.eval()(torch.tensor([row])).logits[0]
-
-
 @pytest.mark.parametrize("scheme", FORMATS)
 def test_greedy_tokens_and_logits_equal_transformers(scheme, ct_dirs, hf_dirs):
     d = ct_dirs(scheme)
-    assert _tokens(d) == hf_greedy(d, PROMPTS, MAX_NEW)
+    assert stored_tokens(d) == hf_greedy(d, PROMPTS, MAX_NEW)
     row = PROMPTS[3]
     model = load_model(d)
     # W8A8: torchao's int8 kernel multiplies x by the int8 weight, then by its scales (not by
     # the dequantized weight), and a next layer's input that moves by float32 rounding can
     # round to the neighbouring int8 step: 2.6e-3 measured, the tokens equal
     atol = 1e-2 if scheme == "w8a8" else 1e-5
-    torch.testing.assert_close(all_logits(model, row), _hf_logits(d, row), rtol=0, atol=atol)
+    torch.testing.assert_close(all_logits(model, row), hf_logits(d, row), rtol=0, atol=atol)
     llm = cpu_llm(d)
     q = llm.quant.to_dict()
     assert q["method"] == ("int8" if scheme.startswith("w8") else "fp8")
@@ -104,13 +94,13 @@ def test_without_the_activations_quantization_the_logits_move(scheme, ct_dirs):
     for m in model.modules():
         if hasattr(m, "input_quant"):
             m._forward_pre_hooks.clear()
-    assert (all_logits(model, row) - _hf_logits(d, row)).abs().max() > 1e-3
+    assert (all_logits(model, row) - hf_logits(d, row)).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("scheme", ["fp8-dynamic", "w8a16-group", "block-fp8", "modelopt-fp8"])
 def test_one_altered_scale_changes_the_tokens(scheme, ct_dirs, tmp_path):
     d = ct_dirs(scheme)
-    want = _tokens(d)
+    want = stored_tokens(d)
     altered = tmp_path / "altered"
     altered.mkdir()
     for f in d.iterdir():
@@ -119,7 +109,7 @@ def test_one_altered_scale_changes_the_tokens(scheme, ct_dirs, tmp_path):
     suffix = "weight_scale_inv" if scheme == "block-fp8" else "weight_scale"
     tensors[f"model.layers.0.self_attn.k_proj.{suffix}"] *= 2
     save_file(tensors, altered / "model.safetensors", metadata={"format": "pt"})
-    assert _tokens(altered) != want
+    assert stored_tokens(altered) != want
 
 
 @pytest.mark.parametrize("scheme", ["fp8-tensor", "w8a16-group", "block-fp8"])
@@ -170,7 +160,7 @@ def test_two_ranks_give_transformers_tokens(scheme, ct_dirs):
 @pytest.mark.parametrize("scheme", ["fp8-dynamic", "block-fp8"])
 def test_compiled_tokens_equal_transformers(scheme, ct_dirs):
     d = ct_dirs(scheme)
-    assert _tokens(d, compile=True) == hf_greedy(d, PROMPTS, MAX_NEW)
+    assert stored_tokens(d, compile=True) == hf_greedy(d, PROMPTS, MAX_NEW)
 
 
 def test_modelopt_fp8_equals_the_dequantized_reference(ct_dirs, hf_dirs):
@@ -179,7 +169,7 @@ def test_modelopt_fp8_equals_the_dequantized_reference(ct_dirs, hf_dirs):
     d, row = ct_dirs("modelopt-fp8"), PROMPTS[3]
     ref = modelopt_reference(hf_dirs("llama"), d)
     want = [r[: r.index(1) + 1] if 1 in r else r for r in hf_generate(ref, PROMPTS, MAX_NEW, 1)]
-    assert _tokens(d) == want
+    assert stored_tokens(d) == want
     with torch.no_grad():
         ref_logits = ref(torch.tensor([row])).logits[0]
     torch.testing.assert_close(all_logits(load_model(d), row), ref_logits, rtol=0, atol=1e-5)
